@@ -1,0 +1,46 @@
+"""numstab: one API for numerical stability in training, on torch, TensorFlow, JAX and NumPy.
+
+Importing numstab imports no deep-learning framework; a backend's framework is imported the
+first time that backend is used.
+"""
+
+from numstab._config import backend_choice, set_backend, use_backend
+from numstab._dispatch import resolve_backend
+from numstab.backends import available_backends
+from numstab.errors import (
+    BackendMismatchError,
+    BackendUnavailableError,
+    InvalidArgumentError,
+    MixedBackendsError,
+    NumstabError,
+    UnknownBackendError,
+)
+from numstab.losses import cross_entropy, log_softmax, logsumexp, smooth_labels
+
+__version__ = "0.1.0"
+
+
+def get_backend() -> str:
+    """The configured backend name ("auto" means: detected from each call's arrays)."""
+    return backend_choice().name
+
+
+__all__ = [
+    "BackendMismatchError",
+    "BackendUnavailableError",
+    "InvalidArgumentError",
+    "MixedBackendsError",
+    "NumstabError",
+    "UnknownBackendError",
+    "__version__",
+    "available_backends",
+    "backend_choice",
+    "cross_entropy",
+    "get_backend",
+    "log_softmax",
+    "logsumexp",
+    "resolve_backend",
+    "set_backend",
+    "smooth_labels",
+    "use_backend",
+]

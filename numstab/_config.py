@@ -1,0 +1,107 @@
+"""Which backend a call uses, and where that choice came from.
+
+Precedence, highest first:
+  1. the ``backend=`` keyword of a call;
+  2. the innermost ``use_backend(name)`` context (a ContextVar: per thread and per asyncio task);
+  3. ``set_backend(name)``;
+  4. the ``NUMSTAB_BACKEND`` environment variable;
+  5. the config file ``$NUMSTAB_CONFIG``, else ``~/.config/numstab/config.toml``, key ``backend``;
+  6. ``"auto"``: detect the framework from the array arguments.
+
+Any level may say ``"auto"``, which defers to detection. numstab only reads the config file;
+it never writes anything to the user's home.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+import tomllib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from numstab.backends import canonical_name
+from numstab.errors import InvalidArgumentError
+
+AUTO = "auto"
+ENV_VAR = "NUMSTAB_BACKEND"
+CONFIG_ENV_VAR = "NUMSTAB_CONFIG"
+DEFAULT_CONFIG = "~/.config/numstab/config.toml"
+
+_context_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "numstab_backend", default=None
+)
+_global_backend: str | None = None
+
+
+class BackendChoice(NamedTuple):
+    """A selected backend name (or "auto") and the source that selected it."""
+
+    name: str
+    source: str
+
+
+def _normalise(name: str | None) -> str | None:
+    if name is None:
+        return None
+    if str(name).strip().lower() == AUTO:
+        return AUTO
+    return canonical_name(name)
+
+
+def set_backend(name: str | None) -> None:
+    """Select the backend for the whole process; ``None`` or ``"auto"`` restores detection."""
+    global _global_backend
+    _global_backend = _normalise(name)
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[str]:
+    """Select a backend inside a ``with`` block (safe across threads and asyncio tasks)."""
+    token = _context_backend.set(_normalise(name))
+    try:
+        yield _context_backend.get()
+    finally:
+        _context_backend.reset(token)
+
+
+def _config_path() -> str:
+    return os.environ.get(CONFIG_ENV_VAR) or os.path.expanduser(DEFAULT_CONFIG)
+
+
+@functools.lru_cache(maxsize=8)
+def _config_file_backend(path: str) -> str | None:
+    """The ``backend`` key of a TOML config file (read once per path), or None if absent."""
+    try:
+        with open(path, "rb") as fh:
+            value = tomllib.load(fh).get("backend")
+    except FileNotFoundError:
+        return None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidArgumentError(f"Cannot read numstab config file {path}: {exc}") from exc
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgumentError(
+            f"Expected a string for 'backend' in {path}. Received: backend={value!r}"
+        )
+    return value
+
+
+def backend_choice(explicit: str | None = None) -> BackendChoice:
+    """Resolve the configured backend name by the precedence above (without detection)."""
+    if explicit is not None:
+        return BackendChoice(_normalise(explicit), "backend= argument")
+    name = _context_backend.get()
+    if name is not None:
+        return BackendChoice(name, "use_backend() context")
+    if _global_backend is not None:
+        return BackendChoice(_global_backend, "set_backend()")
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return BackendChoice(_normalise(env), f"{ENV_VAR} environment variable")
+    path = _config_path()
+    value = _config_file_backend(path)
+    if value:
+        return BackendChoice(_normalise(value), f"config file {path}")
+    return BackendChoice(AUTO, "default")

@@ -1,0 +1,82 @@
+"""Find the backend of a call from its configuration and its array arguments.
+
+Detection never imports a framework: a framework that is not in ``sys.modules`` cannot have
+produced the arrays passed in. Results are cached per Python type.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from numstab._config import AUTO, backend_choice
+from numstab.backends import load_backend
+from numstab.errors import BackendMismatchError, MixedBackendsError
+
+if TYPE_CHECKING:
+    from numstab.backends._base import Backend
+
+#: framework -> (module, attribute) pairs naming its array types; JAX tracers are not
+#: jax.Array instances, and tf.Variable is not a tf.Tensor, so both are listed.
+ARRAY_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
+    "torch": (("torch", "Tensor"),),
+    "tensorflow": (("tensorflow", "Tensor"), ("tensorflow", "Variable")),
+    "jax": (("jax", "Array"), ("jax.core", "Tracer")),
+}
+
+_HOST = "host"  # NumPy arrays, Python scalars and sequences: they adopt the call's backend
+_type_cache: dict[type, str] = {}
+
+
+def _framework_of_type(cls: type) -> str:
+    for framework, names in ARRAY_TYPES.items():
+        for module_name, attr in names:
+            module = sys.modules.get(module_name)
+            if module is not None and issubclass(cls, getattr(module, attr)):
+                return framework
+    return _HOST
+
+
+def framework_of(x: Any) -> str:
+    """'torch', 'tensorflow', 'jax', or 'host' for NumPy arrays, scalars and anything else."""
+    cls = type(x)
+    framework = _type_cache.get(cls)
+    if framework is None:
+        framework = _framework_of_type(cls)
+        if framework != _HOST:  # a framework imported later may claim a type seen before
+            _type_cache[cls] = framework
+    return framework
+
+
+def detect(*arrays: Any) -> str | None:
+    """The one framework of the given arrays, None if all are host data; raise if mixed."""
+    found = None
+    for x in arrays:
+        if x is None:
+            continue
+        framework = framework_of(x)
+        if framework == _HOST:
+            continue
+        if found is None:
+            found = framework
+        elif framework != found:
+            raise MixedBackendsError(
+                f"Expected arrays of one framework in one call. Received: {found} and "
+                f"{framework} arrays. Convert them to one framework first."
+            )
+    return found
+
+
+def resolve_backend(*arrays: Any, backend: str | None = None) -> Backend:
+    """The Backend a call with these arrays runs on, by configuration then detection."""
+    choice = backend_choice(backend)
+    detected = detect(*arrays)
+    if choice.name == AUTO:
+        return load_backend(detected or "numpy")
+    if detected is not None and detected != choice.name:
+        raise BackendMismatchError(
+            f"Backend {choice.name!r} was selected by {choice.source}, but the call "
+            f"received {detected} arrays. numstab does not copy arrays across frameworks: "
+            f"pass {choice.name} (or NumPy) arrays, or select backend={detected!r}."
+        )
+    return load_backend(choice.name)

@@ -1,0 +1,82 @@
+"""Argument checks shared by every public function: one place for the error texts.
+
+Messages follow one style: "Expected <what>. Received: <name>=<value>".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from numstab.errors import InvalidArgumentError
+
+
+def is_floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
+
+
+def is_integer(dtype: str) -> bool:
+    return dtype.startswith(("int", "uint"))
+
+
+def compute_dtype(dtype: str) -> str:
+    """float64 stays float64; every other float computes in float32 (fp16/bf16 are upcast)."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        options = ", ".join(repr(c) for c in choices)
+        raise InvalidArgumentError(
+            f"Expected {name} to be one of {options}. Received: {name}={value!r}"
+        )
+
+
+def check_number(
+    name: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False
+) -> float:
+    """A finite real number in [low, high] (or (low, high] with low_open)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(
+            f"Expected {name} to be a Python number. Received: {name}={value!r}"
+        )
+    value = float(value)
+    too_low = value <= low if low_open else value < low
+    if math.isnan(value) or too_low or value > high:
+        bracket = "(" if low_open else "["
+        raise InvalidArgumentError(
+            f"Expected {name} in {bracket}{low:g}, {high:g}]. Received: {name}={value!r}"
+        )
+    return value
+
+
+def check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"Expected {name} to be an int. Received: {name}={value!r}")
+    return value
+
+
+def check_floating(name: str, dtype: str) -> None:
+    if not is_floating(dtype):
+        raise InvalidArgumentError(
+            f"Expected {name} of a floating dtype (float16, bfloat16, float32, float64). "
+            f"Received: {name}.dtype={dtype}"
+        )
+
+
+def normalize_axis(axis: Any, rank: int, name: str = "axis") -> int:
+    axis = check_int(name, axis)
+    if not -rank <= axis < rank:
+        raise InvalidArgumentError(
+            f"Expected {name} in [{-rank}, {rank}) for an array of rank {rank}. "
+            f"Received: {name}={axis}"
+        )
+    return axis % rank
+
+
+def shapes_match(actual: tuple, expected: tuple) -> bool:
+    """Equal shapes, where None (unknown while tracing) matches any size."""
+    return len(actual) == len(expected) and all(
+        a is None or e is None or a == e for a, e in zip(actual, expected, strict=True)
+    )

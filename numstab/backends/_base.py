@@ -1,0 +1,145 @@
+"""The primitives a backend provides, and the generic forms of the composite ones.
+
+A backend is a small table of primitives over its framework's native arrays. Algorithms
+(numstab.losses, ...) are written once on top of these, plus Python operators, which every
+framework overloads. A backend may add ``native_<op>`` methods: fused framework kernels with
+exactly the semantics of the generic ``<op>``. ``native_op`` picks them unless the environment
+variable ``NUMSTAB_FORCE_GENERIC=1`` asks for the generic path (the test suite runs both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+FORCE_GENERIC_ENV = "NUMSTAB_FORCE_GENERIC"
+
+Array = Any
+
+
+def generic_forced() -> bool:
+    """True when ``NUMSTAB_FORCE_GENERIC`` asks for the generic composites."""
+    return os.environ.get(FORCE_GENERIC_ENV, "") not in ("", "0")
+
+
+def native_op(backend: Backend, name: str) -> Callable[..., Array]:
+    """The backend's fused ``native_<name>`` if it has one and it is allowed, else ``<name>``."""
+    if not generic_forced():
+        native = getattr(backend, "native_" + name, None)
+        if native is not None:
+            return native
+    return getattr(backend, name)
+
+
+class Backend:
+    """Primitives over one framework's arrays. Subclasses implement every method below that
+    raises NotImplementedError; the composites at the end are generic."""
+
+    name: str = "abstract"
+
+    # -- conversion and metadata ------------------------------------------------------------
+    def asarray(self, x: Any, dtype: str | None = None, like: Array | None = None) -> Array:
+        """Convert host data (NumPy, scalars) to this framework, on the device of ``like``."""
+        raise NotImplementedError
+
+    def to_numpy(self, x: Array) -> Any:
+        """A NumPy copy (bfloat16 becomes float32, which holds it exactly)."""
+        raise NotImplementedError
+
+    def dtype_name(self, x: Array) -> str:
+        """Canonical dtype name: 'float16', 'bfloat16', 'float32', 'int64', 'bool', ..."""
+        raise NotImplementedError
+
+    def cast(self, x: Array, dtype: str) -> Array:
+        raise NotImplementedError
+
+    def shape(self, x: Array) -> tuple[int | None, ...]:
+        """Static shape; None marks a dimension unknown while tracing."""
+        raise NotImplementedError
+
+    def reshape(self, x: Array, shape: tuple[int, ...]) -> Array:
+        raise NotImplementedError
+
+    def moveaxis(self, x: Array, source: int, destination: int) -> Array:
+        raise NotImplementedError
+
+    def size(self, x: Array, dtype: str) -> int | Array:
+        """Number of elements: a Python int when static, else a scalar array of ``dtype``."""
+        return int(math.prod(self.shape(x)))
+
+    def unflatten_rows(self, rows: Array, like: Array) -> Array:
+        """Reshape a vector of per-row values to ``like.shape[:-1]`` (dynamic shapes too)."""
+        raise NotImplementedError
+
+    def arange(self, n: int, like: Array | None = None) -> Array:
+        """Integers 0..n-1, on the device of ``like``."""
+        raise NotImplementedError
+
+    def is_tracing(self, x: Array) -> bool:
+        """True inside jit / tf.function / torch.compile, where values cannot be read."""
+        raise NotImplementedError
+
+    def float_errors_ignored(self) -> contextlib.AbstractContextManager:
+        """A context in which IEEE warnings (log(0), inf - inf) are not reported."""
+        return contextlib.nullcontext()
+
+    # -- elementwise and reductions ----------------------------------------------------------
+    def where(self, condition: Array, x: Array | float, y: Array | float) -> Array:
+        raise NotImplementedError
+
+    def exp(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def log(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def isfinite(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def sum(self, x: Array, axis: int | None = None, keepdims: bool = False) -> Array:
+        raise NotImplementedError
+
+    def max(self, x: Array, axis: int | None = None, keepdims: bool = False) -> Array:
+        raise NotImplementedError
+
+    def any(self, x: Array) -> bool:
+        """Host-side truth of any element: a device sync, for eager validation only."""
+        raise NotImplementedError
+
+    # -- indexing ----------------------------------------------------------------------------
+    def take_rows(self, x: Array, index: Array) -> Array:
+        """``out[i] = x[i, index[i]]`` for a 2-D ``x`` and in-range integer ``index``."""
+        raise NotImplementedError
+
+    def gather(self, vector: Array, index: Array) -> Array:
+        """``vector[index]`` for a 1-D ``vector`` and in-range integer ``index``."""
+        raise NotImplementedError
+
+    # -- generic composites (backends may add native_* fused versions) ------------------------
+    def count(self, mask: Array, axis: int | None, dtype: str, keepdims: bool = False) -> Array:
+        """Number of true entries along ``axis``, as ``dtype``."""
+        return self.sum(self.cast(mask, dtype), axis=axis, keepdims=keepdims)
+
+    def one_hot(self, labels: Array, num_classes: int, dtype: str) -> Array:
+        """``out[..., c] = (labels[..., None] == c)`` as ``dtype``."""
+        return self.cast(labels[..., None] == self.arange(num_classes, like=labels), dtype)
+
+    def logsumexp(self, x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+        """log(sum(exp(x))) shifted by the finite max: all -inf gives -inf, +inf gives +inf."""
+        m = self.max(x, axis=axis, keepdims=True)
+        m = self.where(self.isfinite(m), m, 0.0)
+        total = self.sum(self.exp(x - m), axis=axis, keepdims=keepdims)
+        if not keepdims:
+            m = self.sum(m, axis=axis)  # summing a length-1 axis drops it, exactly
+        return self.log(total) + m
+
+    def log_softmax(self, x: Array) -> Array:
+        """x - logsumexp(x) over the last axis."""
+        return x - self.logsumexp(x, axis=-1, keepdims=True)
+
+    def softmax_nll(self, logits: Array, labels: Array) -> Array:
+        """Per-row -log_softmax(logits)[label] for 2-D logits and in-range labels."""
+        return -self.take_rows(self.log_softmax(logits), labels)

@@ -1,0 +1,99 @@
+"""The TensorFlow backend: tf.Tensor and tf.Variable, eagerly and inside tf.function."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from numstab.backends._base import Backend
+
+
+def _as_operand(value, like):
+    """TF ops want tensors of one dtype: a Python scalar takes the dtype of ``like``."""
+    return value if isinstance(value, (tf.Tensor, tf.Variable)) else tf.cast(value, like.dtype)
+
+
+class TensorflowBackend(Backend):
+    name = "tensorflow"
+
+    def asarray(self, x, dtype=None, like=None):
+        x = tf.convert_to_tensor(x)
+        return tf.cast(x, dtype) if dtype else x
+
+    def to_numpy(self, x):
+        if x.dtype == tf.bfloat16:
+            x = tf.cast(x, tf.float32)
+        return x.numpy()
+
+    def dtype_name(self, x):
+        return x.dtype.name
+
+    def cast(self, x, dtype):
+        return tf.cast(x, dtype)
+
+    def shape(self, x):
+        return tuple(x.shape.as_list()) if x.shape.rank is not None else ()
+
+    def reshape(self, x, shape):
+        return tf.reshape(x, shape)
+
+    def moveaxis(self, x, source, destination):
+        rank = x.shape.rank
+        order = [a for a in range(rank) if a != source % rank]
+        order.insert(destination % rank, source % rank)
+        return tf.transpose(x, order)
+
+    def size(self, x, dtype):
+        if x.shape.is_fully_defined():
+            return x.shape.num_elements()
+        return tf.cast(tf.size(x), dtype)
+
+    def unflatten_rows(self, rows, like):
+        return tf.reshape(rows, tf.shape(like)[:-1])
+
+    def arange(self, n, like=None):
+        return tf.range(n, dtype=like.dtype if like is not None else tf.int32)
+
+    def is_tracing(self, x):
+        return not tf.executing_eagerly()
+
+    def where(self, condition, x, y):
+        if not isinstance(x, (tf.Tensor, tf.Variable)):
+            x = _as_operand(x, y)
+        return tf.where(condition, x, _as_operand(y, x))
+
+    def exp(self, x):
+        return tf.exp(x)
+
+    def log(self, x):
+        return tf.math.log(x)
+
+    def isfinite(self, x):
+        return tf.math.is_finite(x)
+
+    def sum(self, x, axis=None, keepdims=False):
+        return tf.reduce_sum(x, axis=axis, keepdims=keepdims)
+
+    def max(self, x, axis=None, keepdims=False):
+        return tf.reduce_max(x, axis=axis, keepdims=keepdims)
+
+    def any(self, x):
+        return bool(tf.reduce_any(x))
+
+    def take_rows(self, x, index):
+        return tf.gather(x, index, batch_dims=1)
+
+    def gather(self, vector, index):
+        return tf.gather(vector, index)
+
+    # fused kernels with the generic semantics
+    def native_logsumexp(self, x, axis=-1, keepdims=False):
+        return tf.reduce_logsumexp(x, axis=axis, keepdims=keepdims)
+
+    def native_log_softmax(self, x):
+        return tf.nn.log_softmax(x, axis=-1)
+
+    def native_softmax_nll(self, logits, labels):
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+
+
+BACKEND = TensorflowBackend()

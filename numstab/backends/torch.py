@@ -1,0 +1,84 @@
+"""The PyTorch backend: torch tensors on any device, eager and under torch.compile."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from numstab.backends._base import Backend
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def asarray(self, x, dtype=None, like=None):
+        device = like.device if isinstance(like, torch.Tensor) else None
+        return torch.as_tensor(x, dtype=getattr(torch, dtype) if dtype else None, device=device)
+
+    def to_numpy(self, x):
+        x = x.detach().cpu()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+
+    def dtype_name(self, x):
+        return str(x.dtype).removeprefix("torch.")
+
+    def cast(self, x, dtype):
+        return x.to(getattr(torch, dtype))
+
+    def shape(self, x):
+        return tuple(x.shape)
+
+    def reshape(self, x, shape):
+        return x.reshape(shape)
+
+    def moveaxis(self, x, source, destination):
+        return torch.movedim(x, source, destination)
+
+    def unflatten_rows(self, rows, like):
+        return rows.reshape(like.shape[:-1])
+
+    def arange(self, n, like=None):
+        return torch.arange(n, device=like.device if isinstance(like, torch.Tensor) else None)
+
+    def is_tracing(self, x):
+        return torch.compiler.is_compiling()
+
+    def where(self, condition, x, y):
+        return torch.where(condition, x, y)
+
+    def exp(self, x):
+        return torch.exp(x)
+
+    def log(self, x):
+        return torch.log(x)
+
+    def isfinite(self, x):
+        return torch.isfinite(x)
+
+    def sum(self, x, axis=None, keepdims=False):
+        return torch.sum(x) if axis is None else torch.sum(x, dim=axis, keepdim=keepdims)
+
+    def max(self, x, axis=None, keepdims=False):
+        return torch.amax(x) if axis is None else torch.amax(x, dim=axis, keepdim=keepdims)
+
+    def any(self, x):
+        return bool(x.any())
+
+    def take_rows(self, x, index):
+        return x.gather(-1, index.long().unsqueeze(-1)).squeeze(-1)
+
+    def gather(self, vector, index):
+        return vector[index.long()]
+
+    # fused kernels with the generic semantics
+    def native_logsumexp(self, x, axis=-1, keepdims=False):
+        return torch.logsumexp(x, dim=axis, keepdim=keepdims)
+
+    def native_log_softmax(self, x):
+        return F.log_softmax(x, dim=-1)
+
+    def native_softmax_nll(self, logits, labels):
+        return F.cross_entropy(logits, labels.long(), reduction="none")
+
+
+BACKEND = TorchBackend()

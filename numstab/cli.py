@@ -1,0 +1,79 @@
+"""The ``numstab`` console command. ``numstab info`` reports frameworks, devices and the
+active backend with the source that selected it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+import numstab
+from numstab.backends import REGISTRY, load_backend
+from numstab.errors import NumstabError
+
+
+def _devices(name: str) -> str:
+    """Devices the framework sees (importing it: ``info`` is a diagnostic, not a hot path)."""
+    if name == "numpy":
+        return "cpu"
+    if name == "torch":
+        import torch
+
+        devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            devices.append("mps")
+        return ", ".join(devices)
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        return ", ".join(
+            d.name.replace("/physical_device:", "") for d in tf.config.list_physical_devices()
+        )
+    if name == "jax":
+        import jax
+
+        return ", ".join(str(d) for d in jax.devices())
+    return "?"
+
+
+def info(out=sys.stdout) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    print(f"numstab {numstab.__version__} on Python {platform.python_version()}", file=out)
+    available = numstab.available_backends()
+    print("backends:", file=out)
+    for name in REGISTRY:
+        if name not in available:
+            print(
+                f"  {name:<11} not installed (pip install 'numstab[{REGISTRY[name][2]}]')", file=out
+            )
+            continue
+        try:
+            load_backend(name)
+            devices = _devices(name)
+        except (NumstabError, ImportError, RuntimeError) as exc:
+            devices = f"failed to load: {exc}"
+        print(f"  {name:<11} {available[name]:<12} devices: {devices}", file=out)
+    choice = numstab.backend_choice()
+    print(f"active backend: {choice.name} (from {choice.source})", file=out)
+    if choice.name == "auto":
+        print("  'auto' detects the framework from the arrays passed to each call", file=out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="numstab", description=numstab.__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="frameworks, versions, devices and the active backend")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "info":
+            return info()
+    except NumstabError as exc:
+        print(f"numstab: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

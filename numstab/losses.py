@@ -1,0 +1,275 @@
+"""Numerically stable softmax cross-entropy, written once over the backend primitives.
+
+Everything is computed through log-sum-exp in float32 at least: float16 and bfloat16 inputs
+are upcast and the results come back in float32 (float64 stays float64).
+See docs/semantics.md for the full contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from numstab import _validate as v
+from numstab._dispatch import framework_of, resolve_backend
+from numstab.backends._base import Backend, native_op
+from numstab.errors import InvalidArgumentError
+
+Array = Any
+INF = float("inf")
+NAN = float("nan")
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _to_backend(be: Backend, x: Any, like: Array | None = None) -> Array:
+    """Host data (NumPy, scalars, lists) becomes a backend array; backend arrays pass as is."""
+    if x is None or framework_of(x) != "host":
+        return x
+    return be.asarray(x, like=like)
+
+
+def _prepare(be: Backend, x: Array, name: str, axis: int) -> tuple[Array, int, str]:
+    """Validate a float array, upcast it to the compute dtype and move ``axis`` last."""
+    dtype = be.dtype_name(x)
+    v.check_floating(name, dtype)
+    rank = len(be.shape(x))
+    if rank == 0:
+        raise InvalidArgumentError(f"Expected {name} of rank >= 1. Received: {name}.shape=()")
+    axis = v.normalize_axis(axis, rank)
+    cdt = v.compute_dtype(dtype)
+    x = be.cast(x, cdt)
+    if axis != rank - 1:
+        x = be.moveaxis(x, axis, -1)
+    return x, axis, cdt
+
+
+def logsumexp(
+    x: Array, axis: int = -1, keepdims: bool = False, *, backend: str | None = None
+) -> Array:
+    """``log(sum(exp(x), axis))``, shifted by the finite max; in float32 at least.
+
+    Rows of all -inf give -inf; any +inf gives +inf; NaN gives NaN.
+    """
+    be = resolve_backend(x, backend=backend)
+    x = _to_backend(be, x)
+    x, axis, _ = _prepare(be, x, "x", axis)
+    with be.float_errors_ignored():
+        out = native_op(be, "logsumexp")(x, axis=-1, keepdims=keepdims)
+    return be.moveaxis(out, -1, axis) if keepdims and axis != len(be.shape(out)) - 1 else out
+
+
+def log_softmax(x: Array, axis: int = -1, *, backend: str | None = None) -> Array:
+    """``x - logsumexp(x, axis)``, in float32 at least. -inf entries stay -inf."""
+    be = resolve_backend(x, backend=backend)
+    x = _to_backend(be, x)
+    x, axis, _ = _prepare(be, x, "x", axis)
+    with be.float_errors_ignored():
+        out = native_op(be, "log_softmax")(x)
+    last = len(be.shape(out)) - 1
+    return be.moveaxis(out, -1, axis) if axis != last else out
+
+
+def smooth_labels(
+    labels: Array, alpha: float, num_classes: int | None = None, *, backend: str | None = None
+) -> Array:
+    """``(1 - alpha) * onehot + alpha / K``: the smoothed targets of torch, Keras and optax.
+
+    Integer class ids need ``num_classes`` and give float32 targets; probability labels
+    (last axis = classes) keep their float dtype and K is their last dimension.
+    """
+    alpha = v.check_number("alpha", alpha, low=0.0, high=1.0)
+    be = resolve_backend(labels, backend=backend)
+    labels = _to_backend(be, labels)
+    dtype = be.dtype_name(labels)
+    if v.is_integer(dtype):
+        if num_classes is None:
+            raise InvalidArgumentError(
+                "Expected num_classes for integer class ids. Received: num_classes=None"
+            )
+        num_classes = int(v.check_number("num_classes", num_classes, low=1.0))
+        labels = be.one_hot(labels, num_classes, "float32")
+    elif v.is_floating(dtype):
+        shape = be.shape(labels)
+        if not shape or (num_classes is not None and shape[-1] != num_classes):
+            raise InvalidArgumentError(
+                f"Expected probability labels whose last axis has num_classes={num_classes} "
+                f"entries. Received: labels.shape={shape}"
+            )
+        num_classes = shape[-1]
+    else:
+        raise InvalidArgumentError(
+            f"Expected integer class ids or float probabilities. Received: labels.dtype={dtype}"
+        )
+    return labels * (1.0 - alpha) + alpha / num_classes
+
+
+def cross_entropy(
+    logits: Array,
+    labels: Array,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    weight: Array | None = None,
+    z_loss: float = 0.0,
+    reduction: str = "mean",
+    axis: int = -1,
+    backend: str | None = None,
+) -> Array:
+    """Softmax cross-entropy of ``logits`` against integer class ids or class probabilities.
+
+    Per counted row, with p = softmax(logits), eps = label_smoothing, K_valid = the number of
+    classes whose logit is not -inf, and w the class weights (1 without ``weight``):
+
+        hard labels y:  w[y] * (1 - eps) * -log p[y]
+                        + eps / K_valid * sum_{c valid} w[c] * -log p[c]
+                        + z_loss * w[y] * logsumexp(logits)**2
+        probabilities t: -sum_c w[c] * t'[c] * log p[c] + z_loss * logsumexp(logits)**2,
+                         t' = (1 - eps) * t + eps / K_valid on the valid classes.
+
+    "mean" divides by the summed w[y] of counted rows (hard labels; torch's convention) or by
+    the number of rows (probabilities), and is 0.0 with zero gradient when nothing is counted.
+    Rows labelled ``ignore_index`` add nothing. Masked (-inf) classes get no smoothing mass; a
+    row whose target class is -inf costs +inf. Out-of-range labels raise eagerly and give NaN
+    rows under jit / tf.function / torch.compile. Result: float32 (float64 for float64 logits).
+    """
+    v.check_choice("reduction", reduction, REDUCTIONS)
+    eps = v.check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    z_loss = v.check_number("z_loss", z_loss, low=0.0)
+    ignore_index = v.check_int("ignore_index", ignore_index)
+    be = resolve_backend(logits, labels, weight, backend=backend)
+    logits = _to_backend(be, logits)
+    labels = _to_backend(be, labels, like=logits)
+    weight = _to_backend(be, weight, like=logits)
+
+    shape = be.shape(logits)
+    x, axis, cdt = _prepare(be, logits, "logits", axis)
+    num_classes = be.shape(x)[-1]
+    if not num_classes:
+        raise InvalidArgumentError(
+            f"Expected at least one class on axis {axis}. Received: logits.shape={shape}"
+        )
+    if weight is not None:
+        weight = _class_weight(be, weight, num_classes, cdt)
+    batch_shape = shape[:axis] + shape[axis + 1 :]
+    label_dtype = be.dtype_name(labels)
+    label_shape = be.shape(labels)
+    with be.float_errors_ignored():
+        x2 = be.reshape(x, (-1, num_classes))
+        if v.is_integer(label_dtype):
+            _check_label_shape(label_shape, batch_shape, shape, "labels of shape")
+            y = be.reshape(labels, (-1,))
+            rows, denominator = _hard_label_rows(
+                be, x2, y, labels, eps, ignore_index, weight, z_loss, cdt
+            )
+        elif v.is_floating(label_dtype):
+            _check_label_shape(label_shape, shape, shape, "probability labels of shape")
+            t = be.cast(_prepare(be, labels, "labels", axis)[0], cdt)
+            t = be.reshape(t, (-1, num_classes))
+            rows = _probability_rows(be, x2, t, eps, weight, z_loss, cdt)
+            denominator = be.size(rows, cdt)
+        else:
+            raise InvalidArgumentError(
+                f"Expected labels of an integer dtype (class ids) or a floating dtype "
+                f"(probabilities). Received: labels.dtype={label_dtype}"
+            )
+        if reduction == "none":
+            return be.unflatten_rows(rows, x)
+        total = be.sum(rows)
+        if reduction == "sum":
+            return total
+        return _safe_divide(be, total, denominator)
+
+
+def _class_weight(be: Backend, weight: Array, num_classes: int, cdt: str) -> Array:
+    v.check_floating("weight", be.dtype_name(weight))
+    if be.shape(weight) != (num_classes,):
+        raise InvalidArgumentError(
+            f"Expected weight of shape ({num_classes},), one per class. "
+            f"Received: weight.shape={be.shape(weight)}"
+        )
+    return be.cast(weight, cdt)
+
+
+def _check_label_shape(label_shape: tuple, expected: tuple, logits_shape: tuple, what: str) -> None:
+    if not v.shapes_match(label_shape, expected):
+        raise InvalidArgumentError(
+            f"Expected {what} {expected} for logits of shape {logits_shape}. "
+            f"Received: labels.shape={label_shape}"
+        )
+
+
+def _hard_label_rows(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt):
+    """Per-row losses for integer labels, and the "mean" denominator."""
+    num_classes = be.shape(x)[-1]
+    ignored = y == ignore_index
+    out_of_range = ((y < 0) | (y >= num_classes)) & ~ignored
+    if not be.is_tracing(x) and be.any(out_of_range):
+        _raise_out_of_range(be, labels, num_classes, ignore_index)
+    y = be.where(ignored | out_of_range, 0, y)  # a safe index; these rows are masked below
+    target_logit = be.take_rows(x, y)
+    if eps == 0.0:
+        nll = native_op(be, "softmax_nll")(x, y)
+    else:
+        log_p = native_op(be, "log_softmax")(x)
+        nll = -be.take_rows(log_p, y)
+    target_weight = be.gather(weight, y) if weight is not None else None
+    rows = nll * (1.0 - eps) if eps else nll
+    if target_weight is not None:
+        rows = rows * target_weight
+    if eps:
+        valid = x != -INF  # NaN counts as valid, so it propagates
+        valid_count = be.count(valid, axis=-1, dtype=cdt)
+        terms = log_p * weight if weight is not None else log_p
+        smooth = -be.sum(be.where(valid, terms, 0.0), axis=-1)
+        rows = rows + eps * smooth / be.where(valid_count > 0, valid_count, 1.0)
+    if z_loss:
+        lse = target_logit + nll  # nll = lse - target_logit; exact gradient d(lse) = p
+        z_term = z_loss * lse * lse
+        rows = rows + (z_term * target_weight if target_weight is not None else z_term)
+    rows = be.where(target_logit == -INF, INF, rows)
+    rows = be.where(out_of_range, NAN, rows)
+    rows = be.where(ignored, 0.0, rows)
+    if target_weight is None:
+        denominator = be.count(~ignored, axis=None, dtype=cdt)
+    else:
+        denominator = be.sum(be.where(ignored, 0.0, target_weight))
+    return rows, denominator
+
+
+def _probability_rows(be, x, t, eps, weight, z_loss, cdt):
+    """Per-row losses for probability labels."""
+    log_p = native_op(be, "log_softmax")(x)
+    valid = x != -INF
+    if eps:
+        valid_count = be.count(valid, axis=-1, dtype=cdt, keepdims=True)
+        uniform = eps / be.where(valid_count > 0, valid_count, 1.0)
+        t = t * (1.0 - eps) + be.where(valid, uniform, 0.0)
+    terms = t * be.where(valid, log_p, 0.0)  # 0 * log 0 = 0 on masked classes
+    if weight is not None:
+        terms = terms * weight
+    rows = -be.sum(terms, axis=-1)
+    if z_loss:
+        lse = native_op(be, "logsumexp")(x, axis=-1)
+        rows = rows + z_loss * lse * lse
+    masked_mass = be.sum(be.where(valid, 0.0, t), axis=-1)
+    return be.where(masked_mass > 0, INF, rows)  # a target on a -inf class is impossible
+
+
+def _safe_divide(be: Backend, total: Array, denominator: Array | int) -> Array:
+    """total / denominator, and 0 (with zero gradient) when the denominator is 0."""
+    if isinstance(denominator, int):
+        return total / max(denominator, 1)
+    return total / be.where(denominator == 0, 1.0, denominator)
+
+
+def _raise_out_of_range(be: Backend, labels: Array, num_classes: int, ignore_index: int) -> None:
+    import numpy as np  # only on this error path: importing numstab does not import numpy
+
+    host = be.to_numpy(labels)
+    bad = (host != ignore_index) & ((host < 0) | (host >= num_classes))
+    positions = np.argwhere(bad)
+    first = tuple(int(i) for i in positions[0])
+    index = ", ".join(map(str, first))
+    raise InvalidArgumentError(
+        f"Expected labels in [0, {num_classes}) or equal to ignore_index={ignore_index}. "
+        f"Received: labels[{index}]={host[first]} ({len(positions)} label(s) out of range)"
+    )
