@@ -6,7 +6,7 @@ first time that backend is used.
 
 from numstab._config import backend_choice, set_backend, use_backend
 from numstab._dispatch import resolve_backend
-from numstab.backends import available_backends
+from numstab.backends import available_backends, preload_imported_frameworks
 from numstab.errors import (
     BackendMismatchError,
     BackendUnavailableError,
@@ -18,6 +18,8 @@ from numstab.errors import (
 from numstab.losses import cross_entropy, log_softmax, logsumexp, smooth_labels
 
 __version__ = "0.1.0"
+
+preload_imported_frameworks()
 
 
 def get_backend() -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import os
 import tomllib
 from collections.abc import Iterator
@@ -34,6 +33,10 @@ _context_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "numstab_backend", default=None
 )
 _global_backend: str | None = None
+# False until use_backend() is first entered: until then the ContextVar is not read at all,
+# which keeps the lookup a plain global read for tracers such as torch.compile.
+_context_used = False
+_config_values: dict[str, str | None] = {}  # config file path -> its backend key
 
 
 class BackendChoice(NamedTuple):
@@ -52,7 +55,11 @@ def _normalise(name: str | None) -> str | None:
 
 
 def set_backend(name: str | None) -> None:
-    """Select the backend for the whole process; ``None`` or ``"auto"`` restores detection."""
+    """Select the backend for the whole process.
+
+    ``"auto"`` forces detection from the arrays (over NUMSTAB_BACKEND and the config file);
+    ``None`` clears the selection, so the environment variable and config file apply again.
+    """
     global _global_backend
     _global_backend = _normalise(name)
 
@@ -60,6 +67,8 @@ def set_backend(name: str | None) -> None:
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[str]:
     """Select a backend inside a ``with`` block (safe across threads and asyncio tasks)."""
+    global _context_used
+    _context_used = True
     token = _context_backend.set(_normalise(name))
     try:
         yield _context_backend.get()
@@ -71,9 +80,14 @@ def _config_path() -> str:
     return os.environ.get(CONFIG_ENV_VAR) or os.path.expanduser(DEFAULT_CONFIG)
 
 
-@functools.lru_cache(maxsize=8)
 def _config_file_backend(path: str) -> str | None:
-    """The ``backend`` key of a TOML config file (read once per path), or None if absent."""
+    """The ``backend`` key of a TOML config file, read once per path (None if absent)."""
+    if path not in _config_values:
+        _config_values[path] = _read_config_file(path)
+    return _config_values[path]
+
+
+def _read_config_file(path: str) -> str | None:
     try:
         with open(path, "rb") as fh:
             value = tomllib.load(fh).get("backend")
@@ -88,11 +102,16 @@ def _config_file_backend(path: str) -> str | None:
     return value
 
 
+def configured_backend(explicit: str | None = None) -> str:
+    """The name ``backend_choice`` selects: a string, so compilers can treat it as constant."""
+    return backend_choice(explicit).name
+
+
 def backend_choice(explicit: str | None = None) -> BackendChoice:
     """Resolve the configured backend name by the precedence above (without detection)."""
     if explicit is not None:
         return BackendChoice(_normalise(explicit), "backend= argument")
-    name = _context_backend.get()
+    name = _context_backend.get() if _context_used else None
     if name is not None:
         return BackendChoice(name, "use_backend() context")
     if _global_backend is not None:
@@ -105,3 +124,8 @@ def backend_choice(explicit: str | None = None) -> BackendChoice:
     if value:
         return BackendChoice(_normalise(value), f"config file {path}")
     return BackendChoice(AUTO, "default")
+
+
+# Read the config file now rather than inside the first (possibly traced) call.
+with contextlib.suppress(InvalidArgumentError):
+    _config_file_backend(_config_path())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from numstab._config import AUTO, backend_choice
+from numstab._config import AUTO, backend_choice, configured_backend
 from numstab.backends import load_backend
 from numstab.errors import BackendMismatchError, MixedBackendsError
 
@@ -69,14 +69,15 @@ def detect(*arrays: Any) -> str | None:
 
 def resolve_backend(*arrays: Any, backend: str | None = None) -> Backend:
     """The Backend a call with these arrays runs on, by configuration then detection."""
-    choice = backend_choice(backend)
+    name = configured_backend(backend)
     detected = detect(*arrays)
-    if choice.name == AUTO:
+    if name == AUTO:
         return load_backend(detected or "numpy")
-    if detected is not None and detected != choice.name:
+    if detected is not None and detected != name:
+        choice = backend_choice(backend)
         raise BackendMismatchError(
             f"Backend {choice.name!r} was selected by {choice.source}, but the call "
             f"received {detected} arrays. numstab does not copy arrays across frameworks: "
             f"pass {choice.name} (or NumPy) arrays, or select backend={detected!r}."
         )
-    return load_backend(choice.name)
+    return load_backend(name)

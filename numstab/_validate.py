@@ -6,6 +6,7 @@ Messages follow one style: "Expected <what>. Received: <name>=<value>".
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,13 +38,13 @@ def check_number(
     name: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False
 ) -> float:
     """A finite real number in [low, high] (or (low, high] with low_open)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgumentError(
             f"Expected {name} to be a Python number. Received: {name}={value!r}"
         )
     value = float(value)
     too_low = value <= low if low_open else value < low
-    if math.isnan(value) or too_low or value > high:
+    if not math.isfinite(value) or too_low or value > high:
         bracket = "(" if low_open else "["
         raise InvalidArgumentError(
             f"Expected {name} in {bracket}{low:g}, {high:g}]. Received: {name}={value!r}"
@@ -52,9 +53,9 @@ def check_number(
 
 
 def check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidArgumentError(f"Expected {name} to be an int. Received: {name}={value!r}")
-    return value
+    return int(value)
 
 
 def check_floating(name: str, dtype: str) -> None:

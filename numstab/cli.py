@@ -37,7 +37,8 @@ def _devices(name: str) -> str:
     return "?"
 
 
-def info(out=sys.stdout) -> int:
+def info(out=None) -> int:
+    out = out or sys.stdout
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     print(f"numstab {numstab.__version__} on Python {platform.python_version()}", file=out)
     available = numstab.available_backends()

@@ -51,7 +51,9 @@ def logsumexp(
     """
     be = resolve_backend(x, backend=backend)
     x = _to_backend(be, x)
+    shape = be.shape(x)
     x, axis, _ = _prepare(be, x, "x", axis)
+    _class_count(be, x, "x", axis, shape)
     with be.float_errors_ignored():
         out = native_op(be, "logsumexp")(x, axis=-1, keepdims=keepdims)
     return be.moveaxis(out, -1, axis) if keepdims and axis != len(be.shape(out)) - 1 else out
@@ -61,7 +63,9 @@ def log_softmax(x: Array, axis: int = -1, *, backend: str | None = None) -> Arra
     """``x - logsumexp(x, axis)``, in float32 at least. -inf entries stay -inf."""
     be = resolve_backend(x, backend=backend)
     x = _to_backend(be, x)
+    shape = be.shape(x)
     x, axis, _ = _prepare(be, x, "x", axis)
+    _class_count(be, x, "x", axis, shape)
     with be.float_errors_ignored():
         out = native_op(be, "log_softmax")(x)
     last = len(be.shape(out)) - 1
@@ -85,7 +89,15 @@ def smooth_labels(
             raise InvalidArgumentError(
                 "Expected num_classes for integer class ids. Received: num_classes=None"
             )
-        num_classes = int(v.check_number("num_classes", num_classes, low=1.0))
+        num_classes = v.check_int("num_classes", num_classes)
+        if num_classes < 1:
+            raise InvalidArgumentError(
+                f"Expected num_classes >= 1. Received: num_classes={num_classes}"
+            )
+        labels = be.cast(labels, be.index_dtype)
+        out_of_range = (labels < 0) | (labels >= num_classes)
+        if not be.is_tracing(out_of_range) and be.any(out_of_range):
+            _raise_out_of_range(be, labels, num_classes, ignore_index=None)
         labels = be.one_hot(labels, num_classes, "float32")
     elif v.is_floating(dtype):
         shape = be.shape(labels)
@@ -142,11 +154,7 @@ def cross_entropy(
 
     shape = be.shape(logits)
     x, axis, cdt = _prepare(be, logits, "logits", axis)
-    num_classes = be.shape(x)[-1]
-    if not num_classes:
-        raise InvalidArgumentError(
-            f"Expected at least one class on axis {axis}. Received: logits.shape={shape}"
-        )
+    num_classes = _class_count(be, x, "logits", axis, shape)
     if weight is not None:
         weight = _class_weight(be, weight, num_classes, cdt)
     batch_shape = shape[:axis] + shape[axis + 1 :]
@@ -156,7 +164,7 @@ def cross_entropy(
         x2 = be.reshape(x, (-1, num_classes))
         if v.is_integer(label_dtype):
             _check_label_shape(label_shape, batch_shape, shape, "labels of shape")
-            y = be.reshape(labels, (-1,))
+            y = be.reshape(be.cast(labels, be.index_dtype), (-1,))
             rows, denominator = _hard_label_rows(
                 be, x2, y, labels, eps, ignore_index, weight, z_loss, cdt
             )
@@ -177,6 +185,20 @@ def cross_entropy(
         if reduction == "sum":
             return total
         return _safe_divide(be, total, denominator)
+
+
+def _class_count(be: Backend, x: Array, name: str, axis: int, shape: tuple) -> int:
+    """The static, non-zero length of the class axis (moved last in ``x``)."""
+    count = be.shape(x)[-1]
+    if count is None:
+        raise InvalidArgumentError(
+            f"Expected a static number of classes on axis {axis}. Received: {name}.shape={shape}"
+        )
+    if count == 0:
+        raise InvalidArgumentError(
+            f"Expected at least one class on axis {axis}. Received: {name}.shape={shape}"
+        )
+    return count
 
 
 def _class_weight(be: Backend, weight: Array, num_classes: int, cdt: str) -> Array:
@@ -202,7 +224,7 @@ def _hard_label_rows(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt):
     num_classes = be.shape(x)[-1]
     ignored = y == ignore_index
     out_of_range = ((y < 0) | (y >= num_classes)) & ~ignored
-    if not be.is_tracing(x) and be.any(out_of_range):
+    if not be.is_tracing(out_of_range) and be.any(out_of_range):  # concrete under jax.grad
         _raise_out_of_range(be, labels, num_classes, ignore_index)
     y = be.where(ignored | out_of_range, 0, y)  # a safe index; these rows are masked below
     target_logit = be.take_rows(x, y)
@@ -222,7 +244,7 @@ def _hard_label_rows(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt):
         smooth = -be.sum(be.where(valid, terms, 0.0), axis=-1)
         rows = rows + eps * smooth / be.where(valid_count > 0, valid_count, 1.0)
     if z_loss:
-        lse = target_logit + nll  # nll = lse - target_logit; exact gradient d(lse) = p
+        lse = native_op(be, "logsumexp")(x, axis=-1)
         z_term = z_loss * lse * lse
         rows = rows + (z_term * target_weight if target_weight is not None else z_term)
     rows = be.where(target_logit == -INF, INF, rows)
@@ -257,19 +279,26 @@ def _probability_rows(be, x, t, eps, weight, z_loss, cdt):
 def _safe_divide(be: Backend, total: Array, denominator: Array | int) -> Array:
     """total / denominator, and 0 (with zero gradient) when the denominator is 0."""
     if isinstance(denominator, int):
-        return total / max(denominator, 1)
-    return total / be.where(denominator == 0, 1.0, denominator)
+        return total / denominator if denominator else total * 0.0
+    nothing_counted = denominator == 0
+    return be.where(nothing_counted, 0.0, total / be.where(nothing_counted, 1.0, denominator))
 
 
-def _raise_out_of_range(be: Backend, labels: Array, num_classes: int, ignore_index: int) -> None:
+def _raise_out_of_range(
+    be: Backend, labels: Array, num_classes: int, ignore_index: int | None
+) -> None:
     import numpy as np  # only on this error path: importing numstab does not import numpy
 
     host = be.to_numpy(labels)
-    bad = (host != ignore_index) & ((host < 0) | (host >= num_classes))
+    bad = (host < 0) | (host >= num_classes)
+    allowed = f"[0, {num_classes})"
+    if ignore_index is not None:
+        bad &= host != ignore_index
+        allowed += f" or equal to ignore_index={ignore_index}"
     positions = np.argwhere(bad)
     first = tuple(int(i) for i in positions[0])
     index = ", ".join(map(str, first))
     raise InvalidArgumentError(
-        f"Expected labels in [0, {num_classes}) or equal to ignore_index={ignore_index}. "
+        f"Expected labels in {allowed}. "
         f"Received: labels[{index}]={host[first]} ({len(positions)} label(s) out of range)"
     )

@@ -3,9 +3,11 @@ when that backend is first used."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import sys
 from typing import TYPE_CHECKING
 
 from numstab.errors import BackendUnavailableError, UnknownBackendError
@@ -55,6 +57,18 @@ def load_backend(name: str) -> Backend:
     backend = module.BACKEND
     _loaded[name] = backend
     return backend
+
+
+def preload_imported_frameworks() -> None:
+    """Load the backends of frameworks the user has already imported.
+
+    Cheap (their framework is in memory) and it keeps the import out of the first numstab
+    call, which may be traced by torch.compile(fullgraph=True), where imports cannot run.
+    """
+    for name, (_, dists, _) in REGISTRY.items():
+        if name != "numpy" and all(d in sys.modules for d in dists):
+            with contextlib.suppress(BackendUnavailableError):
+                load_backend(name)
 
 
 def available_backends() -> dict[str, str]:

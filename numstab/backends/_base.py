@@ -39,6 +39,8 @@ class Backend:
     raises NotImplementedError; the composites at the end are generic."""
 
     name: str = "abstract"
+    #: dtype of class indices (JAX without x64 has no int64)
+    index_dtype: str = "int64"
 
     # -- conversion and metadata ------------------------------------------------------------
     def asarray(self, x: Any, dtype: str | None = None, like: Array | None = None) -> Array:
@@ -137,8 +139,14 @@ class Backend:
         return self.log(total) + m
 
     def log_softmax(self, x: Array) -> Array:
-        """x - logsumexp(x) over the last axis."""
-        return x - self.logsumexp(x, axis=-1, keepdims=True)
+        """(x - m) - log(sum(exp(x - m))) over the last axis, m the row max.
+
+        Shifting before subtracting keeps precision for large common offsets. A row of all
+        -inf is NaN, and so is a row holding +inf (inf - inf), as in the native kernels.
+        """
+        m = self.max(x, axis=-1, keepdims=True)
+        shifted = x - self.where(m == -float("inf"), 0.0, m)
+        return shifted - self.log(self.sum(self.exp(shifted), axis=-1, keepdims=True))
 
     def softmax_nll(self, logits: Array, labels: Array) -> Array:
         """Per-row -log_softmax(logits)[label] for 2-D logits and in-range labels."""

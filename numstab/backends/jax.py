@@ -5,13 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+import optax  # noqa: F401  (the jax extra ships optax; its absence disables the backend)
 
 from numstab.backends._base import Backend
 
 
 class JaxBackend(Backend):
     name = "jax"
+    index_dtype = "int32"
 
     def asarray(self, x, dtype=None, like=None):
         return jnp.asarray(x, dtype=dtype)
@@ -79,7 +80,9 @@ class JaxBackend(Backend):
         return jax.nn.log_softmax(x, axis=-1)
 
     def native_softmax_nll(self, logits, labels):
-        return optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels)
+        # Not optax's integer-label loss: it gives +inf where the other kernels give NaN
+        # (a +inf logit); XLA fuses this gather of log_softmax just as well.
+        return -self.take_rows(jax.nn.log_softmax(logits, axis=-1), labels)
 
 
 BACKEND = JaxBackend()

@@ -7,6 +7,22 @@ import tensorflow as tf
 from numstab.backends._base import Backend
 
 
+def _exclude_numstab_from_autograph() -> None:
+    """tf.function's AutoGraph rewrites the Python of every function it reaches, numstab's
+    included, and wraps its exceptions in StagingError. numstab is plain graph-safe code:
+    list it beside tensorflow's own modules, which AutoGraph leaves alone. (Runs once, when
+    this backend loads: at ``import numstab`` if tensorflow was imported first, else at the
+    first numstab call on TF tensors.)"""
+    try:
+        from tensorflow.python.autograph.core import config, config_lib
+    except ImportError:  # a future layout: AutoGraph still works, only slower to trace
+        return
+    config.CONVERSION_RULES = (config_lib.DoNotConvert("numstab"), *config.CONVERSION_RULES)
+
+
+_exclude_numstab_from_autograph()
+
+
 def _as_operand(value, like):
     """TF ops want tensors of one dtype: a Python scalar takes the dtype of ``like``."""
     return value if isinstance(value, (tf.Tensor, tf.Variable)) else tf.cast(value, like.dtype)

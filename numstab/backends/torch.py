@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from numstab import _config
 from numstab.backends._base import Backend
+
+# The configured backend cannot change inside a compiled region, and Dynamo cannot trace a
+# ContextVar lookup: let torch.compile evaluate it once, at trace time, as a constant.
+torch.compiler.assume_constant_result(_config.configured_backend)
 
 
 class TorchBackend(Backend):

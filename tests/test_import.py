@@ -1,0 +1,33 @@
+"""Importing numstab must not import any framework (nor numpy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+FRAMEWORKS = ("torch", "tensorflow", "jax", "optax", "numpy")
+
+
+def _modules_after(code: str) -> list[str]:
+    script = (
+        code
+        + f"\nimport json, sys; print(json.dumps([m for m in {FRAMEWORKS!r} if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_numstab_imports_no_framework():
+    assert _modules_after("import numstab") == []
+
+
+def test_numpy_use_imports_no_deep_learning_framework():
+    code = "import numpy as np, numstab\n"
+    code += "numstab.cross_entropy(np.zeros((2, 3), 'float32'), np.array([0, 1]))"
+    assert _modules_after(code) == ["numpy"]
+
+
+def test_available_backends_imports_nothing():
+    loaded = _modules_after("import numstab\nassert 'numpy' in numstab.available_backends()")
+    assert loaded == []

@@ -1,0 +1,168 @@
+"""Backend selection: precedence, detection, contexts across threads and tasks, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+import numstab as ns
+from numstab import backends
+from numstab._dispatch import detect
+
+X = np.zeros((2, 3), np.float32)
+Y = np.array([0, 2])
+
+
+def _backend_of_result(**kwargs):
+    return ns.resolve_backend(X, **kwargs).name
+
+
+def test_auto_detects_numpy_for_host_data():
+    assert ns.get_backend() == "auto"
+    assert ns.backend_choice().source == "default"
+    assert _backend_of_result() == "numpy"
+
+
+def test_precedence_argument_context_global_env_config(monkeypatch, tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text('backend = "jax"\n')
+    monkeypatch.setenv("NUMSTAB_CONFIG", str(config))
+    assert ns.backend_choice() == ("jax", f"config file {config}")
+    monkeypatch.setenv("NUMSTAB_BACKEND", "TF")
+    assert ns.backend_choice() == ("tensorflow", "NUMSTAB_BACKEND environment variable")
+    ns.set_backend("pytorch")
+    assert ns.backend_choice() == ("torch", "set_backend()")
+    with ns.use_backend("numpy"):
+        assert ns.backend_choice() == ("numpy", "use_backend() context")
+        with ns.use_backend("jax"):
+            assert ns.get_backend() == "jax"
+        assert ns.get_backend() == "numpy"
+        assert ns.backend_choice("tf") == ("tensorflow", "backend= argument")
+    assert ns.get_backend() == "torch"
+    ns.set_backend("auto")
+    assert ns.get_backend() == "auto"
+    assert ns.backend_choice().source == "set_backend()"
+
+
+def test_use_backend_is_isolated_per_thread_and_task():
+    seen = {}
+
+    def worker():
+        seen["thread"] = ns.get_backend()
+
+    async def task(name):
+        with ns.use_backend(name):
+            await asyncio.sleep(0.01)
+            return ns.get_backend()
+
+    async def main():
+        return await asyncio.gather(task("jax"), task("torch"), task("numpy"))
+
+    with ns.use_backend("tensorflow"):
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        assert asyncio.run(main()) == ["jax", "torch", "numpy"]
+        assert ns.get_backend() == "tensorflow"
+    assert seen["thread"] == "auto"
+
+
+def test_unknown_backend_lists_valid_names(monkeypatch):
+    with pytest.raises(ns.UnknownBackendError, match=r"'numpy', 'torch', 'tensorflow', 'jax'"):
+        ns.set_backend("mxnet")
+    monkeypatch.setenv("NUMSTAB_BACKEND", "caffe")
+    with pytest.raises(ns.UnknownBackendError, match="caffe"):
+        ns.cross_entropy(X, Y)
+    assert issubclass(ns.UnknownBackendError, ns.NumstabError)
+
+
+def test_bad_config_file_is_a_clear_error(monkeypatch, tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("backend = 3\n")
+    monkeypatch.setenv("NUMSTAB_CONFIG", str(config))
+    with pytest.raises(ns.InvalidArgumentError, match="Expected a string for 'backend'"):
+        ns.get_backend()
+
+
+def test_unavailable_backend_names_the_pip_extra(monkeypatch):
+    monkeypatch.setitem(backends.REGISTRY, "torch", ("numstab_no_such_module", ("torch",), "torch"))
+    monkeypatch.delitem(backends._loaded, "torch", raising=False)
+    with pytest.raises(ns.BackendUnavailableError, match=r"pip install 'numstab\[torch\]'"):
+        ns.cross_entropy(X, Y, backend="torch")
+
+
+def test_host_data_adopts_the_selected_backend():
+    torch = pytest.importorskip("torch")
+    out = ns.cross_entropy(X, Y, backend="torch")
+    assert isinstance(out, torch.Tensor)
+    with ns.use_backend("torch"):
+        assert isinstance(ns.log_softmax([[1.0, 2.0]]), torch.Tensor)
+    assert isinstance(ns.cross_entropy(torch.zeros(2, 3), Y), torch.Tensor)  # numpy labels
+
+
+def test_mixed_frameworks_raise():
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    with pytest.raises(ns.MixedBackendsError, match="torch and jax"):
+        ns.cross_entropy(torch.zeros(2, 3), jnp.array([0, 1]))
+
+
+def test_explicit_backend_never_copies_across_frameworks():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ns.BackendMismatchError, match=r"'jax' was selected by backend= argument"):
+        ns.cross_entropy(torch.zeros(2, 3), torch.tensor([0, 1]), backend="jax")
+    ns.set_backend("numpy")
+    with pytest.raises(ns.BackendMismatchError, match="set_backend"):
+        ns.logsumexp(torch.zeros(3))
+
+
+def test_detects_tracers_variables_and_devices():
+    jax = pytest.importorskip("jax")
+    tf = pytest.importorskip("tensorflow")
+    torch = pytest.importorskip("torch")
+    assert detect(torch.zeros(1, device="meta")) == "torch"
+    assert detect(torch.nn.Parameter(torch.zeros(1))) == "torch"
+    assert detect(tf.Variable([1.0])) == "tensorflow"
+    assert detect(np.zeros(1), 3.0, [1, 2]) is None
+
+    @jax.jit
+    def traced(x):
+        assert detect(x) == "jax"
+        return ns.logsumexp(x)
+
+    assert float(traced(jax.numpy.zeros(4))) == pytest.approx(np.log(4.0))
+
+    @tf.function
+    def graph(x):
+        assert detect(x) == "tensorflow"
+        return ns.logsumexp(x)
+
+    assert float(graph(tf.zeros(4))) == pytest.approx(np.log(4.0))
+
+
+def test_available_backends_reports_versions():
+    found = ns.available_backends()
+    assert found["numpy"] == np.__version__
+    for name in found:
+        assert name in backends.BACKEND_NAMES
+
+
+def test_info_command_reports_the_active_backend_and_source(monkeypatch, capsys):
+    from numstab import cli
+
+    monkeypatch.setenv("NUMSTAB_BACKEND", "numpy")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "active backend: numpy (from NUMSTAB_BACKEND environment variable)" in out
+    assert "numpy " in out and "devices: cpu" in out
+
+
+def test_info_command_reports_bad_configuration(monkeypatch, capsys):
+    from numstab import cli
+
+    monkeypatch.setenv("NUMSTAB_BACKEND", "nope")
+    assert cli.main(["info"]) == 2
+    assert "Unknown backend 'nope'" in capsys.readouterr().err
