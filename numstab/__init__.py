@@ -7,6 +7,7 @@ first time that backend is used.
 from numstab._config import backend_choice, set_backend, use_backend
 from numstab._dispatch import resolve_backend
 from numstab.backends import available_backends, preload_imported_frameworks
+from numstab.clipping import all_finite, clip_by_global_norm, clip_by_value, global_norm
 from numstab.errors import (
     BackendMismatchError,
     BackendUnavailableError,
@@ -15,6 +16,7 @@ from numstab.errors import (
     NumstabError,
     UnknownBackendError,
 )
+from numstab.loss_scale import LossScaler, LossScaleState
 from numstab.losses import cross_entropy, log_softmax, logsumexp, smooth_labels
 
 __version__ = "0.1.0"
@@ -31,14 +33,20 @@ __all__ = [
     "BackendMismatchError",
     "BackendUnavailableError",
     "InvalidArgumentError",
+    "LossScaleState",
+    "LossScaler",
     "MixedBackendsError",
     "NumstabError",
     "UnknownBackendError",
     "__version__",
+    "all_finite",
     "available_backends",
     "backend_choice",
+    "clip_by_global_norm",
+    "clip_by_value",
     "cross_entropy",
     "get_backend",
+    "global_norm",
     "log_softmax",
     "logsumexp",
     "resolve_backend",

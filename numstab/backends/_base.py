@@ -101,6 +101,25 @@ class Backend:
     def isfinite(self, x: Array) -> Array:
         raise NotImplementedError
 
+    def abs(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def sqrt(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    def maximum(self, x: Array, y: Array | float) -> Array:
+        raise NotImplementedError
+
+    def clip(self, x: Array, low: float, high: float) -> Array:
+        raise NotImplementedError
+
+    def all(self, x: Array) -> Array:
+        """Logical AND of every element, as a 0-d boolean array (no host sync)."""
+        raise NotImplementedError
+
+    def stack(self, arrays: list[Array]) -> Array:
+        raise NotImplementedError
+
     def sum(self, x: Array, axis: int | None = None, keepdims: bool = False) -> Array:
         raise NotImplementedError
 
@@ -121,6 +140,25 @@ class Backend:
         raise NotImplementedError
 
     # -- generic composites (backends may add native_* fused versions) ------------------------
+    def leaf_norms(self, leaves: list[Array], ord: float, dtype: str) -> Array:
+        """The ``ord``-norm of each leaf, accumulated in ``dtype``, stacked into a vector."""
+        norms = []
+        for leaf in leaves:
+            x = self.abs(self.cast(leaf, dtype))
+            if ord == float("inf"):
+                norms.append(self.max(x) if self.size(x, dtype) != 0 else self.sum(x))
+            elif ord == 2.0:
+                norms.append(self.sqrt(self.sum(x * x)))
+            elif ord == 1.0:
+                norms.append(self.sum(x))
+            else:
+                norms.append(self.sum(x**ord) ** (1.0 / ord))
+        return self.stack(norms)
+
+    def all_finite(self, leaves: list[Array]) -> Array:
+        """One 0-d boolean: every element of every leaf is finite."""
+        return self.all(self.stack([self.all(self.isfinite(leaf)) for leaf in leaves]))
+
     def count(self, mask: Array, axis: int | None, dtype: str, keepdims: bool = False) -> Array:
         """Number of true entries along ``axis``, as ``dtype``."""
         return self.sum(self.cast(mask, dtype), axis=axis, keepdims=keepdims)

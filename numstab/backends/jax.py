@@ -57,6 +57,24 @@ class JaxBackend(Backend):
     def isfinite(self, x):
         return jnp.isfinite(x)
 
+    def abs(self, x):
+        return jnp.abs(x)
+
+    def sqrt(self, x):
+        return jnp.sqrt(x)
+
+    def maximum(self, x, y):
+        return jnp.maximum(x, y)
+
+    def clip(self, x, low, high):
+        return jnp.clip(x, low, high)
+
+    def all(self, x):
+        return jnp.all(x)
+
+    def stack(self, arrays):
+        return jnp.stack(arrays)
+
     def sum(self, x, axis=None, keepdims=False):
         return jnp.sum(x, axis=axis, keepdims=keepdims)
 

@@ -64,6 +64,24 @@ class NumpyBackend(Backend):
     def isfinite(self, x):
         return np.isfinite(x)
 
+    def abs(self, x):
+        return np.abs(x)
+
+    def sqrt(self, x):
+        return np.sqrt(x)
+
+    def maximum(self, x, y):
+        return np.maximum(x, y)
+
+    def clip(self, x, low, high):
+        return np.clip(x, low, high)
+
+    def all(self, x):
+        return np.all(x)
+
+    def stack(self, arrays):
+        return np.stack(arrays)
+
     def sum(self, x, axis=None, keepdims=False):
         return np.sum(x, axis=axis, keepdims=keepdims)
 

@@ -86,6 +86,24 @@ class TensorflowBackend(Backend):
     def isfinite(self, x):
         return tf.math.is_finite(x)
 
+    def abs(self, x):
+        return tf.abs(x)
+
+    def sqrt(self, x):
+        return tf.sqrt(x)
+
+    def maximum(self, x, y):
+        return tf.maximum(x, _as_operand(y, x))
+
+    def clip(self, x, low, high):
+        return tf.clip_by_value(x, _as_operand(low, x), _as_operand(high, x))
+
+    def all(self, x):
+        return tf.reduce_all(x)
+
+    def stack(self, arrays):
+        return tf.stack(arrays)
+
     def sum(self, x, axis=None, keepdims=False):
         return tf.reduce_sum(x, axis=axis, keepdims=keepdims)
 

@@ -60,6 +60,24 @@ class TorchBackend(Backend):
     def isfinite(self, x):
         return torch.isfinite(x)
 
+    def abs(self, x):
+        return torch.abs(x)
+
+    def sqrt(self, x):
+        return torch.sqrt(x)
+
+    def maximum(self, x, y):
+        return torch.clamp(x, min=y) if not isinstance(y, torch.Tensor) else torch.maximum(x, y)
+
+    def clip(self, x, low, high):
+        return torch.clamp(x, low, high)
+
+    def all(self, x):
+        return torch.all(x)
+
+    def stack(self, arrays):
+        return torch.stack(arrays)
+
     def sum(self, x, axis=None, keepdims=False):
         return torch.sum(x) if axis is None else torch.sum(x, dim=axis, keepdim=keepdims)
 
@@ -81,6 +99,14 @@ class TorchBackend(Backend):
 
     def native_log_softmax(self, x):
         return F.log_softmax(x, dim=-1)
+
+    def native_leaf_norms(self, leaves, ord, dtype):
+        # one multi-tensor kernel per device and dtype; dtype= upcasts fp16 before squaring
+        norms = torch._foreach_norm(leaves, ord, dtype=getattr(torch, dtype))
+        return torch.stack([n.to(norms[0].device) for n in norms])
+
+    def native_all_finite(self, leaves):
+        return torch.isfinite(self.native_leaf_norms(leaves, float("inf"), "float32").sum())
 
     def native_softmax_nll(self, logits, labels):
         return F.cross_entropy(logits, labels.long(), reduction="none")

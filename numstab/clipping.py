@@ -1,0 +1,126 @@
+"""Finiteness, norms and clipping over whole trees of gradients, in float32 at least.
+
+Norms accumulate in float32 for float16/bfloat16 leaves (float64 when any leaf is float64):
+a float16 norm overflows at 65504, where torch's per-tensor norm silently zeroes the
+gradients and optax's and TF's turn them to NaN. See docs/semantics.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from numstab import _validate as v
+from numstab._dispatch import resolve_backend
+from numstab.backends._base import Backend, native_op
+from numstab.errors import InvalidArgumentError
+from numstab.tree import flatten, unflatten
+
+Tree = Any
+Array = Any
+
+
+def _numeric_leaves(tree: Tree, backend: str | None) -> tuple[Backend, list, Any, list]:
+    """(backend, all leaves, treedef, the non-None, non-empty floating leaves)."""
+    leaves, treedef = flatten(tree)
+    present = [leaf for leaf in leaves if leaf is not None]
+    be = resolve_backend(*present, backend=backend)
+    numeric = []
+    for i, leaf in enumerate(present):
+        dtype = be.dtype_name(leaf)
+        if not v.is_floating(dtype):
+            raise InvalidArgumentError(
+                f"Expected floating-point leaves. Received: leaf {i} with dtype={dtype}"
+            )
+        if be.size(leaf, dtype) != 0:
+            numeric.append(leaf)
+    return be, leaves, treedef, numeric
+
+
+def _accumulation_dtype(be: Backend, leaves: list) -> str:
+    return "float64" if any(be.dtype_name(x) == "float64" for x in leaves) else "float32"
+
+
+def _check_norm_type(norm_type: Any) -> float:
+    norm_type = v.check_number("norm_type", norm_type, low=0.0, high=math.inf, low_open=True)
+    return norm_type
+
+
+def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
+    """A 0-d boolean array: True when every element of every leaf is finite.
+
+    Stays on the device (no host sync); jit/tf.function/torch.compile friendly.
+    """
+    be, _, _, leaves = _numeric_leaves(tree, backend)
+    if not leaves:
+        return be.asarray(True)
+    return native_op(be, "all_finite")(leaves)
+
+
+def global_norm(tree: Tree, norm_type: float = 2.0, *, backend: str | None = None) -> Array:
+    """``(sum_leaves sum |g|**p) ** (1/p)`` (``max |g|`` for p = inf), in float32 at least.
+
+    A NaN anywhere gives NaN, an inf (and no NaN) gives inf; an empty tree gives 0.
+    """
+    if norm_type != math.inf:
+        norm_type = _check_norm_type(norm_type)
+    be, _, _, leaves = _numeric_leaves(tree, backend)
+    return _global_norm(be, leaves, float(norm_type))
+
+
+def _global_norm(be: Backend, leaves: list, norm_type: float) -> Array:
+    dtype = _accumulation_dtype(be, leaves)
+    if not leaves:
+        return be.asarray(0.0, dtype=dtype)
+    with be.float_errors_ignored():
+        norms = native_op(be, "leaf_norms")(leaves, norm_type, dtype)
+        if norm_type == math.inf:
+            return be.max(norms)
+        if norm_type == 2.0:
+            return be.sqrt(be.sum(norms * norms))
+        if norm_type == 1.0:
+            return be.sum(norms)
+        return be.sum(norms**norm_type) ** (1.0 / norm_type)
+
+
+def clip_by_global_norm(
+    tree: Tree, max_norm: float, *, norm_type: float = 2.0, backend: str | None = None
+) -> tuple[Tree, Array]:
+    """Scale every leaf by ``max_norm / max(norm, max_norm)``; return (clipped tree, norm).
+
+    Leaves are exactly unchanged when ``norm <= max_norm`` (no epsilon, no 0/0 at zero
+    gradients). A non-finite norm leaves every leaf untouched and is returned as is, so the
+    caller (loss scaler, training guard) can skip the step.
+    """
+    max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+    if norm_type != math.inf:
+        norm_type = _check_norm_type(norm_type)
+    be, leaves, treedef, numeric = _numeric_leaves(tree, backend)
+    norm = _global_norm(be, numeric, float(norm_type))
+    scale = max_norm / be.maximum(norm, max_norm)
+    scale = be.where(be.isfinite(norm), scale, 1.0)
+    clipped = [None if leaf is None else _scaled(be, leaf, scale) for leaf in leaves]
+    return unflatten(treedef, clipped), norm
+
+
+def _scaled(be: Backend, leaf: Array, scale: Array) -> Array:
+    """leaf * scale, multiplied in the scale's precision and returned in the leaf's dtype."""
+    dtype = be.dtype_name(leaf)
+    if dtype in ("float32", "float64"):
+        return leaf * be.cast(scale, dtype)
+    return be.cast(be.cast(leaf, "float32") * scale, dtype)
+
+
+def clip_by_value(
+    tree: Tree, min_value: float, max_value: float, *, backend: str | None = None
+) -> Tree:
+    """Clamp every element to [min_value, max_value]. NaN passes through (as in every
+    framework); +-inf become the bounds."""
+    low = v.check_number("min_value", min_value, low=-math.inf)
+    high = v.check_number("max_value", max_value, low=-math.inf)
+    if low > high:
+        raise InvalidArgumentError(
+            f"Expected min_value <= max_value. Received: min_value={low}, max_value={high}"
+        )
+    be, leaves, treedef, _ = _numeric_leaves(tree, backend)
+    return unflatten(treedef, [None if x is None else be.clip(x, low, high) for x in leaves])

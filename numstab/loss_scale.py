@@ -1,0 +1,245 @@
+"""Dynamic loss scaling: one immutable config, a state of three arrays, pure functions.
+
+    state = scaler.init(like=loss)          # scale, growth tracker, hysteresis left
+    scaled = scaler.scale(loss, state)      # backward on this
+    grads, finite = scaler.unscale(grads, state)
+    state = scaler.update(state, finite)    # skip the optimizer step yourself when not finite
+
+The update, in plain Python (docs/semantics.md has the full contract):
+
+    if finite:
+        tracker += 1
+        if consecutive_hysteresis: hysteresis_left = hysteresis
+        if tracker == growth_interval:
+            tracker = 0
+            hysteresis_left = hysteresis
+            if isfinite(scale * growth_factor) and scale * growth_factor <= max_scale:
+                scale *= growth_factor
+    else:
+        tracker = 0
+        hysteresis_left -= 1
+        hysteresis_left = max(hysteresis_left - 1, 0)
+        if hysteresis_left == 0:       # stays 0, so every further overflow backs off,
+            scale = max(scale * backoff_factor, min_scale)   # until a growth refills it
+
+The update is branch-free (``where``), so it runs under jax.jit, tf.function and torch.compile
+without a host sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from numstab import _validate as v
+from numstab._dispatch import resolve_backend
+from numstab.backends._base import Backend, native_op
+from numstab.errors import InvalidArgumentError
+from numstab.tree import flatten, unflatten
+
+Array = Any
+
+
+class LossScaleState(NamedTuple):
+    """The scaler's state: arrays of the backend (a pytree for JAX, a nest for TF)."""
+
+    scale: Array  # float32, 0-d
+    growth_tracker: Array  # int32, 0-d: consecutive finite steps since the last change
+    hysteresis_left: Array  # int32, 0-d: non-finite steps still absorbed before a backoff
+
+
+# name -> keyword arguments of LossScaler reproducing that library's defaults
+PRESETS: dict[str, dict[str, Any]] = {
+    # torch.amp.GradScaler: no floor, grows only to finite values
+    "torch": {"init_scale": 2.0**16, "growth_interval": 2000},
+    # Keras 3 LossScaleOptimizer: no floor (it would also grow to inf; numstab never does)
+    "keras": {"init_scale": 2.0**15, "growth_interval": 2000},
+    # tf-keras LossScaleOptimizer: backoff floored at 1
+    "tf_keras": {"init_scale": 2.0**15, "growth_interval": 2000, "min_scale": 1.0},
+    # jmp.DynamicLossScale(loss_scale=2**15): period 2000, factor 2, min_loss_scale 1
+    "jmp": {"init_scale": 2.0**15, "growth_interval": 2000, "min_scale": 1.0},
+    # DeepSpeed fp16 config defaults: initial_scale_power 16, window 1000, hysteresis 2
+    "deepspeed": {
+        "init_scale": 2.0**16,
+        "growth_interval": 1000,
+        "hysteresis": 2,
+        "min_scale": 1.0,
+    },
+    # Megatron-LM: --initial-loss-scale 2**32, --loss-scale-window 1000, --hysteresis 2
+    "megatron": {"init_scale": 2.0**32, "growth_interval": 1000, "hysteresis": 2, "min_scale": 1.0},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaler:
+    """Dynamic loss scaling; the defaults reproduce ``torch.amp.GradScaler`` exactly.
+
+    ``hysteresis``: non-finite steps absorbed before a backoff (DeepSpeed / Megatron ``2``),
+    refilled at every growth, or at every finite step with ``consecutive_hysteresis=True``
+    (DeepSpeed's option). ``dynamic=False`` keeps the scale fixed (``init_scale``).
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float | None = None
+    max_scale: float | None = None
+    consecutive_hysteresis: bool = False
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        v.check_number("init_scale", self.init_scale, low=0.0, low_open=True)
+        if self.dynamic:
+            v.check_number("growth_factor", self.growth_factor, low=1.0, low_open=True)
+            v.check_number("backoff_factor", self.backoff_factor, low=0.0, high=1.0, low_open=True)
+            if self.backoff_factor == 1.0:
+                raise InvalidArgumentError(
+                    "Expected backoff_factor in (0, 1). Received: backoff_factor=1.0"
+                )
+        for name in ("growth_interval", "hysteresis"):
+            if v.check_int(name, getattr(self, name)) < 1:
+                raise InvalidArgumentError(
+                    f"Expected {name} >= 1. Received: {name}={getattr(self, name)}"
+                )
+        for name in ("min_scale", "max_scale"):
+            if getattr(self, name) is not None:
+                v.check_number(name, getattr(self, name), low=0.0, low_open=True)
+        if (
+            self.min_scale is not None
+            and self.max_scale is not None
+            and (self.min_scale > self.max_scale)
+        ):
+            raise InvalidArgumentError(
+                f"Expected min_scale <= max_scale. Received: min_scale={self.min_scale}, "
+                f"max_scale={self.max_scale}"
+            )
+
+    # -- constructors ------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> LossScaler:
+        """The defaults of another library: 'torch', 'keras', 'tf_keras', 'jmp', 'deepspeed',
+        'megatron'. Keyword overrides replace single fields."""
+        if name not in PRESETS:
+            v.check_choice("name", name, tuple(PRESETS))
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def for_dtype(cls, dtype: Any, **overrides: Any) -> LossScaler:
+        """float16 gets the dynamic scaler; bfloat16 and float32/64 a no-op (scale 1, fixed):
+        their range needs no scaling, and non-finite steps are still reported."""
+        name = getattr(dtype, "name", None) or str(dtype).rsplit(".", 1)[-1]
+        if name in ("float16", "half"):
+            return cls(**overrides)
+        if name in ("bfloat16", "float32", "float64", "float", "double"):
+            return cls(init_scale=1.0, dynamic=False, **overrides)
+        raise InvalidArgumentError(
+            f"Expected a floating compute dtype (float16, bfloat16, float32, float64). "
+            f"Received: dtype={dtype!r}"
+        )
+
+    # -- the functional core -----------------------------------------------------------------
+    def init(self, *, backend: str | None = None, like: Array | None = None) -> LossScaleState:
+        """A fresh state as arrays of the backend, on the device of ``like`` when given."""
+        be = resolve_backend(like, backend=backend)
+        return LossScaleState(
+            scale=be.asarray(self.init_scale, dtype="float32", like=like),
+            growth_tracker=be.asarray(0, dtype="int32", like=like),
+            hysteresis_left=be.asarray(self.hysteresis, dtype="int32", like=like),
+        )
+
+    def scale(self, loss: Array, state: LossScaleState) -> Array:
+        """``loss * scale``, multiplied in float32 and returned in the loss's dtype."""
+        be = resolve_backend(loss, state.scale)
+        dtype = be.dtype_name(loss)
+        v.check_floating("loss", dtype)
+        if dtype in ("float32", "float64"):
+            return loss * be.cast(state.scale, dtype)
+        return be.cast(be.cast(loss, "float32") * state.scale, dtype)
+
+    def unscale(self, grads: Any, state: LossScaleState) -> tuple[Any, Array]:
+        """(grads * (1 / scale), finite): every leaf unscaled in float32 and returned in its
+        dtype, and one 0-d boolean over every leaf, taken on the unscaled values."""
+        leaves, treedef = flatten(grads)
+        present = [g for g in leaves if g is not None]
+        be = resolve_backend(state.scale, *present)
+        for i, g in enumerate(present):
+            if not v.is_floating(be.dtype_name(g)):
+                raise InvalidArgumentError(
+                    f"Expected floating-point gradients. Received: leaf {i} with "
+                    f"dtype={be.dtype_name(g)}"
+                )
+        inv_scale = 1.0 / state.scale  # scales are powers of two in practice: exact
+        unscaled = [None if g is None else _times(be, g, inv_scale) for g in leaves]
+        numeric = [g for g in unscaled if g is not None and be.size(g, "float32") != 0]
+        finite = native_op(be, "all_finite")(numeric) if numeric else be.asarray(True)
+        return unflatten(treedef, unscaled), finite
+
+    def update(self, state: LossScaleState, finite: Array | bool) -> LossScaleState:
+        """The next state after a step whose gradients were (not) all finite. Branch-free."""
+        be = resolve_backend(state.scale)
+        if not self.dynamic:
+            return state
+        if isinstance(finite, bool):
+            finite = be.asarray(finite, like=state.scale)
+        scale, tracker, hysteresis_left = state
+        full = self.hysteresis
+        # finite step
+        tracker_up = tracker + 1
+        grow_now = tracker_up >= self.growth_interval
+        grown = scale * self.growth_factor
+        can_grow = be.isfinite(grown)
+        if self.max_scale is not None:
+            can_grow = can_grow & (grown <= self.max_scale)
+        scale_ok = be.where(grow_now & can_grow, grown, scale)
+        tracker_ok = be.where(grow_now, 0, tracker_up)
+        if self.consecutive_hysteresis:
+            hysteresis_ok = be.where(finite, full, hysteresis_left)  # refilled every good step
+        else:
+            hysteresis_ok = be.where(grow_now, full, hysteresis_left)
+        # non-finite step
+        hysteresis_bad = be.maximum(hysteresis_left - 1, 0)
+        backed_off = scale * self.backoff_factor
+        if self.min_scale is not None:
+            backed_off = be.maximum(backed_off, self.min_scale)
+        scale_bad = be.where(hysteresis_bad <= 0, backed_off, scale)
+        return LossScaleState(
+            scale=be.where(finite, scale_ok, scale_bad),
+            growth_tracker=be.where(finite, tracker_ok, 0),
+            hysteresis_left=be.where(finite, hysteresis_ok, hysteresis_bad),
+        )
+
+    # -- serialisation -----------------------------------------------------------------------
+    def state_dict(self, state: LossScaleState) -> dict[str, Any]:
+        """Plain Python numbers, every config field and every state field (a host sync)."""
+        be = resolve_backend(state.scale)
+        values = {f: be.to_numpy(getattr(state, f)).item() for f in LossScaleState._fields}
+        return {"config": dataclasses.asdict(self), "state": values}
+
+    @classmethod
+    def from_state_dict(
+        cls, data: dict[str, Any], *, backend: str | None = None, like: Array | None = None
+    ) -> tuple[LossScaler, LossScaleState]:
+        """Inverse of ``state_dict``: the scaler and its state as arrays of the backend."""
+        try:
+            scaler = cls(**data["config"])
+            values = data["state"]
+            be = resolve_backend(like, backend=backend)
+            state = LossScaleState(
+                scale=be.asarray(float(values["scale"]), dtype="float32", like=like),
+                growth_tracker=be.asarray(int(values["growth_tracker"]), dtype="int32", like=like),
+                hysteresis_left=be.asarray(
+                    int(values["hysteresis_left"]), dtype="int32", like=like
+                ),
+            )
+        except (KeyError, TypeError) as exc:
+            raise InvalidArgumentError(f"Not a numstab loss-scaler state dict: {exc!r}") from exc
+        return scaler, state
+
+
+def _times(be: Backend, g: Array, factor: Array) -> Array:
+    dtype = be.dtype_name(g)
+    if dtype == "float32":
+        return g * factor
+    return be.cast(be.cast(g, "float32") * factor, dtype)

@@ -1,0 +1,112 @@
+"""Flatten and rebuild nests of arrays, whatever framework built them.
+
+Containers: dict (any Mapping subclass whose constructor takes pairs), list, tuple,
+namedtuple, dataclass instances, and — when JAX is loaded — any registered JAX pytree node
+(flax / equinox / optax states). Everything else is a leaf; ``None`` leaves (a torch parameter
+without a gradient) are kept in place and skipped by the numerical functions.
+
+Paths are spelled like ``jax.tree_util.keystr``: ``['opt_state'][0].mu['w']``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+Leaf = Any
+
+
+class TreeDef(NamedTuple):
+    """How to rebuild one node: ``rebuild(children)``; ``children`` are TreeDefs or None (leaf)."""
+
+    rebuild: Callable[[list], Any] | None
+    children: tuple
+
+
+LEAF = TreeDef(None, ())
+
+
+def _is_namedtuple(node: Any) -> bool:
+    return isinstance(node, tuple) and hasattr(type(node), "_fields")
+
+
+def _children(node: Any) -> tuple[list[tuple[str, Any]], Callable[[list], Any]] | None:
+    """(path suffix, child) pairs and a rebuild function, or None for a leaf."""
+    if hasattr(node, "dtype") or node is None:  # an array of any framework, or a scalar
+        return None
+    if isinstance(node, Mapping):
+        keys = list(node)
+        cls = type(node)
+        return [(f"[{k!r}]", node[k]) for k in keys], lambda vs: cls(zip(keys, vs, strict=True))
+    if _is_namedtuple(node):
+        return [(f".{f}", getattr(node, f)) for f in node._fields], lambda vs: type(node)(*vs)
+    if isinstance(node, (list, tuple)):
+        cls = type(node)
+        return [(f"[{i}]", c) for i, c in enumerate(node)], lambda vs: cls(vs)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        names = [f.name for f in dataclasses.fields(node) if f.init]
+        return [(f".{n}", getattr(node, n)) for n in names], lambda vs: dataclasses.replace(
+            node, **dict(zip(names, vs, strict=True))
+        )
+    return _jax_children(node)
+
+
+def _jax_children(node: Any):
+    tree_util = sys.modules.get("jax.tree_util")
+    if tree_util is None:
+        return None
+    children, treedef = tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    if treedef.num_nodes == 1:  # jax sees a leaf too
+        return None
+    return [(f"[{i}]", c) for i, c in enumerate(children)], treedef.unflatten
+
+
+def flatten(tree: Any) -> tuple[list[Leaf], TreeDef]:
+    """Leaves in a deterministic order (containers' own order), and how to rebuild."""
+    leaves: list[Leaf] = []
+    return leaves, _flatten(tree, leaves)
+
+
+def _flatten(node: Any, leaves: list) -> TreeDef:
+    split = _children(node)
+    if split is None:
+        leaves.append(node)
+        return LEAF
+    pairs, rebuild = split
+    return TreeDef(rebuild, tuple(_flatten(child, leaves) for _, child in pairs))
+
+
+def unflatten(treedef: TreeDef, leaves: list[Leaf]) -> Any:
+    """Rebuild the tree that ``flatten`` described, with new leaves."""
+    it = iter(leaves)
+    out = _unflatten(treedef, it)
+    if next(it, _END) is not _END:
+        raise ValueError("unflatten received more leaves than the tree holds")
+    return out
+
+
+_END = object()
+
+
+def _unflatten(treedef: TreeDef, it: Iterator) -> Any:
+    if treedef.rebuild is None:
+        return next(it)
+    return treedef.rebuild([_unflatten(child, it) for child in treedef.children])
+
+
+def leaves_with_paths(tree: Any, prefix: str = "") -> Iterator[tuple[str, Leaf]]:
+    """(path, leaf) for every leaf, paths spelled like jax.tree_util.keystr."""
+    split = _children(tree)
+    if split is None:
+        yield prefix, tree
+        return
+    for suffix, child in split[0]:
+        yield from leaves_with_paths(child, prefix + suffix)
+
+
+def tree_map(fn: Callable[[Leaf], Leaf], tree: Any) -> Any:
+    """Apply ``fn`` to every non-None leaf; None leaves stay None."""
+    leaves, treedef = flatten(tree)
+    return unflatten(treedef, [None if leaf is None else fn(leaf) for leaf in leaves])
