@@ -39,6 +39,16 @@ class Harness:
     def call(self, fn: Callable, compiled: bool, *args):
         raise NotImplementedError
 
+    def call_leaves(self, fn: Callable, compiled: bool, *args) -> list:
+        """fn(*args) (compiled when asked), its result flattened to NumPy leaves."""
+        from numstab.tree import flatten
+
+        compiled_fn = self._compiled(fn) if compiled else fn
+        return [None if x is None else self.numpy(x) for x in flatten(compiled_fn(*args))[0]]
+
+    def _compiled(self, fn: Callable) -> Callable:
+        raise NotImplementedError
+
     def _to64(self, x):
         x = np.asarray(x)
         return x.astype(np.float64) if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else x
@@ -101,6 +111,9 @@ class TorchHarness(Harness):
         backend = os.environ.get("NUMSTAB_TEST_TORCH_COMPILER", "aot_eager")
         return self.torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
 
+    def _compiled(self, fn):
+        return self._compile(fn, True)
+
     def value_and_grad(self, fn, x, compiled):
         x = x.detach().clone().requires_grad_(True)
         out = self._compile(fn, compiled)(x)
@@ -132,6 +145,9 @@ class JaxHarness(Harness):
     def numpy(self, x):
         return self._to64(np.asarray(x))
 
+    def _compiled(self, fn):
+        return self.jax.jit(fn)
+
     def value_and_grad(self, fn, x, compiled):
         vg = self.jax.value_and_grad(fn)
         out, grad = (self.jax.jit(vg) if compiled else vg)(x)
@@ -162,6 +178,9 @@ class TensorflowHarness(Harness):
         if x.dtype.is_floating:
             x = self.tf.cast(x, self.tf.float64)
         return self._to64(x.numpy())
+
+    def _compiled(self, fn):
+        return self.tf.function(fn)
 
     def value_and_grad(self, fn, x, compiled):
         tf = self.tf

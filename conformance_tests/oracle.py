@@ -91,3 +91,122 @@ def cross_entropy(
         value = losses.sum() * scale
     grad = np.moveaxis((grads * scale).reshape(x.shape), -1, axis)
     return value, grad
+
+
+# -- loss scaling ---------------------------------------------------------------------------
+class ScalerOracle:
+    """The loss-scale state machine of docs/semantics.md, in plain Python floats."""
+
+    def __init__(
+        self,
+        init_scale=2.0**16,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=2000,
+        hysteresis=1,
+        min_scale=None,
+        max_scale=None,
+        consecutive_hysteresis=False,
+        growth_delay_after_overflow=0,
+        dynamic=True,
+    ):
+        self.cfg = dict(
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            interval=growth_interval,
+            hysteresis=hysteresis,
+            min=min_scale,
+            max=max_scale,
+            consecutive=consecutive_hysteresis,
+            delay=growth_delay_after_overflow,
+            dynamic=dynamic,
+        )
+        self.scale = float(np.float32(init_scale))
+        self.tracker = -growth_delay_after_overflow
+        self.hysteresis_left = hysteresis
+
+    def update(self, finite: bool) -> None:
+        c = self.cfg
+        if not c["dynamic"]:
+            return
+        if finite:
+            self.tracker += 1
+            if c["consecutive"]:
+                self.hysteresis_left = c["hysteresis"]
+            if self.tracker >= c["interval"]:
+                self.tracker = 0
+                self.hysteresis_left = c["hysteresis"]
+                grown = float(np.float32(self.scale * c["growth_factor"]))
+                if np.isfinite(grown) and (c["max"] is None or grown <= c["max"]):
+                    self.scale = grown
+        else:
+            self.tracker = -c["delay"]
+            self.hysteresis_left = max(self.hysteresis_left - 1, 0)
+            if self.hysteresis_left == 0:
+                backed = float(np.float32(self.scale * c["backoff_factor"]))
+                self.scale = backed if c["min"] is None else max(backed, c["min"])
+
+
+class DeepSpeedScaler:
+    """DeepSpeed's DynamicLossScaler.update_scale (deepspeed/runtime/fp16/loss_scaler.py),
+    transcribed without logging and without its raise at the minimum scale."""
+
+    def __init__(
+        self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis=False
+    ):
+        self.cur_scale, self.cur_iter, self.last_overflow_iter = init_scale, 0, -1
+        self.scale_factor, self.scale_window, self.min_scale = 2.0, scale_window, min_scale
+        self.delayed_shift = self.cur_hysteresis = delayed_shift
+        self.consecutive_hysteresis = consecutive_hysteresis
+
+    def update_scale(self, overflow: bool) -> None:
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
+            if stable_interval > 0 and stable_interval % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+
+class MegatronScaler:
+    """Megatron-LM's DynamicGradScaler.update (megatron/core/optimizer/grad_scaler.py)."""
+
+    def __init__(
+        self, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis
+    ):
+        self.scale, self.min_scale = initial_scale, min_scale
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self._growth_tracker, self._hysteresis_tracker = 0, hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self._growth_tracker = 0
+            self._hysteresis_tracker -= 1
+            if self._hysteresis_tracker <= 0:
+                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                self._growth_tracker = 0
+                self._hysteresis_tracker = self.hysteresis
+                self.scale = self.scale * self.growth_factor
+
+
+def clip_by_global_norm(leaves, max_norm, norm_type=2.0):
+    """(clipped leaves in float64, norm): scale = max_norm / max(norm, max_norm), untouched
+    when the norm is not finite."""
+    flat = np.concatenate([np.abs(np.asarray(x, np.float64)).ravel() for x in leaves] + [[0.0]])
+    with np.errstate(all="ignore"):
+        norm = flat.max() if norm_type == np.inf else np.sum(flat**norm_type) ** (1 / norm_type)
+        scale = max_norm / max(norm, max_norm) if np.isfinite(norm) else 1.0
+        return [np.asarray(x, np.float64) * scale for x in leaves], norm

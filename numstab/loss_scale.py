@@ -7,6 +7,7 @@
 
 The update, in plain Python (docs/semantics.md has the full contract):
 
+    (at init: tracker = -growth_delay_after_overflow, hysteresis_left = hysteresis)
     if finite:
         tracker += 1
         if consecutive_hysteresis: hysteresis_left = hysteresis
@@ -16,8 +17,7 @@ The update, in plain Python (docs/semantics.md has the full contract):
             if isfinite(scale * growth_factor) and scale * growth_factor <= max_scale:
                 scale *= growth_factor
     else:
-        tracker = 0
-        hysteresis_left -= 1
+        tracker = -growth_delay_after_overflow
         hysteresis_left = max(hysteresis_left - 1, 0)
         if hysteresis_left == 0:       # stays 0, so every further overflow backs off,
             scale = max(scale * backoff_factor, min_scale)   # until a growth refills it
@@ -64,6 +64,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "growth_interval": 1000,
         "hysteresis": 2,
         "min_scale": 1.0,
+        "growth_delay_after_overflow": 1,  # grows on the (window + 1)-th finite step
     },
     # Megatron-LM: --initial-loss-scale 2**32, --loss-scale-window 1000, --hysteresis 2
     "megatron": {"init_scale": 2.0**32, "growth_interval": 1000, "hysteresis": 2, "min_scale": 1.0},
@@ -76,7 +77,10 @@ class LossScaler:
 
     ``hysteresis``: non-finite steps absorbed before a backoff (DeepSpeed / Megatron ``2``),
     refilled at every growth, or at every finite step with ``consecutive_hysteresis=True``
-    (DeepSpeed's option). ``dynamic=False`` keeps the scale fixed (``init_scale``).
+    (DeepSpeed's option). ``growth_delay_after_overflow``: extra finite steps required before
+    the first growth after an overflow and at the start (DeepSpeed: 1; its first growth
+    comes on the ``growth_interval + 1``-th finite step). ``dynamic=False`` keeps the scale
+    fixed at ``init_scale``.
     """
 
     init_scale: float = 2.0**16
@@ -87,6 +91,7 @@ class LossScaler:
     min_scale: float | None = None
     max_scale: float | None = None
     consecutive_hysteresis: bool = False
+    growth_delay_after_overflow: int = 0
     dynamic: bool = True
 
     def __post_init__(self) -> None:
@@ -98,10 +103,14 @@ class LossScaler:
                 raise InvalidArgumentError(
                     "Expected backoff_factor in (0, 1). Received: backoff_factor=1.0"
                 )
-        for name in ("growth_interval", "hysteresis"):
-            if v.check_int(name, getattr(self, name)) < 1:
+        for name, low in (
+            ("growth_interval", 1),
+            ("hysteresis", 1),
+            ("growth_delay_after_overflow", 0),
+        ):
+            if v.check_int(name, getattr(self, name)) < low:
                 raise InvalidArgumentError(
-                    f"Expected {name} >= 1. Received: {name}={getattr(self, name)}"
+                    f"Expected {name} >= {low}. Received: {name}={getattr(self, name)}"
                 )
         for name in ("min_scale", "max_scale"):
             if getattr(self, name) is not None:
@@ -129,7 +138,10 @@ class LossScaler:
     def for_dtype(cls, dtype: Any, **overrides: Any) -> LossScaler:
         """float16 gets the dynamic scaler; bfloat16 and float32/64 a no-op (scale 1, fixed):
         their range needs no scaling, and non-finite steps are still reported."""
-        name = getattr(dtype, "name", None) or str(dtype).rsplit(".", 1)[-1]
+        if isinstance(dtype, type):  # np.float16, jnp.bfloat16
+            name = dtype.__name__
+        else:  # "float16", np.dtype, tf.float16 (.name), torch.float16 ("torch.float16")
+            name = getattr(dtype, "name", None) or str(dtype).rsplit(".", 1)[-1]
         if name in ("float16", "half"):
             return cls(**overrides)
         if name in ("bfloat16", "float32", "float64", "float", "double"):
@@ -145,7 +157,7 @@ class LossScaler:
         be = resolve_backend(like, backend=backend)
         return LossScaleState(
             scale=be.asarray(self.init_scale, dtype="float32", like=like),
-            growth_tracker=be.asarray(0, dtype="int32", like=like),
+            growth_tracker=be.asarray(-self.growth_delay_after_overflow, dtype="int32", like=like),
             hysteresis_left=be.asarray(self.hysteresis, dtype="int32", like=like),
         )
 
@@ -206,7 +218,7 @@ class LossScaler:
         scale_bad = be.where(hysteresis_bad <= 0, backed_off, scale)
         return LossScaleState(
             scale=be.where(finite, scale_ok, scale_bad),
-            growth_tracker=be.where(finite, tracker_ok, 0),
+            growth_tracker=be.where(finite, tracker_ok, -self.growth_delay_after_overflow),
             hysteresis_left=be.where(finite, hysteresis_ok, hysteresis_bad),
         )
 
