@@ -141,18 +141,18 @@ class Backend:
 
     # -- generic composites (backends may add native_* fused versions) ------------------------
     def leaf_norms(self, leaves: list[Array], ord: float, dtype: str) -> Array:
-        """The ``ord``-norm of each leaf, accumulated in ``dtype``, stacked into a vector."""
+        """The ``ord``-norm of each (non-empty) leaf, accumulated in ``dtype``, as a vector."""
         norms = []
         for leaf in leaves:
-            x = self.abs(self.cast(leaf, dtype))
-            if ord == float("inf"):
-                norms.append(self.max(x) if self.size(x, dtype) != 0 else self.sum(x))
-            elif ord == 2.0:
+            x = self.cast(leaf, dtype)
+            if ord == 2.0:
                 norms.append(self.sqrt(self.sum(x * x)))
+            elif ord == float("inf"):
+                norms.append(self.max(self.abs(x)))
             elif ord == 1.0:
-                norms.append(self.sum(x))
+                norms.append(self.sum(self.abs(x)))
             else:
-                norms.append(self.sum(x**ord) ** (1.0 / ord))
+                norms.append(self.sum(self.abs(x) ** ord) ** (1.0 / ord))
         return self.stack(norms)
 
     def all_finite(self, leaves: list[Array]) -> Array:
