@@ -55,7 +55,7 @@ BAD_CALLS = [
     (
         "negative_z_loss",
         lambda x, y, h: ns.cross_entropy(x, y, z_loss=-1e-4),
-        r"Expected z_loss in \[0, inf\]",
+        r"Expected z_loss in \[0, inf\)",
     ),
     (
         "ignore_index_type",

@@ -189,9 +189,9 @@ def test_for_dtype():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"init_scale": 0.0}, r"init_scale in \(0, inf\]"),
+        ({"init_scale": 0.0}, r"init_scale in \(0, inf\)"),
         ({"init_scale": float("inf")}, "init_scale=inf"),
-        ({"growth_factor": 1.0}, r"growth_factor in \(1, inf\]"),
+        ({"growth_factor": 1.0}, r"growth_factor in \(1, inf\)"),
         ({"backoff_factor": 1.0}, r"backoff_factor in \(0, 1\)"),
         ({"backoff_factor": 0.0}, "backoff_factor=0.0"),
         ({"growth_interval": 0}, "growth_interval >= 1"),

@@ -37,17 +37,22 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
 def check_number(
     name: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False
 ) -> float:
-    """A finite real number in [low, high] (or (low, high] with low_open)."""
+    """A finite real number (NumPy scalars included) in [low, high] ((low, high] with
+    low_open); an infinite ``high`` means no upper bound."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgumentError(
-            f"Expected {name} to be a Python number. Received: {name}={value!r}"
+            f"Expected {name} to be a real number. Received: {name}={value!r}"
         )
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:
+        value = math.inf
     too_low = value <= low if low_open else value < low
     if not math.isfinite(value) or too_low or value > high:
-        bracket = "(" if low_open else "["
+        left = "(" if low_open else "["
+        right = ")" if high == math.inf else "]"
         raise InvalidArgumentError(
-            f"Expected {name} in {bracket}{low:g}, {high:g}]. Received: {name}={value!r}"
+            f"Expected {name} in {left}{low:g}, {high:g}{right}. Received: {name}={value!r}"
         )
     return value
 

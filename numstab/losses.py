@@ -94,13 +94,15 @@ def smooth_labels(
             raise InvalidArgumentError(
                 f"Expected num_classes >= 1. Received: num_classes={num_classes}"
             )
-        labels = be.cast(labels, be.index_dtype)
-        out_of_range = (labels < 0) | (labels >= num_classes)
+        ids = be.cast(labels, be.index_dtype)
+        out_of_range = (ids < 0) | (ids >= num_classes)
         if not be.is_tracing(out_of_range) and be.any(out_of_range):
             _raise_out_of_range(be, labels, num_classes, ignore_index=None)
-        labels = be.one_hot(labels, num_classes, "float32")
+        labels = be.one_hot(ids, num_classes, "float32")
     elif v.is_floating(dtype):
         shape = be.shape(labels)
+        if num_classes is not None:
+            num_classes = v.check_int("num_classes", num_classes)
         if not shape or (num_classes is not None and shape[-1] != num_classes):
             raise InvalidArgumentError(
                 f"Expected probability labels whose last axis has num_classes={num_classes} "
