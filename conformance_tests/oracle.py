@@ -144,7 +144,7 @@ class ScalerOracle:
             self.hysteresis_left = max(self.hysteresis_left - 1, 0)
             if self.hysteresis_left == 0:
                 backed = float(np.float32(self.scale * c["backoff_factor"]))
-                self.scale = backed if c["min"] is None else max(backed, c["min"])
+                self.scale = max(backed, 2.0**-126 if c["min"] is None else c["min"])
 
 
 class DeepSpeedScaler:

@@ -173,6 +173,17 @@ def test_state_round_trips_with_every_field(target):
     assert restored.state_dict(restored_state) == data
 
 
+def test_scale_never_reaches_zero():
+    scaler = ns.LossScaler()
+    state = scaler.init(backend="numpy")
+    for _ in range(300):
+        state = scaler.update(state, False)
+    assert float(state.scale) == 2.0**-126  # torch reaches 0.0 and can never grow back
+    for _ in range(2000):
+        state = scaler.update(state, True)
+    assert float(state.scale) == 2.0**-125
+
+
 def test_for_dtype():
     assert ns.LossScaler.for_dtype("float16") == ns.LossScaler()
     for dtype in ("bfloat16", "float32", np.float32):

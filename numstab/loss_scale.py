@@ -20,7 +20,7 @@ The update, in plain Python (docs/semantics.md has the full contract):
         tracker = -growth_delay_after_overflow
         hysteresis_left = max(hysteresis_left - 1, 0)
         if hysteresis_left == 0:       # stays 0, so every further overflow backs off,
-            scale = max(scale * backoff_factor, min_scale)   # until a growth refills it
+            scale = max(scale * backoff_factor, min_scale or 2**-126)  # until growth refills it
 
 The update is branch-free (``where``), so it runs under jax.jit, tf.function and torch.compile
 without a host sync.
@@ -38,6 +38,7 @@ from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, unflatten
 
 Array = Any
+FLOAT32_TINY = 2.0**-126  # the smallest normal float32: the backoff floor without min_scale
 
 
 class LossScaleState(NamedTuple):
@@ -161,21 +162,23 @@ class LossScaler:
             hysteresis_left=be.asarray(self.hysteresis, dtype="int32", like=like),
         )
 
-    def scale(self, loss: Array, state: LossScaleState) -> Array:
+    def scale(self, loss: Array, state: LossScaleState, *, backend: str | None = None) -> Array:
         """``loss * scale``, multiplied in float32 and returned in the loss's dtype."""
-        be = resolve_backend(loss, state.scale)
+        be = resolve_backend(loss, state.scale, backend=backend)
         dtype = be.dtype_name(loss)
         v.check_floating("loss", dtype)
         if dtype in ("float32", "float64"):
             return loss * be.cast(state.scale, dtype)
         return be.cast(be.cast(loss, "float32") * state.scale, dtype)
 
-    def unscale(self, grads: Any, state: LossScaleState) -> tuple[Any, Array]:
+    def unscale(
+        self, grads: Any, state: LossScaleState, *, backend: str | None = None
+    ) -> tuple[Any, Array]:
         """(grads * (1 / scale), finite): every leaf unscaled in float32 and returned in its
         dtype, and one 0-d boolean over every leaf, taken on the unscaled values."""
         leaves, treedef = flatten(grads)
         present = [g for g in leaves if g is not None]
-        be = resolve_backend(state.scale, *present)
+        be = resolve_backend(state.scale, *present, backend=backend)
         for i, g in enumerate(present):
             if not v.is_floating(be.dtype_name(g)):
                 raise InvalidArgumentError(
@@ -188,9 +191,15 @@ class LossScaler:
         finite = native_op(be, "all_finite")(numeric) if numeric else be.asarray(True)
         return unflatten(treedef, unscaled), finite
 
-    def update(self, state: LossScaleState, finite: Array | bool) -> LossScaleState:
-        """The next state after a step whose gradients were (not) all finite. Branch-free."""
-        be = resolve_backend(state.scale)
+    def update(
+        self, state: LossScaleState, finite: Array | bool, *, backend: str | None = None
+    ) -> LossScaleState:
+        """The next state after a step whose gradients were (not) all finite. Branch-free.
+
+        Without ``min_scale`` the backoff still stops at float32's smallest normal number
+        (as flax does): a scale of 0 would make every later step non-finite forever.
+        """
+        be = resolve_backend(state.scale, backend=backend)
         if not self.dynamic:
             return state
         if isinstance(finite, bool):
@@ -212,9 +221,8 @@ class LossScaler:
             hysteresis_ok = be.where(grow_now, full, hysteresis_left)
         # non-finite step
         hysteresis_bad = be.maximum(hysteresis_left - 1, 0)
-        backed_off = scale * self.backoff_factor
-        if self.min_scale is not None:
-            backed_off = be.maximum(backed_off, self.min_scale)
+        floor = FLOAT32_TINY if self.min_scale is None else self.min_scale
+        backed_off = be.maximum(scale * self.backoff_factor, floor)
         scale_bad = be.where(hysteresis_bad <= 0, backed_off, scale)
         return LossScaleState(
             scale=be.where(finite, scale_ok, scale_bad),
