@@ -33,9 +33,6 @@ _context_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "numstab_backend", default=None
 )
 _global_backend: str | None = None
-# False until use_backend() is first entered: until then the ContextVar is not read at all,
-# which keeps the lookup a plain global read for tracers such as torch.compile.
-_context_used = False
 _config_values: dict[str, str | None] = {}  # config file path -> its backend key
 
 
@@ -67,8 +64,6 @@ def set_backend(name: str | None) -> None:
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[str]:
     """Select a backend inside a ``with`` block (safe across threads and asyncio tasks)."""
-    global _context_used
-    _context_used = True
     token = _context_backend.set(_normalise(name))
     try:
         yield _context_backend.get()
@@ -107,11 +102,17 @@ def configured_backend(explicit: str | None = None) -> str:
     return backend_choice(explicit).name
 
 
+# The configured backend cannot change inside a compiled region, and torch.compile cannot
+# trace a ContextVar lookup: let it evaluate this once per trace, as a constant. This is
+# exactly what torch.compiler.assume_constant_result does, without importing torch._dynamo.
+configured_backend._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def backend_choice(explicit: str | None = None) -> BackendChoice:
     """Resolve the configured backend name by the precedence above (without detection)."""
     if explicit is not None:
         return BackendChoice(_normalise(explicit), "backend= argument")
-    name = _context_backend.get() if _context_used else None
+    name = _context_backend.get()
     if name is not None:
         return BackendChoice(name, "use_backend() context")
     if _global_backend is not None:

@@ -20,11 +20,13 @@ Tree = Any
 Array = Any
 
 
-def _numeric_leaves(tree: Tree, backend: str | None) -> tuple[Backend, list, Any, list]:
+def _numeric_leaves(
+    tree: Tree, backend: str | None, *extra: Array
+) -> tuple[Backend, list, Any, list]:
     """(backend, all leaves, treedef, the non-None, non-empty floating leaves)."""
     leaves, treedef = flatten(tree)
     present = [leaf for leaf in leaves if leaf is not None]
-    be = resolve_backend(*present, backend=backend)
+    be = resolve_backend(*present, *extra, backend=backend)
     numeric = []
     for i, leaf in enumerate(present):
         dtype = be.dtype_name(leaf)
@@ -84,31 +86,46 @@ def _global_norm(be: Backend, leaves: list, norm_type: float) -> Array:
 
 
 def clip_by_global_norm(
-    tree: Tree, max_norm: float, *, norm_type: float = 2.0, backend: str | None = None
+    tree: Tree,
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    norm: Array | None = None,
+    backend: str | None = None,
 ) -> tuple[Tree, Array]:
     """Scale every leaf by ``max_norm / max(norm, max_norm)``; return (clipped tree, norm).
 
     Leaves are exactly unchanged when ``norm <= max_norm`` (no epsilon, no 0/0 at zero
     gradients). A non-finite norm leaves every leaf untouched and is returned as is, so the
-    caller (loss scaler, training guard) can skip the step.
+    caller (loss scaler, training guard) can skip the step. ``norm``: a norm computed
+    elsewhere (e.g. combined across devices or ranks) to use instead of this tree's own.
     """
     max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
     if norm_type != math.inf:
         norm_type = _check_norm_type(norm_type)
-    be, leaves, treedef, numeric = _numeric_leaves(tree, backend)
-    norm = _global_norm(be, numeric, float(norm_type))
-    scale = max_norm / be.maximum(norm, max_norm)
-    scale = be.where(be.isfinite(norm), scale, 1.0)
-    clipped = [None if leaf is None else _scaled(be, leaf, scale) for leaf in leaves]
-    return unflatten(treedef, clipped), norm
+    be, leaves, treedef, numeric = _numeric_leaves(tree, backend, norm)
+    if norm is None:
+        norm = _global_norm(be, numeric, float(norm_type))
+    factor = _coefficient(be, norm, max_norm)
+    return unflatten(treedef, scale_leaves(be, leaves, factor)), norm
 
 
-def _scaled(be: Backend, leaf: Array, scale: Array) -> Array:
-    """leaf * scale, multiplied in the scale's precision and returned in the leaf's dtype."""
-    dtype = be.dtype_name(leaf)
-    if dtype in ("float32", "float64"):
-        return leaf * be.cast(scale, dtype)
-    return be.cast(be.cast(leaf, "float32") * scale, dtype)
+def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None) -> Array:
+    """``max_norm / max(norm, max_norm)``, and 1 when ``norm`` is not finite: the factor
+    clip_by_global_norm multiplies by (for in-place or cross-device clipping)."""
+    max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+    return _coefficient(resolve_backend(norm, backend=backend), norm, max_norm)
+
+
+def _coefficient(be: Backend, norm: Array, max_norm: float) -> Array:
+    return be.where(be.isfinite(norm), max_norm / be.maximum(norm, max_norm), 1.0)
+
+
+def scale_leaves(be: Backend, leaves: list, factor: Array) -> list:
+    """Every (non-None) leaf times a 0-d float32/64 ``factor``, in the leaf's dtype."""
+    present = [leaf for leaf in leaves if leaf is not None]
+    scaled = iter(native_op(be, "scale_leaves")(present, factor) if present else [])
+    return [None if leaf is None else next(scaled) for leaf in leaves]
 
 
 def clip_by_value(

@@ -231,9 +231,9 @@ class LossScaler:
         )
 
     # -- serialisation -----------------------------------------------------------------------
-    def state_dict(self, state: LossScaleState) -> dict[str, Any]:
+    def state_dict(self, state: LossScaleState, *, backend: str | None = None) -> dict[str, Any]:
         """Plain Python numbers, every config field and every state field (a host sync)."""
-        be = resolve_backend(state.scale)
+        be = resolve_backend(state.scale, backend=backend)
         values = {f: be.to_numpy(getattr(state, f)).item() for f in LossScaleState._fields}
         return {"config": dataclasses.asdict(self), "state": values}
 

@@ -155,6 +155,18 @@ class Backend:
                 norms.append(self.sum(self.abs(x) ** ord) ** (1.0 / ord))
         return self.stack(norms)
 
+    def scale_leaves(self, leaves: list[Array], factor: Array) -> list[Array]:
+        """Each leaf times a 0-d ``factor``: float32/64 leaves multiply in their own dtype,
+        16-bit leaves in float32 and are rounded back once."""
+        out = []
+        for leaf in leaves:
+            dtype = self.dtype_name(leaf)
+            if dtype in ("float32", "float64"):
+                out.append(leaf * self.cast(factor, dtype))
+            else:
+                out.append(self.cast(self.cast(leaf, "float32") * factor, dtype))
+        return out
+
     def all_finite(self, leaves: list[Array]) -> Array:
         """One 0-d boolean: every element of every leaf is finite."""
         return self.all(self.stack([self.all(self.isfinite(leaf)) for leaf in leaves]))

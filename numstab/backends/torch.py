@@ -5,12 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from numstab import _config
 from numstab.backends._base import Backend
-
-# The configured backend cannot change inside a compiled region, and Dynamo cannot trace a
-# ContextVar lookup: let torch.compile evaluate it once, at trace time, as a constant.
-torch.compiler.assume_constant_result(_config.configured_backend)
 
 
 class TorchBackend(Backend):
@@ -103,7 +98,15 @@ class TorchBackend(Backend):
     def native_leaf_norms(self, leaves, ord, dtype):
         # one multi-tensor kernel per device and dtype; dtype= upcasts fp16 before squaring
         norms = torch._foreach_norm(leaves, ord, dtype=getattr(torch, dtype))
-        return torch.stack([n.to(norms[0].device) for n in norms])
+        device = norms[0].device
+        if any(n.device != device for n in norms):
+            norms = [n.to(device) for n in norms]
+        return torch.stack(norms)
+
+    def native_scale_leaves(self, leaves, factor):
+        if all(x.dtype == factor.dtype and x.device == factor.device for x in leaves):
+            return list(torch._foreach_mul(leaves, factor))  # one multi-tensor kernel
+        return super().scale_leaves(leaves, factor)
 
     def native_all_finite(self, leaves):
         return torch.isfinite(self.native_leaf_norms(leaves, float("inf"), "float32").sum())

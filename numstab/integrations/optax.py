@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import optax
 
 from numstab import _validate as v
-from numstab._config import use_backend
 from numstab.clipping import clip_by_global_norm, global_norm
 from numstab.errors import InvalidArgumentError
 from numstab.loss_scale import LossScaler, LossScaleState
@@ -130,31 +129,32 @@ def loss_scaled(
                 f"{type(state).__name__}"
             )
         _check_matches(updates, params)
-        with use_backend("jax"):  # the scaler's methods take no backend= argument
-            grads, finite = scaler.unscale(updates, state.loss_scale)
-            finite = jnp.asarray(finite)
-            if axis_name is not None:
-                finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-            norm = None
-            if max_norm is not None:
-                if axis_name is None:
-                    grads, norm = clip_by_global_norm(grads, max_norm, norm_type=norm_type)
-                else:
-                    grads, norm = _clip_across(grads, max_norm, norm_type, axis_name)
-                finite = finite & jnp.isfinite(norm)
+        grads, finite = scaler.unscale(updates, state.loss_scale, backend="jax")
+        finite = jnp.asarray(finite)
+        if axis_name is not None:
+            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+        norm = None
+        if max_norm is not None:
+            if axis_name is None:
+                grads, norm = clip_by_global_norm(
+                    grads, max_norm, norm_type=norm_type, backend="jax"
+                )
+            else:
+                grads, norm = _clip_across(grads, max_norm, norm_type, axis_name)
+            finite = finite & jnp.isfinite(norm)
 
-            def apply(_: None) -> tuple[Any, Any]:
-                return inner.update(grads, state.inner_state, params, **extra_args)
+        def apply(_: None) -> tuple[Any, Any]:
+            return inner.update(grads, state.inner_state, params, **extra_args)
 
-            out_shapes = jax.eval_shape(apply, None)
+        out_shapes = jax.eval_shape(apply, None)
 
-            def skip(_: None) -> tuple[Any, Any]:
-                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes[0])
-                return zeros, state.inner_state
+        def skip(_: None) -> tuple[Any, Any]:
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes[0])
+            return zeros, state.inner_state
 
-            apply, skip = _same_varying_axes(apply, skip)
-            new_updates, inner_state = jax.lax.cond(finite, apply, skip, None)
-            loss_scale = scaler.update(state.loss_scale, finite)
+        apply, skip = _same_varying_axes(apply, skip)
+        new_updates, inner_state = jax.lax.cond(finite, apply, skip, None)
+        loss_scale = scaler.update(state.loss_scale, finite, backend="jax")
         return new_updates, LossScaledState(
             inner_state=inner_state,
             loss_scale=loss_scale,
@@ -230,13 +230,8 @@ def _clip_across(
     grads: Any, max_norm: float, norm_type: float, axis_name: Hashable
 ) -> tuple[Any, jax.Array]:
     """clip_by_global_norm where each device holds part of the tree: the norm is combined
-    over ``axis_name`` before the (identical) scale factor is applied.
-
-    Workaround: numstab.clip_by_global_norm cannot take a precomputed (cross-device) norm, so
-    its scale step is repeated here with the same formula (scale = max_norm / max(norm,
-    max_norm); untouched when the norm is not finite; multiplied in float32 at least).
-    """
-    local = global_norm(grads, norm_type)
+    over ``axis_name`` before the (identical) scale factor is applied."""
+    local = global_norm(grads, norm_type, backend="jax")
     if norm_type == math.inf:
         norm = jax.lax.pmax(local, axis_name)
     elif norm_type == 2.0:
@@ -245,15 +240,7 @@ def _clip_across(
         norm = jax.lax.psum(local, axis_name)
     else:
         norm = jax.lax.psum(local**norm_type, axis_name) ** (1.0 / norm_type)
-    factor = max_norm / jnp.maximum(norm, max_norm)
-    factor = jnp.where(jnp.isfinite(norm), factor, 1.0)
-
-    def scaled(leaf: jax.Array) -> jax.Array:
-        if leaf.dtype in (jnp.float32, jnp.float64):
-            return leaf * factor.astype(leaf.dtype)
-        return (leaf.astype(jnp.float32) * factor).astype(leaf.dtype)
-
-    return jax.tree.map(scaled, grads), norm
+    return clip_by_global_norm(grads, max_norm, norm_type=norm_type, norm=norm, backend="jax")
 
 
 def find_loss_scale_state(opt_state: Any) -> LossScaleState:
@@ -290,5 +277,4 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
     Differentiate this scaled loss and pass its gradients to ``update``.
     """
-    with use_backend("jax"):
-        return _ANY_SCALER.scale(loss, find_loss_scale_state(opt_state))
+    return _ANY_SCALER.scale(loss, find_loss_scale_state(opt_state), backend="jax")

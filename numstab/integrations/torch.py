@@ -42,8 +42,7 @@ import torch
 import torch.distributed as dist
 
 from numstab import _validate as v
-from numstab._config import use_backend
-from numstab.clipping import global_norm
+from numstab.clipping import clip_coefficient, global_norm
 from numstab.errors import InvalidArgumentError
 from numstab.loss_scale import LossScaler, LossScaleState
 
@@ -211,8 +210,7 @@ class GradScaler:
                 if local is None:
                     scale = state.scale.to(value.device, non_blocking=True)
                     local = per_device[value.device] = state._replace(scale=scale)
-                with use_backend("torch"):
-                    return self._scaler.scale(value, local)
+                return self._scaler.scale(value, local, backend="torch")
             if isinstance(value, (list, tuple)):
                 return type(value)(map(apply, value))
             if isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
@@ -285,8 +283,7 @@ class GradScaler:
             found = self._reduced_found_inf(recorded[0])
             for opt_state in recorded[1:]:
                 found = found + self._reduced_found_inf(opt_state).to(found.device)
-            with use_backend("torch"):
-                self._state = self._scaler.update(state, found == 0)
+            self._state = self._scaler.update(state, found == 0, backend="torch")
         self._opt_states = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -297,12 +294,10 @@ class GradScaler:
         if not self._enabled:
             return {}
         if self._state is None:
-            with use_backend("torch"):
-                _, state = LossScaler.from_state_dict(self._pending_dict(), backend="torch")
+            _, state = LossScaler.from_state_dict(self._pending_dict(), backend="torch")
         else:
             state = self._state
-        with use_backend("torch"):
-            data = self._scaler.state_dict(state)
+        data = self._scaler.state_dict(state, backend="torch")
         values = data["state"]
         return {
             "scale": float(values["scale"]),
@@ -343,8 +338,7 @@ class GradScaler:
                 raise InvalidArgumentError(f"Not a GradScaler state dict: missing {exc}") from exc
             data = {"config": config, "state": values}
         like = None if self._state is None else self._state.scale
-        with use_backend("torch"):
-            scaler, state = LossScaler.from_state_dict(data, backend="torch", like=like)
+        scaler, state = LossScaler.from_state_dict(data, backend="torch", like=like)
         self._scaler = scaler
         if self._state is None:
             self._pending = {"config": dataclasses.asdict(scaler), "state": _host(state)}
@@ -373,17 +367,13 @@ class GradScaler:
             if opt_state is None or opt_state.stage is _Stage.READY:
                 self.unscale_(optimizer)
                 opt_state = self._opt_states[id(optimizer)]
-        with use_backend("torch"):
-            norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")
+        norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")
         norm, found = self._reduce_norm(norm, float(norm_type), opt_state)
-        # WORKAROUND (core): numstab.clip_by_global_norm returns new tensors and cannot take a
-        # norm reduced across ranks; the gradients must change in place (optimizer, DDP bucket
-        # views). This is its coefficient, exactly: max_norm / max(norm, max_norm), 1 if not
-        # finite; applied as clipping._scaled does.
-        ok = torch.isfinite(norm)
+        # In place (optimizers and DDP buckets hold views of these gradients), with the
+        # coefficient numstab.clip_by_global_norm uses: max_norm / max(norm, max_norm), or 1.
+        coef = clip_coefficient(norm, max_norm, backend="torch")
         if found is not None:
-            ok = ok & (found.to(norm.device) == 0)
-        coef = torch.where(ok, max_norm / torch.clamp(norm, min=max_norm), 1.0)
+            coef = torch.where(found.to(norm.device) == 0, coef, 1.0)
         _mul_(grads, coef)
         self._last_grad_norm = norm
         return norm
@@ -464,13 +454,12 @@ class GradScaler:
 
     def _lazy_state(self, like: torch.Tensor) -> LossScaleState:
         if self._state is None:
-            with use_backend("torch"):
-                if self._pending is None:
-                    self._state = self._scaler.init(backend="torch", like=like)
-                else:
-                    _, self._state = LossScaler.from_state_dict(
-                        self._pending, backend="torch", like=like
-                    )
+            if self._pending is None:
+                self._state = self._scaler.init(backend="torch", like=like)
+            else:
+                _, self._state = LossScaler.from_state_dict(
+                    self._pending, backend="torch", like=like
+                )
             self._pending = None
         return self._state
 
@@ -478,8 +467,7 @@ class GradScaler:
         """The state dict the first ``scale`` will materialise (loaded, or a fresh init)."""
         if self._pending is not None:
             return self._pending
-        with use_backend("torch"):
-            return self._scaler.state_dict(self._scaler.init(backend="torch"))
+        return self._scaler.state_dict(self._scaler.init(backend="torch"), backend="torch")
 
     def _host_values(self) -> dict[str, Any]:
         return self._pending_dict()["state"]

@@ -1,0 +1,208 @@
+"""GradScaler across 2 gloo processes on CPU (loopback): one rank's overflow skips every rank.
+
+The test spawns this file twice as a script (``--worker``); each rank runs every scenario and
+writes its record as JSON. Rank 0 then runs the same scenarios again after leaving the group,
+as a single process: the reference. The test process itself imports no torch (its imports
+cost seconds of the two CPUs the workers need).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORLD = 2
+STEPS = 7
+INJECT = (2, 4, 5)  # overflow steps, on one rank only
+MAX_NORM = 0.05
+TIMEOUT_S = 50
+# (name, sharded, api, norm_type, optimizer, process_group): the default group (WORLD,
+# detected) unless "explicit" (a new group of every rank passed as process_group=)
+SCENARIOS = [
+    ("replicated_step", False, "step", 2.0, "sgd", "default"),
+    ("replicated_fused", False, "step", 2.0, "adam_fused", "default"),
+    ("replicated_combined", False, "combined", 2.0, "sgd", "explicit"),
+    ("sharded_l2", True, "combined", 2.0, "sgd", "default"),
+    ("sharded_linf", True, "combined", math.inf, "sgd", "explicit"),
+]
+
+
+NO_GLOO = 3  # a worker's exit code when torch has no gloo
+
+
+def _scenario(
+    rank: int, world: int, sharded: bool, api: str, norm_type: float, optimizer: str, group: str
+):
+    import torch
+    import torch.distributed as dist
+
+    from numstab.integrations.torch import GradScaler
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    params = list(model.parameters())
+    # sharded: rank r owns params[r::world] (all of them in the single-process reference)
+    owned = params[rank::world] if sharded else params
+    target = params[1] if sharded else params[0]  # the gradient that overflows ...
+    target_owner = 1 % world if sharded else world - 1  # ... on this rank only
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(owned, lr=0.05, momentum=0.9)
+    else:
+        opt = torch.optim.Adam(owned, lr=0.01, fused=True)
+    applied_steps: list[int] = []
+    opt.register_step_post_hook(lambda *_: applied_steps.append(step))
+    pg = dist.new_group(list(range(world))) if group == "explicit" and world > 1 else None
+    scaler = GradScaler(init_scale=8.0, growth_interval=2, sharded=sharded, process_group=pg)
+    g = torch.Generator().manual_seed(1)
+    record: dict = {"scales": [], "flags": [], "norms": []}
+    for step in range(STEPS):
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+        model.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        if step in INJECT and rank == target_owner:
+            target.grad.view(-1)[3] = math.inf
+        if api == "step":
+            scaler.step(opt)
+            scaler.update()
+        else:
+            record["flags"].append(scaler.step_and_update(opt, MAX_NORM, norm_type=norm_type))
+            record["norms"].append(float(scaler.last_grad_norm))
+        record["scales"].append(scaler.get_scale())
+        if sharded and world > 1:  # every rank needs the whole model for the next forward
+            for i, p in enumerate(params):
+                dist.broadcast(p.data, src=i % world)
+    if optimizer == "sgd":
+        record["applied"] = applied_steps
+    record["params"] = [p.detach().flatten().tolist() for p in params]
+    return record
+
+
+def _run_all(rank: int, world: int) -> dict:
+    return {name: _scenario(rank, world, *rest) for name, *rest in SCENARIOS}
+
+
+def _worker(rank: int, port: int, out: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        return NO_GLOO
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S - 10),
+    )
+    try:
+        records = {"ranks": _run_all(rank, WORLD)}
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        records["reference"] = _run_all(0, 1)
+    Path(out).write_text(json.dumps(records))
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The workers run this file as a script and skip importing pytest (seconds on a busy machine).
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    sys.exit(_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))
+
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dist")
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("NUMSTAB_BACKEND", None)
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(r), str(port), str(tmp / f"{r}.json")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if procs[0].returncode == NO_GLOO:
+        pytest.skip("torch.distributed has no gloo backend")
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
+    out = [json.loads((tmp / f"{r}.json").read_text()) for r in range(WORLD)]
+    return [o["ranks"] for o in out], out[0]["reference"]
+
+
+NAMES = [s[0] for s in SCENARIOS]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_rank_skips_and_backs_off_together(results, name):
+    ranks, reference = results
+    r0, r1 = ranks[0][name], ranks[1][name]
+    expected_applied = [s for s in range(STEPS) if s not in INJECT]
+    # the same decisions and scales on both ranks, and as in one process
+    assert r0["scales"] == r1["scales"] == reference[name]["scales"]
+    assert r0["scales"] == [8.0, 16.0, 8.0, 8.0, 4.0, 2.0, 2.0]
+    if "applied" in r0:
+        assert r0["applied"] == r1["applied"] == expected_applied
+    if r0["flags"]:
+        assert r0["flags"] == r1["flags"] == [s not in INJECT for s in range(STEPS)]
+    # identical parameters on every rank
+    assert r0["params"] == r1["params"]
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("replicated")])
+def test_replicated_parameters_equal_single_process(results, name):
+    ranks, reference = results
+    assert ranks[0][name]["params"] == reference[name]["params"]
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("sharded")])
+def test_sharded_norm_is_the_global_norm(results, name):
+    ranks, reference = results
+    ref = reference[name]
+    for r in range(WORLD):
+        got = ranks[r][name]
+        for step, (a, b) in enumerate(zip(got["norms"], ref["norms"], strict=True)):
+            if step in INJECT:
+                assert not math.isfinite(a) and not math.isfinite(b)
+            else:
+                assert b > MAX_NORM  # clipping is active
+                assert a == pytest.approx(b, rel=1e-6)
+        for a, b in zip(got["params"], ref["params"], strict=True):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
