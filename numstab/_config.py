@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import tomllib
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -71,8 +70,11 @@ def use_backend(name: str) -> Iterator[str]:
         _context_backend.reset(token)
 
 
+_DEFAULT_CONFIG_PATH = os.path.expanduser(DEFAULT_CONFIG)
+
+
 def _config_path() -> str:
-    return os.environ.get(CONFIG_ENV_VAR) or os.path.expanduser(DEFAULT_CONFIG)
+    return os.environ.get(CONFIG_ENV_VAR) or _DEFAULT_CONFIG_PATH
 
 
 def _config_file_backend(path: str) -> str | None:
@@ -83,6 +85,10 @@ def _config_file_backend(path: str) -> str | None:
 
 
 def _read_config_file(path: str) -> str | None:
+    if not os.path.exists(path):
+        return None
+    import tomllib  # only when there is a file to read
+
     try:
         with open(path, "rb") as fh:
             value = tomllib.load(fh).get("backend")

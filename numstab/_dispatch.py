@@ -42,9 +42,9 @@ def framework_of(x: Any) -> str:
     cls = type(x)
     framework = _type_cache.get(cls)
     if framework is None:
-        framework = _framework_of_type(cls)
-        if framework != _HOST:  # a framework imported later may claim a type seen before
-            _type_cache[cls] = framework
+        # Cached for host types too: a framework imported later cannot claim a class that
+        # existed before it (its array classes are created by its own import).
+        framework = _type_cache[cls] = _framework_of_type(cls)
     return framework
 
 

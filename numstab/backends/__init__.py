@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata
-import importlib.util
 import sys
 from typing import TYPE_CHECKING
 
@@ -76,6 +74,8 @@ def available_backends() -> dict[str, str]:
 
     Looks at installed distributions only: nothing is imported.
     """
+    import importlib.util
+
     found = {}
     for name, (_, dists, _) in REGISTRY.items():
         if all(importlib.util.find_spec(d) is not None for d in dists):
@@ -84,6 +84,8 @@ def available_backends() -> dict[str, str]:
 
 
 def _version(module: str) -> str:
+    import importlib.metadata  # ~30 ms: only when versions are asked for
+
     for dist in (module, f"{module}-cpu"):  # tensorflow may be installed as tensorflow-cpu
         try:
             return importlib.metadata.version(dist)
