@@ -488,3 +488,34 @@ def test_no_host_reads_in_unscale_clip_update(monkeypatch):
         scaler.update()
         with pytest.raises(AssertionError, match="host read"):
             scaler.step(opt)  # a plain optimizer: one read decides whether to step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_host_device_sync_on_cuda():
+    """The real check: CUDA's sync-debug mode raises on any host-device synchronisation in
+    the functional core (unscale, clip, update) and in the GradScaler's unscale_, clip and
+    fused step."""
+    device = torch.device("cuda")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    scaler = GradScaler(init_scale=2.0**10)
+    core = LossScaler(init_scale=2.0**10)
+    state = core.init(like=next(model.parameters()))
+    scaler.scale(model(torch.randn(8, 16, device=device)).square().mean()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        unscaled, finite = core.unscale(grads, state)
+        clipped, _ = numstab.clip_by_global_norm(unscaled, 1.0)
+        state = core.update(state, finite)
+        numstab.all_finite(clipped)
+        scaler.unscale_(opt)
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    assert state.scale.device.type == "cuda"
