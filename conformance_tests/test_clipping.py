@@ -129,3 +129,19 @@ def test_bad_clipping_arguments(eager_target):
         ns.clip_by_value(tree, 1.0, -1.0)
     with pytest.raises(ns.InvalidArgumentError, match="dtype=int32"):
         ns.global_norm([h.asarray(np.ones(2, np.int32))])
+
+
+def test_all_finite_float64_and_huge_finite_values(eager_target):
+    h = eager_target.h
+    big = [h.asarray(np.array([3e38]), "float32"), h.asarray(np.array([3e38]), "float32")]
+    assert bool(h.numpy(ns.all_finite(big)))  # maxima are not summed into an overflow
+    if h.name != "jax":  # JAX without x64 has no float64 arrays
+        assert bool(h.numpy(ns.all_finite([h.asarray(np.ones(2), "float64")])))
+
+
+def test_host_leaves_adopt_the_tree_backend(eager_target):
+    h = eager_target.h
+    tree = [np.array([3.0], np.float32), h.asarray(np.array([4.0]), "float32")]
+    np.testing.assert_allclose(h.numpy(ns.global_norm(tree)), 5.0, rtol=1e-6)
+    clipped, _ = ns.clip_by_global_norm(tree[1:], 1.0, norm=10.0)
+    np.testing.assert_allclose(h.numpy(clipped[0]), [0.4], rtol=1e-6)

@@ -200,7 +200,7 @@ def test_for_dtype():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"init_scale": 0.0}, r"init_scale in \(0, inf\)"),
+        ({"init_scale": 0.0}, r"Expected init_scale in \[1.17549e-38, 3.40282e\+38\]"),
         ({"init_scale": float("inf")}, "init_scale=inf"),
         ({"growth_factor": 1.0}, r"growth_factor in \(1, inf\)"),
         ({"backoff_factor": 1.0}, r"backoff_factor in \(0, 1\)"),
@@ -223,3 +223,25 @@ def test_unscale_rejects_integer_gradients(eager_target):
     state = scaler.init(like=h.asarray(np.zeros(1), "float32"))
     with pytest.raises(ns.InvalidArgumentError, match="dtype=int32"):
         scaler.unscale([h.asarray(np.ones(3), "float32"), h.asarray(np.ones(2, np.int32))], state)
+
+
+def test_unscale_keeps_float64_precision():
+    scaler = ns.LossScaler(init_scale=4.0)
+    state = scaler.init(backend="numpy")
+    (g,), finite = scaler.unscale([np.array([1.0 / 3.0])], state)
+    assert g.dtype == np.float64 and g[0] == 1.0 / 12.0 and finite
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"init_scale": 2.0**200}, "init_scale"),
+        ({"init_scale": 1e-50}, "init_scale"),
+        ({"init_scale": 2.0, "min_scale": 3.0}, "min_scale <= init_scale <= max_scale"),
+        ({"dynamic": "no"}, "Expected dynamic to be a bool"),
+    ],
+)
+def test_scale_range_and_flags_are_validated(kwargs, message):
+    with pytest.raises(ns.InvalidArgumentError, match=message):
+        ns.LossScaler(**kwargs)
+    assert ns.LossScaler.for_dtype("bfloat16", init_scale=2.0).init_scale == 2.0

@@ -67,6 +67,14 @@ def detect(*arrays: Any) -> str | None:
     return found
 
 
+def to_backend(be: Backend, x: Any, like: Any = None) -> Any:
+    """Host data (NumPy, scalars, lists) becomes an array of ``be`` (on the device of
+    ``like``); framework arrays and None pass as they are."""
+    if x is None or framework_of(x) != _HOST:
+        return x
+    return be.asarray(x, like=like)
+
+
 def resolve_backend(*arrays: Any, backend: str | None = None) -> Backend:
     """The Backend a call with these arrays runs on, by configuration then detection."""
     name = configured_backend(backend)

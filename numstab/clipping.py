@@ -8,10 +8,11 @@ gradients and optax's and TF's turn them to NaN. See docs/semantics.md.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from numstab import _validate as v
-from numstab._dispatch import resolve_backend
+from numstab._dispatch import resolve_backend, to_backend
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, unflatten
@@ -27,6 +28,9 @@ def _numeric_leaves(
     leaves, treedef = flatten(tree)
     present = [leaf for leaf in leaves if leaf is not None]
     be = resolve_backend(*present, *extra, backend=backend)
+    like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
+    leaves = [to_backend(be, leaf, like=like) for leaf in leaves]
+    present = [leaf for leaf in leaves if leaf is not None]
     numeric = []
     for i, leaf in enumerate(present):
         dtype = be.dtype_name(leaf)
@@ -44,8 +48,15 @@ def _accumulation_dtype(be: Backend, leaves: list) -> str:
 
 
 def _check_norm_type(norm_type: Any) -> float:
-    norm_type = v.check_number("norm_type", norm_type, low=0.0, high=math.inf, low_open=True)
-    return norm_type
+    if (
+        isinstance(norm_type, numbers.Real)
+        and not isinstance(norm_type, bool)
+        and (norm_type > 0 and not math.isnan(norm_type))
+    ):
+        return float(norm_type)
+    raise InvalidArgumentError(
+        f"Expected norm_type > 0 (math.inf allowed). Received: norm_type={norm_type!r}"
+    )
 
 
 def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
@@ -64,8 +75,7 @@ def global_norm(tree: Tree, norm_type: float = 2.0, *, backend: str | None = Non
 
     A NaN anywhere gives NaN, an inf (and no NaN) gives inf; an empty tree gives 0.
     """
-    if norm_type != math.inf:
-        norm_type = _check_norm_type(norm_type)
+    norm_type = _check_norm_type(norm_type)
     be, _, _, leaves = _numeric_leaves(tree, backend)
     return _global_norm(be, leaves, float(norm_type))
 
@@ -101,11 +111,12 @@ def clip_by_global_norm(
     elsewhere (e.g. combined across devices or ranks) to use instead of this tree's own.
     """
     max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
-    if norm_type != math.inf:
-        norm_type = _check_norm_type(norm_type)
+    norm_type = _check_norm_type(norm_type)
     be, leaves, treedef, numeric = _numeric_leaves(tree, backend, norm)
     if norm is None:
         norm = _global_norm(be, numeric, float(norm_type))
+    else:
+        norm = to_backend(be, norm, like=numeric[0] if numeric else None)
     factor = _coefficient(be, norm, max_norm)
     return unflatten(treedef, scale_leaves(be, leaves, factor)), norm
 

@@ -29,16 +29,19 @@ without a host sync.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 from numstab import _validate as v
-from numstab._dispatch import resolve_backend
-from numstab.backends._base import Backend, native_op
+from numstab._dispatch import resolve_backend, to_backend
+from numstab.backends._base import native_op
+from numstab.clipping import scale_leaves
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, unflatten
 
 Array = Any
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32: the backoff floor without min_scale
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class LossScaleState(NamedTuple):
@@ -96,7 +99,12 @@ class LossScaler:
     dynamic: bool = True
 
     def __post_init__(self) -> None:
-        v.check_number("init_scale", self.init_scale, low=0.0, low_open=True)
+        v.check_number("init_scale", self.init_scale, low=FLOAT32_TINY, high=FLOAT32_MAX)
+        for name in ("consecutive_hysteresis", "dynamic"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(
+                    f"Expected {name} to be a bool. Received: {name}={getattr(self, name)!r}"
+                )
         if self.dynamic:
             v.check_number("growth_factor", self.growth_factor, low=1.0, low_open=True)
             v.check_number("backoff_factor", self.backoff_factor, low=0.0, high=1.0, low_open=True)
@@ -125,6 +133,12 @@ class LossScaler:
                 f"Expected min_scale <= max_scale. Received: min_scale={self.min_scale}, "
                 f"max_scale={self.max_scale}"
             )
+        low, high = self.min_scale or 0.0, self.max_scale or math.inf
+        if not low <= self.init_scale <= high:
+            raise InvalidArgumentError(
+                f"Expected min_scale <= init_scale <= max_scale. Received: init_scale="
+                f"{self.init_scale}, min_scale={self.min_scale}, max_scale={self.max_scale}"
+            )
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
@@ -146,7 +160,7 @@ class LossScaler:
         if name in ("float16", "half"):
             return cls(**overrides)
         if name in ("bfloat16", "float32", "float64", "float", "double"):
-            return cls(init_scale=1.0, dynamic=False, **overrides)
+            return cls(**{"init_scale": 1.0, "dynamic": False, **overrides})
         raise InvalidArgumentError(
             f"Expected a floating compute dtype (float16, bfloat16, float32, float64). "
             f"Received: dtype={dtype!r}"
@@ -185,8 +199,9 @@ class LossScaler:
                     f"Expected floating-point gradients. Received: leaf {i} with "
                     f"dtype={be.dtype_name(g)}"
                 )
+        leaves = [to_backend(be, g, like=state.scale) for g in leaves]
         inv_scale = 1.0 / state.scale  # scales are powers of two in practice: exact
-        unscaled = [None if g is None else _times(be, g, inv_scale) for g in leaves]
+        unscaled = scale_leaves(be, leaves, inv_scale)
         numeric = [g for g in unscaled if g is not None and be.size(g, "float32") != 0]
         finite = native_op(be, "all_finite")(numeric) if numeric else be.asarray(True)
         return unflatten(treedef, unscaled), finite
@@ -256,10 +271,3 @@ class LossScaler:
         except (KeyError, TypeError) as exc:
             raise InvalidArgumentError(f"Not a numstab loss-scaler state dict: {exc!r}") from exc
         return scaler, state
-
-
-def _times(be: Backend, g: Array, factor: Array) -> Array:
-    dtype = be.dtype_name(g)
-    if dtype == "float32":
-        return g * factor
-    return be.cast(be.cast(g, "float32") * factor, dtype)

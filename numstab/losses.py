@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from numstab import _validate as v
-from numstab._dispatch import framework_of, resolve_backend
+from numstab._dispatch import resolve_backend
+from numstab._dispatch import to_backend as _to_backend
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError
 
@@ -18,13 +19,6 @@ Array = Any
 INF = float("inf")
 NAN = float("nan")
 REDUCTIONS = ("mean", "sum", "none")
-
-
-def _to_backend(be: Backend, x: Any, like: Array | None = None) -> Array:
-    """Host data (NumPy, scalars, lists) becomes a backend array; backend arrays pass as is."""
-    if x is None or framework_of(x) != "host":
-        return x
-    return be.asarray(x, like=like)
 
 
 def _prepare(be: Backend, x: Array, name: str, axis: int) -> tuple[Array, int, str]:

@@ -228,7 +228,8 @@ class GradScaler:
         Once per optimizer between ``update`` calls; a second call, float16 or integer
         gradients raise InvalidArgumentError and change nothing. The check looks at the
         gradients before unscaling (torch's kernel), so an unscale that overflows (scale < 1)
-        is not flagged; ``clip_grad_norm_`` / ``step_and_update`` also catch it.
+        is not flagged; ``clip_grad_norm_`` and ``step_and_update(max_norm=...)`` catch it
+        through the non-finite norm.
         """
         if not self._enabled:
             return
