@@ -104,9 +104,3 @@ def leaves_with_paths(tree: Any, prefix: str = "") -> Iterator[tuple[str, Leaf]]
         return
     for suffix, child in split[0]:
         yield from leaves_with_paths(child, prefix + suffix)
-
-
-def tree_map(fn: Callable[[Leaf], Leaf], tree: Any) -> Any:
-    """Apply ``fn`` to every non-None leaf; None leaves stay None."""
-    leaves, treedef = flatten(tree)
-    return unflatten(treedef, [None if leaf is None else fn(leaf) for leaf in leaves])
