@@ -13,6 +13,7 @@ from numstab.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
     MixedBackendsError,
+    NonFiniteError,
     NumstabError,
     UnknownBackendError,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "LossScaleState",
     "LossScaler",
     "MixedBackendsError",
+    "NonFiniteError",
     "NumstabError",
     "UnknownBackendError",
     "__version__",

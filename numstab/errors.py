@@ -32,3 +32,37 @@ class BackendMismatchError(NumstabError, TypeError):
 
     numstab never copies arrays across frameworks silently.
     """
+
+
+class NonFiniteError(NumstabError, FloatingPointError):
+    """A NaN or inf was found where finite values were required.
+
+    Attributes (``None`` where the framework cannot tell): ``framework``, ``op`` (the op's name
+    as the framework gives it), ``op_kind`` (a normalised name: ``log``, ``sqrt``, ``div``,
+    ``exp``, ``matmul``, ...), ``phase`` (``"forward"`` or ``"backward"``), ``where`` (the
+    user's ``file:line``), ``nan_count``, ``inf_count`` and ``paths`` (offending tree paths).
+    The framework's own exception, when there is one, is the ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        framework: str | None = None,
+        op: str | None = None,
+        op_kind: str | None = None,
+        phase: str | None = None,
+        where: str | None = None,
+        nan_count: int | None = None,
+        inf_count: int | None = None,
+        paths: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.framework = framework
+        self.op = op
+        self.op_kind = op_kind
+        self.phase = phase
+        self.where = where
+        self.nan_count = nan_count
+        self.inf_count = inf_count
+        self.paths = tuple(paths)
