@@ -24,7 +24,7 @@ ARRAY_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
     "jax": (("jax", "Array"), ("jax.core", "Tracer")),
 }
 
-_HOST = "host"  # NumPy arrays, Python scalars and sequences: they adopt the call's backend
+HOST = "host"  # NumPy arrays, Python scalars and sequences: they adopt the call's backend
 _type_cache: dict[type, str] = {}
 
 
@@ -34,7 +34,7 @@ def _framework_of_type(cls: type) -> str:
             module = sys.modules.get(module_name)
             if module is not None and issubclass(cls, getattr(module, attr)):
                 return framework
-    return _HOST
+    return HOST
 
 
 def framework_of(x: Any) -> str:
@@ -55,7 +55,7 @@ def detect(*arrays: Any) -> str | None:
         if x is None:
             continue
         framework = framework_of(x)
-        if framework == _HOST:
+        if framework == HOST:
             continue
         if found is None:
             found = framework
@@ -70,7 +70,7 @@ def detect(*arrays: Any) -> str | None:
 def to_backend(be: Backend, x: Any, like: Any = None) -> Any:
     """Host data (NumPy, scalars, lists) becomes an array of ``be`` (on the device of
     ``like``); framework arrays and None pass as they are."""
-    if x is None or framework_of(x) != _HOST:
+    if x is None or framework_of(x) != HOST:
         return x
     return be.asarray(x, like=like)
 

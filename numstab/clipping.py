@@ -12,7 +12,7 @@ import numbers
 from typing import Any
 
 from numstab import _validate as v
-from numstab._dispatch import resolve_backend, to_backend
+from numstab._dispatch import HOST, framework_of, resolve_backend, to_backend
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, unflatten
@@ -28,9 +28,10 @@ def _numeric_leaves(
     leaves, treedef = flatten(tree)
     present = [leaf for leaf in leaves if leaf is not None]
     be = resolve_backend(*present, *extra, backend=backend)
-    like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
-    leaves = [to_backend(be, leaf, like=like) for leaf in leaves]
-    present = [leaf for leaf in leaves if leaf is not None]
+    if any(framework_of(leaf) == HOST for leaf in present):
+        like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
+        leaves = [to_backend(be, leaf, like=like) for leaf in leaves]
+        present = [leaf for leaf in leaves if leaf is not None]
     numeric = []
     for i, leaf in enumerate(present):
         dtype = be.dtype_name(leaf)

@@ -519,3 +519,68 @@ def test_no_host_device_sync_on_cuda():
         torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()
     assert state.scale.device.type == "cuda"
+
+
+# -- module-level clip_grad_norm_ (drop-in for torch.nn.utils.clip_grad_norm_) ----------------
+def _params_with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(torch.zeros_like(g, dtype=torch.float32)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    return params
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, INF])
+def test_clip_grad_norm_matches_torch_up_to_its_epsilon(norm_type):
+    from numstab.integrations.torch import clip_grad_norm_
+
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(7, 5, generator=g) * 4, torch.randn(11, generator=g), torch.ones(2, 2)]
+    ours, theirs = _params_with_grads(grads), _params_with_grads(grads)
+    norm = clip_grad_norm_(ours, 0.5, norm_type)
+    norm_t = torch.nn.utils.clip_grad_norm_(theirs, 0.5, norm_type, foreach=True)
+    torch.testing.assert_close(norm, norm_t, rtol=1e-6, atol=0)
+    for a, b in zip(ours, theirs, strict=True):  # torch divides by norm + 1e-6
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=0)
+    clipped, _ = numstab.clip_by_global_norm(grads, 0.5, norm_type=norm_type)
+    for a, b in zip(ours, clipped, strict=True):
+        assert torch.equal(a.grad, b)
+
+
+def test_clip_grad_norm_under_the_limit_is_exact_and_fp16_is_not_zeroed():
+    from numstab.integrations.torch import clip_grad_norm_
+
+    small = [torch.full((3,), 0.1), torch.full((2, 2), -0.2)]
+    params = _params_with_grads(small)
+    param = params[0]
+    clip_grad_norm_(param, 10.0)  # a single tensor is accepted, like torch
+    clip_grad_norm_(params, 10.0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, small, strict=True))
+
+    # float16 gradients of norm ~1e5: torch's per-tensor fp16 norm overflows to inf
+    big = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    big.grad = torch.full((4,), 60000.0, dtype=torch.float16)
+    norm = clip_grad_norm_([big], 1.0)
+    assert norm.dtype == torch.float32 and math.isclose(norm.item(), 120000.0, rel_tol=1e-6)
+    torch.testing.assert_close(big.grad.float(), torch.full((4,), 0.5), rtol=1e-3, atol=0)
+
+
+def test_clip_grad_norm_leaves_gradients_untouched_on_a_nonfinite_norm():
+    from numstab.integrations.torch import clip_grad_norm_
+
+    grads = [torch.tensor([1.0, INF, 3.0]), torch.tensor([4.0, 5.0])]
+    params = _params_with_grads(grads)
+    norm = clip_grad_norm_(params, 1.0)
+    assert math.isinf(norm.item())
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+
+
+def test_clip_grad_norm_bad_arguments_change_nothing():
+    from numstab.integrations.torch import clip_grad_norm_
+
+    params = _params_with_grads([torch.full((3,), 5.0)])
+    for kwargs, match in (({"max_norm": 0.0}, "max_norm"), ({"max_norm": -1.0}, "max_norm")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            clip_grad_norm_(params, **kwargs)
+    with pytest.raises(InvalidArgumentError, match="norm_type"):
+        clip_grad_norm_(params, 1.0, norm_type=0.0)
+    assert torch.equal(params[0].grad, torch.full((3,), 5.0))

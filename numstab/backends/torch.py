@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from numstab.backends._base import Backend
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # str(dtype) costs ~1 us; clipping asks per leaf
+
 
 class TorchBackend(Backend):
     name = "torch"
@@ -20,7 +22,10 @@ class TorchBackend(Backend):
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def dtype_name(self, x):
-        return str(x.dtype).removeprefix("torch.")
+        name = _DTYPE_NAMES.get(x.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
+        return name
 
     def cast(self, x, dtype):
         return x.to(getattr(torch, dtype))
@@ -33,6 +38,9 @@ class TorchBackend(Backend):
 
     def moveaxis(self, x, source, destination):
         return torch.movedim(x, source, destination)
+
+    def size(self, x, dtype):
+        return x.numel()
 
     def unflatten_rows(self, rows, like):
         return rows.reshape(like.shape[:-1])

@@ -46,7 +46,7 @@ from numstab.clipping import clip_coefficient, global_norm
 from numstab.errors import InvalidArgumentError
 from numstab.loss_scale import LossScaler, LossScaleState
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "clip_grad_norm_"]
 
 T = TypeVar("T")
 
@@ -622,19 +622,42 @@ def _host(state: LossScaleState) -> dict[str, Any]:
     return {f: getattr(state, f).item() for f in LossScaleState._fields}
 
 
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Drop-in for ``torch.nn.utils.clip_grad_norm_`` with ``numstab.clip_by_global_norm``'s
+    semantics, in place: ``g *= max_norm / max(norm, max_norm)``.
+
+    Unlike torch: the norm accumulates in float32 for float16/bfloat16 gradients (torch's
+    overflows to inf and zeroes them), there is no ``1e-6`` epsilon (gradients under the
+    limit are exactly unchanged), and a non-finite norm leaves every gradient untouched (torch
+    multiplies by NaN or 0). Returns the global norm as a 0-d tensor; no host sync.
+    """
+    max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = _grads_by_device_dtype(params)
+    norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")
+    _mul_(grads, clip_coefficient(norm, max_norm, backend="torch"))
+    return norm
+
+
 def _dense_grads(optimizer: torch.optim.Optimizer) -> dict[tuple, list[torch.Tensor]]:
     """The optimizer's gradients by (device, dtype); sparse ones raise."""
+    return _grads_by_device_dtype(p for group in optimizer.param_groups for p in group["params"])
+
+
+def _grads_by_device_dtype(params: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    """The parameters' gradients (None skipped) by (device, dtype); sparse ones raise."""
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                raise InvalidArgumentError(
-                    "Expected dense gradients to clip. Received: a sparse gradient."
-                )
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            raise InvalidArgumentError(
+                "Expected dense gradients to clip. Received: a sparse gradient."
+            )
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
     return groups
 
 
