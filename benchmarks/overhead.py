@@ -1,4 +1,4 @@
-"""Overhead of numstab.cross_entropy against the native call it wraps, per backend, in one run.
+"""Overhead of numstab against the native calls it wraps, per backend and mode, in one run.
 
 What is measured
 ----------------
@@ -24,6 +24,11 @@ What is measured
 3. Tiny case: forward only on [8, 16] logits, median microseconds per call, numstab against the
    same native call: the fixed per-call price of numstab's validation and composition.
 4. Dispatch: median microseconds of ``numstab.resolve_backend(x)`` alone on a tiny array.
+5. Tree operations on a list of fp32 gradients (default 200 tensors, 20M parameters; --tree):
+   global_norm, clip_by_global_norm, all_finite, the loss-scaler step (unscale + finite check
+   + update) and find_nonfinite (eager only: it reads the host), each against what a user of
+   the framework writes without numstab; the table of natives is in _overhead_tree.py. Same
+   modes, interleaving, agreement check (rtol 2e-5) and goals as the large case.
 
 How
 ---
@@ -42,7 +47,8 @@ How
   compiled, dispatch < 10 us. Each row says whether it meets its goal.
 
 Usage: python benchmarks/overhead.py [--backends torch,jax,tensorflow] [--shape 4096x32768]
-       [--repeats 7] [--device cpu|gpu] [--torch-compile] [--quick] [--json PATH]
+       [--tree 200x20000000 | --skip-tree] [--repeats 7] [--device cpu|gpu] [--torch-compile]
+       [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -66,11 +72,15 @@ import numpy as np
 
 import numstab
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _overhead_tree
+
 BACKENDS = ("torch", "jax", "tensorflow")
 ALIASES = {"tf": "tensorflow", "pytorch": "torch"}
 DEFAULT_SHAPE = (4096, 32768)
 QUICK_SHAPE = (1024, 8192)
 TINY_SHAPE = (8, 16)
+DEFAULT_TREE, QUICK_TREE = (200, 20_000_000), (50, 1_000_000)  # (tensors, parameters)
 DEFAULT_REPEATS, QUICK_REPEATS = 7, 3
 DEFAULT_WARMUP, QUICK_WARMUP = 2, 1
 CASES = {"hard labels": 0.0, "label smoothing 0.1": 0.1}
@@ -402,6 +412,33 @@ def bench_large(
     return rows
 
 
+def bench_tree(
+    h: Harness, host: list[np.ndarray], device: str, warmup: int, repeats: int
+) -> list[Row]:
+    """The tree operations of _overhead_tree, in every mode of the harness."""
+    rows = []
+    for mode in h.modes:
+        pairs = _overhead_tree.PAIRS[h.name](host, device, compiled=mode != "eager")
+        for op, (ours, theirs) in pairs.items():
+            where = f"{h.name} {mode} {op}"
+            print(f"  {where} ...", flush=True)
+            _overhead_tree.assert_agree(where, _host(h, ours()), _host(h, theirs()))
+            t_ours, t_theirs = interleaved_medians(ours, theirs, h.sync, warmup, repeats)
+            ratio = t_ours / t_theirs
+            goal = EAGER_GOAL if mode == "eager" else COMPILED_GOAL
+            rows.append(
+                Row(op, h.name, mode, 1e3 * t_ours, 1e3 * t_theirs, ratio, goal, ratio <= goal)
+            )
+    return rows
+
+
+def _host(h: Harness, tree: Any) -> Any:
+    """Every framework array of a (nested tuple/list) result as NumPy."""
+    if isinstance(tree, tuple | list):
+        return [_host(h, x) for x in tree]
+    return tree if isinstance(tree, int | float | bool) else h.to_numpy(tree)
+
+
 def bench_tiny(h: Harness, warmup: int, repeats: int) -> tuple[TinyRow, DispatchRow]:
     x, y = h.inputs(*make_data(TINY_SHAPE, seed=1), False)
     ours, theirs = partial(numstab_loss(0.0), x, y), partial(h.native_loss(0.0), x, y)
@@ -482,6 +519,7 @@ def print_report(
     rows: list[Row],
     tiny: list[TinyRow],
     dispatch: list[DispatchRow],
+    tree_rows: list[Row] = (),
 ) -> None:
     print()
     print(f"numstab {meta['numstab']} overhead | device {meta['device']} | {meta['machine']}")
@@ -519,6 +557,29 @@ def print_report(
                 ],
             )
         )
+    if tree_rows:
+        print(
+            f"\nTree operations on {meta['tree']} fp32 gradients, median per call "
+            "(ratio = numstab / native; natives in benchmarks/_overhead_tree.py):"
+        )
+        print(
+            format_table(
+                ["op", "backend", "mode", "numstab ms", "native ms", "ratio", "goal", "meets"],
+                [
+                    [
+                        r.case,
+                        r.backend,
+                        r.mode,
+                        f"{r.numstab_ms:.2f}",
+                        f"{r.native_ms:.2f}",
+                        f"{r.ratio:.3f}",
+                        f"<= {r.goal:.2f}",
+                        _mark(r.meets_goal),
+                    ]
+                    for r in tree_rows
+                ],
+            )
+        )
     if tiny:
         print(
             f"\nTiny forward, logits {TINY_SHAPE[0]}x{TINY_SHAPE[1]}, hard labels, eager, "
@@ -549,6 +610,7 @@ def print_report(
             ],
         )
     )
+    rows = [*rows, *tree_rows]
     met = sum(r.meets_goal for r in rows) + sum(d.meets_goal for d in dispatch)
     print(
         f"\nGoal: ratio <= {EAGER_GOAL:.2f} eager, <= {COMPILED_GOAL:.2f} (about 1.00) "
@@ -618,6 +680,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"untimed rounds first (default {DEFAULT_WARMUP}; --quick: {QUICK_WARMUP})",
     )
     parser.add_argument(
+        "--tree",
+        type=parse_shape,
+        default=None,
+        help="gradients for the tree ops, TENSORSxPARAMETERS (default 200x20000000; "
+        "--quick: 50x1000000)",
+    )
+    parser.add_argument("--skip-tree", action="store_true", help="skip the tree operations")
+    parser.add_argument(
         "--device",
         choices=("cpu", "gpu"),
         default="cpu",
@@ -634,6 +704,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     args.shape = args.shape or (QUICK_SHAPE if args.quick else DEFAULT_SHAPE)
+    args.tree = args.tree or (QUICK_TREE if args.quick else DEFAULT_TREE)
     args.repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
     if args.warmup is None:
         args.warmup = QUICK_WARMUP if args.quick else DEFAULT_WARMUP
@@ -665,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}",
         "shape": f"{args.shape[0]}x{args.shape[1]}",
+        "tree": f"{args.tree[0]} tensors, {args.tree[1] / 1e6:g}M parameters,",
         "repeats": args.repeats,
         "warmup": args.warmup,
         "load_start": os.getloadavg()[0],
@@ -674,22 +746,26 @@ def main(argv: list[str] | None = None) -> int:
     imports = measure_import()
     data = make_data(args.shape)
     host = np.zeros(TINY_SHAPE, np.float32)
-    rows, tiny = [], []
+    grads = [] if args.skip_tree else _overhead_tree.make_grads(*args.tree)
+    rows, tiny, tree_rows = [], [], []
     dispatch = [bench_dispatch("numpy", host, args.warmup, args.repeats)]
     for h in harnesses:
         print(f"{h.name}:", flush=True)
         rows += bench_large(h, data, args.warmup, args.repeats)
+        if grads:
+            tree_rows += bench_tree(h, grads, args.device, args.warmup, args.repeats)
         tiny_row, dispatch_row = bench_tiny(h, args.warmup, args.repeats)
         tiny.append(tiny_row)
         dispatch.append(dispatch_row)
         gc.collect()
     meta["load_end"] = os.getloadavg()[0]
-    print_report(meta, imports, rows, tiny, dispatch)
+    print_report(meta, imports, rows, tiny, dispatch, tree_rows)
     if args.json:
         results = {
             "meta": meta,
             "import": imports,
             "large": [asdict(r) for r in rows],
+            "tree": [asdict(r) for r in tree_rows],
             "tiny": [asdict(t) for t in tiny],
             "dispatch": [asdict(d) for d in dispatch],
         }
