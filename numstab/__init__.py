@@ -6,6 +6,7 @@ first time that backend is used.
 
 from numstab._config import backend_choice, set_backend, use_backend
 from numstab._dispatch import resolve_backend
+from numstab.adaptive_clipping import AGC, ZClip, ZClipState, adaptive_grad_clip
 from numstab.backends import available_backends, preload_imported_frameworks
 from numstab.clipping import all_finite, clip_by_global_norm, clip_by_value, global_norm
 from numstab.errors import (
@@ -17,8 +18,10 @@ from numstab.errors import (
     NumstabError,
     UnknownBackendError,
 )
+from numstab.guard import SpikeDetector, TrainingGuard
 from numstab.loss_scale import LossScaler, LossScaleState
 from numstab.losses import cross_entropy, log_softmax, logsumexp, smooth_labels
+from numstab.schedules import WarmupCosineSchedule, warmup_cosine_schedule
 
 __version__ = "0.1.0"
 
@@ -31,6 +34,7 @@ def get_backend() -> str:
 
 
 __all__ = [
+    "AGC",
     "BackendMismatchError",
     "BackendUnavailableError",
     "InvalidArgumentError",
@@ -39,8 +43,14 @@ __all__ = [
     "MixedBackendsError",
     "NonFiniteError",
     "NumstabError",
+    "SpikeDetector",
+    "TrainingGuard",
     "UnknownBackendError",
+    "WarmupCosineSchedule",
+    "ZClip",
+    "ZClipState",
     "__version__",
+    "adaptive_grad_clip",
     "all_finite",
     "available_backends",
     "backend_choice",
@@ -55,4 +65,5 @@ __all__ = [
     "set_backend",
     "smooth_labels",
     "use_backend",
+    "warmup_cosine_schedule",
 ]

@@ -66,3 +66,23 @@ class NonFiniteError(NumstabError, FloatingPointError):
         self.nan_count = nan_count
         self.inf_count = inf_count
         self.paths = tuple(paths)
+
+
+# -- data firewall --
+class OutlierError(NumstabError, ValueError):
+    """A data sample was flagged as an outlier by a ``numstab.data`` filter under
+    ``policy="raise"``. Attributes: ``filter`` (its name), ``paths`` (the fields it looked
+    at) and ``indices`` (global sample indices in the guarded stream)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        filter: str | None = None,
+        paths: tuple[str, ...] = (),
+        indices: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.filter = filter
+        self.paths = tuple(paths)
+        self.indices = tuple(indices)

@@ -201,3 +201,69 @@ class Backend:
     def softmax_nll(self, logits: Array, labels: Array) -> Array:
         """Per-row -log_softmax(logits)[label] for 2-D logits and in-range labels."""
         return -self.take_rows(self.log_softmax(logits), labels)
+
+    # -- schedules and adaptive clipping --
+    def cos(self, x: Array) -> Array:
+        raise NotImplementedError
+
+    # -- fused cross-entropy --
+    def matmul(
+        self, a: Array, b: Array, transpose_a: bool = False, transpose_b: bool = False
+    ) -> Array:
+        """``op(a) @ op(b)`` for 2-D arrays of one dtype, op = transpose where asked."""
+        raise NotImplementedError
+
+    def concat(self, arrays: list[Array]) -> Array:
+        """Join arrays along axis 0."""
+        raise NotImplementedError
+
+    def add_at_rows(self, x: Array, index: Array, values: Array) -> Array:
+        """``x`` with ``values[i]`` added at ``[i, index[i]]`` (2-D ``x``, in-range index).
+
+        May reuse ``x``'s memory: the caller must not use ``x`` afterwards."""
+        hit = self.reshape(index, (-1, 1)) == self.reshape(
+            self.arange(self.shape(x)[-1], like=index), (1, -1)
+        )
+        return x + self.where(hit, self.reshape(values, (-1, 1)), 0.0)
+
+    def matmul_accumulate(self, acc: Array | None, a: Array, b: Array) -> Array:
+        """``acc + a.T @ b`` computed in ``a``'s dtype (``b`` is cast to it); ``a.T @ b`` when
+        ``acc`` is None. May reuse ``acc``'s memory."""
+        product = self.matmul(a, self.cast(b, self.dtype_name(a)), transpose_a=True)
+        return product if acc is None else acc + product
+
+    def scale_owned(self, x: Array, factor: Array) -> Array:
+        """``x * factor`` in ``x``'s dtype; may reuse ``x``'s memory (the caller owns it)."""
+        return x * self.cast(factor, self.dtype_name(x))
+
+    def softmax_grad_owned(self, x: Array, lse: Array, scale: Array, shift: Array | None) -> Array:
+        """``exp(x - lse[:, None]) * scale[:, None] - shift[:, None]`` (no shift when None), for
+        2-D ``x``; may reuse ``x``'s memory (the caller must not use ``x`` afterwards)."""
+        out = self.exp(x - self.reshape(lse, (-1, 1))) * self.reshape(scale, (-1, 1))
+        return out if shift is None else out - self.reshape(shift, (-1, 1))
+
+    def sequenced(self, x: Array, after: Array) -> Array:
+        """``x``, made available only once ``after`` is computed: keeps a graph executor from
+        running the chunks of a loop side by side (and holding all their buffers at once)."""
+        return x
+
+    def custom_gradient(
+        self,
+        forward: Callable[[tuple, tuple], tuple[Array, Any]],
+        backward: Callable[[Any, Array], tuple],
+        args: tuple,
+    ) -> Array:
+        """``forward(args, needs)[0]``, differentiated by ``backward`` instead of autograd.
+
+        ``forward(args, needs) -> (out, residuals)``, residuals a flat tuple of arrays or
+        None; ``needs[i]`` is True when ``args[i]`` may
+        need a gradient (a framework that cannot tell says True for every float argument).
+        ``backward(residuals, cotangent_of_out) -> one gradient per arg`` (None where not
+        needed, and for integer or None args). Without autograd (NumPy) only the value is
+        computed."""
+        return forward(args, (False,) * len(args))[0]
+
+    # -- data firewall --
+    def compress(self, x: Array, keep: Array, axis: int) -> Array:
+        """The slices of ``x`` along ``axis`` where the 1-D boolean ``keep`` is true."""
+        raise NotImplementedError

@@ -105,5 +105,45 @@ class JaxBackend(Backend):
         lse = jax.nn.logsumexp(logits, axis=-1)
         return jnp.where(lse == jnp.inf, jnp.nan, lse - self.take_rows(logits, labels))
 
+    # -- schedules and adaptive clipping --
+    def cos(self, x):
+        return jnp.cos(x)
+
+    # -- fused cross-entropy --
+    def matmul(self, a, b, transpose_a=False, transpose_b=False):
+        return jnp.matmul(a.T if transpose_a else a, b.T if transpose_b else b)
+
+    def concat(self, arrays):
+        return jnp.concatenate(arrays)
+
+    def add_at_rows(self, x, index, values):
+        rows = jnp.arange(x.shape[0])
+        return x.at[rows, index].add(values.astype(x.dtype))
+
+    def sequenced(self, x, after):
+        # XLA's scheduler would otherwise start every chunk's matmul early (measured: the
+        # temporaries of an 8-chunk loop grew with the number of chunks)
+        return jax.lax.optimization_barrier((x, after))[0]
+
+    def custom_gradient(self, forward, backward, args):
+        @jax.custom_vjp
+        def fn(*primals):
+            return forward(primals, (False,) * len(primals))[0]
+
+        def fn_fwd(*primals):  # symbolic_zeros: each primal says whether it is perturbed
+            values = tuple(None if p is None else p.value for p in primals)
+            needs = tuple(p is not None and bool(p.perturbed) for p in primals)
+            return forward(values, needs)
+
+        def fn_bwd(residuals, cotangent):
+            return tuple(backward(residuals, cotangent))
+
+        fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=True)
+        return fn(*args)
+
+    # -- data firewall --
+    def compress(self, x, keep, axis):
+        return jnp.compress(keep, x, axis=axis)  # eager only: the result's size depends on keep
+
 
 BACKEND = JaxBackend()

@@ -97,5 +97,24 @@ class NumpyBackend(Backend):
     def gather(self, vector, index):
         return vector[index]
 
+    # -- schedules and adaptive clipping --
+    def cos(self, x):
+        return np.cos(x)
+
+    # -- fused cross-entropy --
+    def matmul(self, a, b, transpose_a=False, transpose_b=False):
+        return np.matmul(a.T if transpose_a else a, b.T if transpose_b else b)
+
+    def concat(self, arrays):
+        return np.concatenate(arrays)
+
+    def add_at_rows(self, x, index, values):
+        x[np.arange(x.shape[0]), index] += values
+        return x
+
+    # -- data firewall --
+    def compress(self, x, keep, axis):
+        return np.compress(keep, x, axis=axis)
+
 
 BACKEND = NumpyBackend()

@@ -135,5 +135,62 @@ class TensorflowBackend(Backend):
     def native_softmax_nll(self, logits, labels):
         return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
+    # -- schedules and adaptive clipping --
+    def cos(self, x):
+        return tf.cos(x)
+
+    # -- fused cross-entropy --
+    def matmul(self, a, b, transpose_a=False, transpose_b=False):
+        return tf.linalg.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+
+    def concat(self, arrays):
+        return tf.concat(arrays, axis=0)
+
+    def add_at_rows(self, x, index, values):
+        rows = tf.range(tf.shape(x, out_type=index.dtype)[0], dtype=index.dtype)
+        return tf.tensor_scatter_nd_add(x, tf.stack([rows, index], axis=1), values)
+
+    def sequenced(self, x, after):
+        if tf.executing_eagerly():
+            return x
+        with tf.control_dependencies([after]):
+            return tf.identity(x)
+
+    def custom_gradient(self, forward, backward, args):
+        present = [i for i, a in enumerate(args) if a is not None]
+        # a tf.Variable argument is read here, so its gradient flows through the read
+        tensors = [tf.convert_to_tensor(args[i]) for i in present]
+        recording = not tf.executing_eagerly() or _tape_may_record()
+
+        @tf.custom_gradient
+        def fn(*inputs):
+            full = [None] * len(args)
+            for i, t in zip(present, inputs, strict=True):
+                full[i] = t
+            needs = tuple(recording and t is not None and t.dtype.is_floating for t in full)
+            out, residuals = forward(tuple(full), needs)
+
+            def grad(cotangent):
+                grads = backward(residuals, cotangent)
+                return [grads[i] for i in present]
+
+            return out, grad
+
+        return fn(*tensors)
+
+    # -- data firewall --
+    def compress(self, x, keep, axis):
+        return tf.boolean_mask(x, keep, axis=axis)
+
 
 BACKEND = TensorflowBackend()
+
+
+# -- fused cross-entropy --
+def _tape_may_record() -> bool:
+    """Whether an eager GradientTape may be watching (else no gradient can be asked for)."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:  # a future layout: assume a tape
+        return True
+    return bool(record.could_possibly_record())

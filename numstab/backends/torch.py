@@ -7,7 +7,23 @@ import torch.nn.functional as F
 
 from numstab.backends._base import Backend
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}  # str(dtype) costs ~1 us; clipping asks per leaf
+# str(dtype) costs ~1 us and clipping asks per leaf. Filled once here and never mutated:
+# torch.compile guards on it, so filling it lazily would recompile.
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    dt: str(dt).removeprefix("torch.")
+    for dt in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 class TorchBackend(Backend):
@@ -22,10 +38,7 @@ class TorchBackend(Backend):
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def dtype_name(self, x):
-        name = _DTYPE_NAMES.get(x.dtype)
-        if name is None:
-            name = _DTYPE_NAMES[x.dtype] = str(x.dtype).removeprefix("torch.")
-        return name
+        return _DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
 
     def cast(self, x, dtype):
         return x.to(getattr(torch, dtype))
@@ -124,5 +137,61 @@ class TorchBackend(Backend):
     def native_softmax_nll(self, logits, labels):
         return F.cross_entropy(logits, labels.long(), reduction="none")
 
+    # -- schedules and adaptive clipping --
+    def cos(self, x):
+        return torch.cos(x)
+
+    # -- fused cross-entropy --
+    def matmul(self, a, b, transpose_a=False, transpose_b=False):
+        return torch.mm(a.mT if transpose_a else a, b.mT if transpose_b else b)
+
+    def concat(self, arrays):
+        return torch.cat(arrays)
+
+    def add_at_rows(self, x, index, values):
+        return x.scatter_add_(-1, index.long().unsqueeze(-1), values.to(x.dtype).unsqueeze(-1))
+
+    def matmul_accumulate(self, acc, a, b):
+        b = b.to(a.dtype)
+        if acc is None:
+            return a.mT @ b
+        if torch.compiler.is_compiling():  # Dynamo cannot return a mutated intermediate
+            return torch.addmm(acc, a.mT, b)
+        return acc.addmm_(a.mT, b)  # in place: no weight-sized temporary
+
+    def scale_owned(self, x, factor):
+        factor = factor.to(x.dtype)
+        # in place eagerly; Dynamo cannot trace a mutation of a saved residual
+        return x * factor if torch.compiler.is_compiling() else x.mul_(factor)
+
+    def softmax_grad_owned(self, x, lse, scale, shift):
+        if torch.compiler.is_compiling() or x.requires_grad:
+            return super().softmax_grad_owned(x, lse, scale, shift)
+        x = x.sub_(lse.unsqueeze(-1)).exp_().mul_(scale.unsqueeze(-1))  # one buffer, in place
+        return x if shift is None else x.sub_(shift.unsqueeze(-1))
+
+    def custom_gradient(self, forward, backward, args):
+        return _CustomGradient.apply(forward, backward, *args)
+
+    # -- data firewall --
+    def compress(self, x, keep, axis):
+        return torch.index_select(x, axis, torch.nonzero(keep).reshape(-1).to(x.device))
+
 
 BACKEND = TorchBackend()
+
+
+# -- fused cross-entropy --
+class _CustomGradient(torch.autograd.Function):
+    """Backend.custom_gradient for torch: ``forward``/``backward`` are the algorithm's own."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, *args):
+        out, residuals = forward(args, tuple(ctx.needs_input_grad[2:]))
+        ctx.save_for_backward(*residuals)  # a flat tuple of tensors or None (Dynamo-friendly)
+        ctx.backward_fn = backward
+        return out
+
+    @staticmethod
+    def backward(ctx, cotangent):
+        return (None, None, *ctx.backward_fn(ctx.saved_tensors, cotangent))

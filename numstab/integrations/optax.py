@@ -278,3 +278,44 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     Differentiate this scaled loss and pass its gradients to ``update``.
     """
     return _ANY_SCALER.scale(loss, find_loss_scale_state(opt_state), backend="jax")
+
+
+# -- adaptive clipping (ZClip, AGC) --------------------------------------------------------------
+def zclip(**kwargs: Any) -> optax.GradientTransformation:
+    """``numstab.adaptive_clipping.ZClip(**kwargs)`` as a GradientTransformation; its state
+    is a ``ZClipState`` (``state.norm``: the last raw global norm). Chain it before the
+    optimizer: ``optax.chain(zclip(), optax.adamw(schedule))``."""
+    from numstab.adaptive_clipping import ZClip
+
+    policy = ZClip(**kwargs)
+
+    def init_fn(params: Any) -> Any:
+        return policy.init(params, backend="jax")
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return policy.update(updates, state, backend="jax")
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def agc(
+    clip_factor: float = 0.01, eps: float = 1e-3, *, layout: str = "io", axis: Any = None
+) -> optax.GradientTransformation:
+    """``numstab.adaptive_clipping.AGC`` as a GradientTransformation: the values of
+    ``optax.adaptive_grad_clip(clip_factor, eps)`` (16-bit gradients normed in float32)."""
+    from numstab.adaptive_clipping import AGC
+
+    policy = AGC(clip_factor, eps, layout=layout, axis=axis)
+
+    def init_fn(params: Any) -> optax.EmptyState:
+        return optax.EmptyState()
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if params is None:
+            raise InvalidArgumentError(
+                "Expected params for AGC (its limit is relative to the parameter norms). "
+                "Received: params=None"
+            )
+        return policy.clip(updates, params, backend="jax"), state
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -671,3 +671,95 @@ def _mul_(groups: dict[tuple, list[torch.Tensor]], coef: torch.Tensor) -> None:
             else:
                 for g in grads:
                     g.copy_(g.to(torch.float32) * local)
+
+
+# -- adaptive clipping (ZClip, AGC) --------------------------------------------------------------
+def _grads_of(parameters: Any) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.nn.Module):
+        parameters = parameters.parameters()
+    elif isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+class ZClip:
+    """ZClip on the ``.grad`` of a model's parameters, in place, as the ``zclip`` package:
+
+        zclip = ZClip()                       # zclip's defaults (alpha=0.97, z_thresh=2.5, ...)
+        loss.backward()
+        norm = zclip.step(model)              # or a list of parameters
+        optimizer.step()
+
+    Same arguments and results as ``zclip.ZClip`` (see numstab.adaptive_clipping.ZClip),
+    but ``step`` returns the raw global norm as a 0-d float32 tensor without a host sync, and
+    the statistics are tensors (``self.state``; ``state_dict`` / ``load_state_dict``).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        from numstab.adaptive_clipping import ZClip as Policy
+
+        self.policy = Policy(**kwargs)
+        self.state: Any = None
+
+    def step(self, parameters: Any) -> torch.Tensor:
+        from numstab.clipping import global_norm as _norm
+
+        grads = _grads_of(parameters)
+        if self.state is None:
+            self.state = self.policy.init(grads, backend="torch")
+        norm = _norm(grads, backend="torch") if grads else torch.zeros(())
+        coef, self.state = self.policy.coefficient(norm, self.state, backend="torch")
+        _scale_grads_(grads, coef)
+        return norm
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.state is None else {k: t.clone() for k, t in self.state._asdict().items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        from numstab.adaptive_clipping import ZClipState
+
+        self.state = ZClipState(**state_dict) if state_dict else None
+
+
+def agc_(
+    parameters: Any,
+    clip_factor: float = 0.01,
+    eps: float = 1e-3,
+    *,
+    layout: str = "oi",
+    axis: Any = None,
+) -> None:
+    """AGC on the ``.grad`` of ``parameters`` (a module, a tensor or an iterable), in place.
+
+    ``layout="oi"`` (default here): torch weights put the output axis first, so a unit is a
+    row of an ``nn.Linear`` weight or an output channel of a ``ConvNd`` weight (as timm).
+    """
+    from numstab.adaptive_clipping import AGC
+
+    if isinstance(parameters, torch.nn.Module):
+        parameters = parameters.parameters()
+    elif isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return
+    grads = [p.grad for p in params]
+    policy = AGC(clip_factor, eps, layout=layout, axis=axis)
+    clipped = policy.clip(grads, [p.detach() for p in params], backend="torch")
+    with torch.no_grad():
+        torch._foreach_copy_(grads, clipped)
+
+
+def _scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """grads *= coef in place; float16/bfloat16 multiply in float32 and round once."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    with torch.no_grad():
+        for (device, dtype), group in groups.items():
+            local = coef.to(device, non_blocking=True)
+            if dtype in (torch.float32, torch.float64):
+                torch._foreach_mul_(group, local.to(dtype))  # one multi-tensor kernel
+            else:
+                for g in group:
+                    g.copy_(g.to(torch.float32) * local)

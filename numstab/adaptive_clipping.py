@@ -1,0 +1,351 @@
+"""Adaptive gradient clipping: ZClip (z-score of the global norm) and AGC (unit-wise).
+
+Both are optax-style ``init`` / ``update`` pairs written once over backend primitives. State is
+a NamedTuple of backend arrays (a pytree): ``update`` reads no value on the host, so it runs
+under jax.jit, tf.function and torch.compile. Norms are taken in float32 (float64 for float64
+gradients); 16-bit gradients are scaled in float32 and rounded once.
+
+    zclip = ZClip()                                   # the zclip package's defaults
+    state = zclip.init(params)
+    grads, state = zclip.update(grads, state)         # state.norm: the raw global norm
+
+    agc = AGC(clip_factor=0.01, eps=1e-3)             # NFNets / optax.adaptive_grad_clip
+    grads = agc.clip(grads, params)
+
+See docs/drafts/adaptive_clipping.md for the formulas and the differences from zclip/optax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from numstab import _validate as v
+from numstab._dispatch import resolve_backend, to_backend
+from numstab.backends._base import Backend
+from numstab.clipping import _global_norm, _numeric_leaves, scale_leaves
+from numstab.errors import InvalidArgumentError
+from numstab.tree import flatten, leaves_with_paths, unflatten
+
+Array = Any
+Tree = Any
+
+ZCLIP_MODES = ("zscore", "percentile")
+ZCLIP_CLIP_OPTIONS = ("adaptive_scaling", "mean")
+AGC_LAYOUTS = ("io", "oi")
+
+
+# -- ZClip ------------------------------------------------------------------------------------
+class ZClipState(NamedTuple):
+    """ZClip's state, all backend arrays.
+
+    count: int32, finite norms collected for the warmup (stops at the warmup length);
+    buffer: float32 [max(warmup_steps, 1)], those norms; mean, var: float32, the EMA
+    statistics (valid once ``count`` reaches the warmup length); norm: float32, the raw global
+    norm of the last update (for logging).
+    """
+
+    count: Array
+    buffer: Array
+    mean: Array
+    var: Array
+    norm: Array
+
+
+class ZClip:
+    """ZClip (Kumar et al., 2025): clip the global 2-norm ``g`` when it is an outlier of its
+    own EMA statistics, step for step as the ``zclip`` package's ``ZClip.step``.
+
+    Warmup: the first ``max(warmup_steps, 1)`` finite norms are collected and gradients are
+    clipped to ``max_grad_norm`` (if set): ``coef = min(1, max_grad_norm / (g + 1e-6))``. At
+    the last of them ``mean`` and ``var`` become their mean and population variance.
+
+    Afterwards, with ``std = sqrt(var)`` and ``z = (g - mean) / (std + eps)``:
+
+    - ``mode="zscore"``: a spike is ``z > z_thresh``; its threshold is
+      ``clip_factor * (mean + z_thresh * std / (z / z_thresh))`` (``clip_option=
+      "adaptive_scaling"``) or ``mean`` (``clip_option="mean"``);
+    - ``mode="percentile"``: the threshold is ``mean + z_thresh * std``; a spike is ``g`` above it.
+
+    ``clip = threshold`` on a spike, else ``g``; ``limit = min(clip, max_grad_norm)``; the
+    gradients are multiplied by ``limit / (g + 1e-6)`` when ``g > limit``. Then the EMA takes
+    ``clip`` (not the raw norm): ``mean = alpha * mean + (1 - alpha) * clip``,
+    ``var = alpha * var + (1 - alpha) * (clip - mean) ** 2`` with the NEW mean; skipped on
+    spikes when ``skip_update_on_spike``.
+
+    A non-finite ``g`` changes nothing: the gradients are returned untouched (for a loss
+    scaler or training guard to skip the step) and the state keeps its statistics (zclip
+    would poison its EMA with the NaN forever).
+    """
+
+    def __init__(
+        self,
+        alpha: float = 0.97,
+        z_thresh: float = 2.5,
+        max_grad_norm: float | None = 1.0,
+        eps: float = 1e-6,
+        warmup_steps: int = 25,
+        mode: str = "zscore",
+        clip_option: str = "adaptive_scaling",
+        clip_factor: float = 1.0,
+        skip_update_on_spike: bool = False,
+    ) -> None:
+        self.alpha = v.check_number("alpha", alpha, low=0.0, high=1.0)
+        self.z_thresh = v.check_number("z_thresh", z_thresh, low=0.0, low_open=True)
+        self.max_grad_norm = (
+            None
+            if max_grad_norm is None
+            else v.check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
+        )
+        self.eps = v.check_number("eps", eps, low=0.0)
+        self.warmup_steps = v.check_int("warmup_steps", warmup_steps)
+        if self.warmup_steps < 0:
+            raise InvalidArgumentError(
+                f"Expected warmup_steps >= 0. Received: warmup_steps={warmup_steps!r}"
+            )
+        mode = mode.lower() if isinstance(mode, str) else mode
+        v.check_choice("mode", mode, ZCLIP_MODES)
+        clip_option = clip_option.lower() if isinstance(clip_option, str) else clip_option
+        v.check_choice("clip_option", clip_option, ZCLIP_CLIP_OPTIONS)
+        self.mode, self.clip_option = mode, clip_option
+        self.clip_factor = v.check_number("clip_factor", clip_factor, low=0.0, low_open=True)
+        if not isinstance(skip_update_on_spike, bool):
+            raise InvalidArgumentError(
+                "Expected skip_update_on_spike to be a bool. "
+                f"Received: skip_update_on_spike={skip_update_on_spike!r}"
+            )
+        self.skip_update_on_spike = skip_update_on_spike
+
+    @property
+    def buffer_size(self) -> int:
+        """Norms collected before the EMA starts (zclip treats warmup_steps=0 as 1)."""
+        return max(self.warmup_steps, 1)
+
+    def init(self, params: Tree = None, *, backend: str | None = None) -> ZClipState:
+        """A fresh state on the backend (and device) of ``params`` (any tree, or None)."""
+        leaves = [x for x in flatten(params)[0] if x is not None]
+        be = resolve_backend(*leaves, backend=backend)
+        like = next((x for x in leaves if hasattr(x, "device")), None)
+
+        def zero(shape: tuple, dtype: str) -> Array:
+            import numpy as np  # lazily: importing numstab imports no numpy
+
+            return be.asarray(np.zeros(shape, dtype=dtype), like=like)
+
+        zeros = zero((), "float32")
+        return ZClipState(
+            zero((), "int32"), zero((self.buffer_size,), "float32"), zeros, zeros, zeros
+        )
+
+    def update(
+        self, grads: Tree, state: ZClipState, *, backend: str | None = None
+    ) -> tuple[Tree, ZClipState]:
+        """(clipped gradients, next state). ``None`` leaves stay None; dtypes are kept."""
+        be, leaves, treedef, numeric = _numeric_leaves(grads, backend, state.mean)
+        norm = _global_norm(be, numeric, 2.0)
+        coef, state = self.coefficient(norm, state, backend=be.name)
+        return unflatten(treedef, scale_leaves(be, leaves, coef)), state
+
+    def coefficient(
+        self, norm: Array, state: ZClipState, *, backend: str | None = None
+    ) -> tuple[Array, ZClipState]:
+        """(factor to multiply the gradients by, next state) for a global norm computed
+        elsewhere (for example across ranks). The factor is a float32 0-d array."""
+        be = resolve_backend(norm, *state, backend=backend)
+        norm = be.cast(to_backend(be, norm, like=state.mean), "float32")
+        return self._step(be, norm, state)
+
+    def _step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:
+        with be.float_errors_ignored():
+            return self._masked_step(be, g, state)
+
+    def _masked_step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:
+        n = self.buffer_size
+        raw = g
+        finite = be.isfinite(g)
+        g = be.where(finite, g, 0.0)  # keeps NaN out of every branch; masked below
+        warming = state.count < n
+
+        # warmup: collect g, clip to max_grad_norm, initialise the EMA at the n-th norm
+        collect = warming & finite
+        slot = be.arange(n, like=state.count) == state.count
+        buffer = be.where(slot & collect, g, state.buffer)
+        count = be.where(collect, state.count + 1, state.count)
+        initialise = collect & (count >= n)
+        first_mean = be.sum(buffer) / float(n)
+        first_var = be.sum((buffer - first_mean) ** 2) / float(n)
+        if self.max_grad_norm is None:
+            warm_coef = g * 0.0 + 1.0
+        else:
+            warm_coef = _min(be, self.max_grad_norm / (g + 1e-6), 1.0)
+
+        # active: threshold from the EMA statistics, clip, then update the EMA with the clip
+        std = be.sqrt(state.var)
+        if self.mode == "percentile":
+            threshold = state.mean + self.z_thresh * std
+            spike = g > threshold
+        else:
+            z = (g - state.mean) / (std + self.eps)
+            spike = z > self.z_thresh
+            if self.clip_option == "mean":
+                threshold = state.mean
+            else:
+                threshold = state.mean + (self.z_thresh * std) / (z / self.z_thresh)
+                threshold = threshold * self.clip_factor
+        clip = be.where(spike, threshold, g)
+        limit = clip if self.max_grad_norm is None else _min(be, clip, self.max_grad_norm)
+        active_coef = be.where(g > limit, limit / (g + 1e-6), 1.0)
+        mean = self.alpha * state.mean + (1.0 - self.alpha) * clip
+        var = self.alpha * state.var + (1.0 - self.alpha) * (clip - mean) ** 2
+        learn = ~warming & finite
+        if self.skip_update_on_spike:
+            learn = learn & ~spike
+
+        coef = be.where(finite, be.where(warming, warm_coef, active_coef), 1.0)
+        mean = be.where(initialise, first_mean, be.where(learn, mean, state.mean))
+        var = be.where(initialise, first_var, be.where(learn, var, state.var))
+        return be.cast(coef, "float32"), ZClipState(count, buffer, mean, var, raw)
+
+
+def _min(be: Backend, x: Array, bound: float) -> Array:
+    """min(x, bound) for a Python float bound (NaN-free inputs)."""
+    return be.where(x > bound, bound, x)
+
+
+# -- AGC --------------------------------------------------------------------------------------
+class AGC:
+    """Adaptive gradient clipping (Brock et al., 2021), as ``optax.adaptive_grad_clip``.
+
+    For every unit (a slice of a leaf, see ``unit_axes``) with gradient norm ``|G|`` and
+    parameter norm ``|W|``::
+
+        limit = clip_factor * max(|W|, eps)
+        G    <- G                                   if |G| < limit
+        G    <- G * (limit / max(|G|, 1e-6))        otherwise
+
+    Units (``layout``): ``"io"`` (default; optax, Flax and Keras kernels, output axis last):
+    a leaf whose squeezed rank is <= 1 is one unit; rank 2 and 3 reduce axis 0; rank 4 axes
+    (0, 1, 2); rank 5 axes (0, 1, 2, 3). ``"oi"`` (torch ``nn.Linear`` / ``ConvNd`` weights,
+    output axis first, as timm): rank <= 1 is one unit, otherwise every axis but 0 is reduced.
+    ``axis=`` overrides both for every leaf.
+    """
+
+    def __init__(
+        self,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        *,
+        layout: str = "io",
+        axis: int | Sequence[int] | None = None,
+    ) -> None:
+        self.clip_factor = v.check_number("clip_factor", clip_factor, low=0.0, low_open=True)
+        self.eps = v.check_number("eps", eps, low=0.0)
+        v.check_choice("layout", layout, AGC_LAYOUTS)
+        self.layout = layout
+        if axis is not None:
+            axes = (axis,) if not isinstance(axis, (tuple, list)) else tuple(axis)
+            axis = tuple(v.check_int("axis", a) for a in axes)
+        self.axis = axis
+
+    def init(self, params: Tree = None, *, backend: str | None = None) -> tuple:
+        """AGC is stateless: an empty tuple."""
+        return ()
+
+    def update(
+        self, grads: Tree, state: tuple, params: Tree, *, backend: str | None = None
+    ) -> tuple[Tree, tuple]:
+        return self.clip(grads, params, backend=backend), state
+
+    def clip(self, grads: Tree, params: Tree, *, backend: str | None = None) -> Tree:
+        """The clipped gradient tree (same structure, ``None`` leaves kept, dtypes kept)."""
+        g_leaves, treedef = flatten(grads)
+        # pair leaves by path, not by position: jax.jit hands dicts back with sorted keys
+        paths = [path for path, _ in leaves_with_paths(grads)]
+        p_by_path = dict(leaves_with_paths(params))
+        missing = [path for path in paths if path not in p_by_path]
+        if missing or len(p_by_path) != len(paths):
+            raise InvalidArgumentError(
+                "Expected params with the structure of grads. Received: "
+                f"{len(paths)} gradient leaves and {len(p_by_path)} parameter leaves"
+                + (f"; no parameter at {missing[0] or 'the root'}" if missing else "")
+            )
+        p_leaves = [p_by_path[path] for path in paths]
+        present = [x for x in (*g_leaves, *p_leaves) if x is not None]
+        be = resolve_backend(*present, backend=backend)
+        like = next((x for x in present if hasattr(x, "device")), None)
+        out = []
+        for path, g, p in zip(paths, g_leaves, p_leaves, strict=True):
+            if g is None:
+                out.append(None)
+                continue
+            if p is None:
+                raise InvalidArgumentError(
+                    f"Expected a parameter for every gradient. Received: params{path}=None"
+                )
+            out.append(self._clip_leaf(be, to_backend(be, g, like), to_backend(be, p, like), path))
+        return unflatten(treedef, out)
+
+    def unit_axes(self, shape: tuple) -> tuple[int, ...] | None:
+        """The axes reduced for one unit's norm (None: the whole leaf)."""
+        if self.axis is not None:
+            return self.axis
+        rank = len(shape)
+        if self.layout == "oi":
+            return None if rank <= 1 else tuple(range(1, rank))
+        if sum(d != 1 for d in shape) <= 1:  # optax: jnp.squeeze(x).ndim <= 1
+            return None
+        defaults = {2: (0,), 3: (0,), 4: (0, 1, 2), 5: (0, 1, 2, 3)}
+        if rank not in defaults:
+            raise InvalidArgumentError(
+                f"Expected parameters of rank 1 to 5 for AGC's default units (or axis=). "
+                f"Received: shape={shape}"
+            )
+        return defaults[rank]
+
+    def _clip_leaf(self, be: Backend, g: Array, p: Array, path: str) -> Array:
+        dtype = be.dtype_name(g)
+        for name, x in (("grads", g), ("params", p)):
+            if not v.is_floating(be.dtype_name(x)):
+                raise InvalidArgumentError(
+                    f"Expected floating-point {name}. Received: {name}{path} with "
+                    f"dtype={be.dtype_name(x)}"
+                )
+        if not v.shapes_match(be.shape(g), be.shape(p)):
+            raise InvalidArgumentError(
+                f"Expected each gradient to have its parameter's shape. Received: at {path!r} "
+                f"grad shape={be.shape(g)}, param shape={be.shape(p)}"
+            )
+        axes = self.unit_axes(be.shape(g))
+        if axes is not None:
+            axes = tuple(v.normalize_axis(a, len(be.shape(g))) for a in axes)
+        compute = v.compute_dtype(dtype)
+        g32, p32 = be.cast(g, compute), be.cast(p, compute)
+        g_norm = _unit_norm(be, g32, axes)
+        limit = self.clip_factor * be.maximum(_unit_norm(be, p32, axes), self.eps)
+        clipped = g32 * (limit / be.maximum(g_norm, 1e-6))
+        out = be.where(g_norm < limit, g32, clipped)
+        return out if dtype == compute else be.cast(out, dtype)
+
+
+def _unit_norm(be: Backend, x: Array, axes: tuple[int, ...] | None) -> Array:
+    """sqrt(sum x**2) over ``axes`` (all when None), kept broadcastable against ``x``."""
+    if axes is None:
+        return be.sqrt(be.sum(x * x))
+    return be.sqrt(be.sum(x * x, axis=axes, keepdims=True))
+
+
+def adaptive_grad_clip(
+    grads: Tree,
+    params: Tree,
+    clip_factor: float = 0.01,
+    eps: float = 1e-3,
+    *,
+    layout: str = "io",
+    axis: int | Sequence[int] | None = None,
+    backend: str | None = None,
+) -> Tree:
+    """``AGC(clip_factor, eps, layout=layout, axis=axis).clip(grads, params)``."""
+    return AGC(clip_factor, eps, layout=layout, axis=axis).clip(grads, params, backend=backend)
+
+
+__all__ = ["AGC", "ZClip", "ZClipState", "adaptive_grad_clip"]

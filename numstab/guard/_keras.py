@@ -1,0 +1,156 @@
+"""The training guard as a Keras 3 callback for ``model.fit``.
+
+    model.fit(x, y, callbacks=[TrainingGuard(snapshot_every=100).keras_callback()])
+
+A callback runs after Keras applied the step, so a "skip" is an undo: the callback keeps a
+copy of the previous good state (every model weight, every optimizer variable, ``iterations``
+and the learning rate included, and the metric variables) on the device, and a bad step
+restores it. The step then never happened: weights, optimizer slots, schedules (which follow
+``iterations``) and the epoch's running loss are as before it. The copy costs one device
+copy of the weights and optimizer variables per step.
+
+Per batch, with one host transfer:
+- the batch's own loss, from the loss tracker's ``total`` and ``count`` (Keras logs the
+  epoch's running mean; once a batch is NaN that mean stays NaN until the epoch ends), else
+  ``logs["loss"]``;
+- per-variable norms of the parameter UPDATE ``w_t - w_{t-1}`` and their global norm, in
+  place of the gradient norms a callback cannot see: non-finite gradients give a non-finite
+  update, and the ``grad_norm_spikes`` detector watches the update norm.
+
+Rollbacks restore the snapshot's weights and optimizer variables, then multiply the
+optimizer's learning rate by the LR factor (a ``LearningRateSchedule`` cannot be rescaled:
+the rollback is logged with ``"lr_factor_applied": false``). With ``steps_per_execution > 1``
+the callback sees, and undoes, whole executions. Backend-neutral (``keras.ops`` only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from numstab.backends import load_backend
+from numstab.guard import policy
+from numstab.guard.guard import GuardRunner, TrainingGuard
+
+
+class GuardCallback(keras.callbacks.Callback):
+    """A :class:`TrainingGuard` for ``model.fit``; see the module docstring."""
+
+    def __init__(self, guard: TrainingGuard) -> None:
+        super().__init__()
+        self.guard = guard
+        self.runner: GuardRunner | None = None
+        self.state: policy.GuardState | None = None
+        self.lr_factor_applied = True
+
+    # -- Keras hooks ---------------------------------------------------------------------------
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        model = self.model
+        opt = model.optimizer
+        if not opt.built:
+            opt.build(model.trainable_variables)
+        self._weights = list(model.trainable_variables)
+        self._state_vars = list(model.weights) + list(opt.variables)
+        self._metric_vars = list(model.metrics_variables)
+        tracker = getattr(model, "_loss_tracker", None)
+        self._tracker = list(tracker.variables) if tracker is not None else []
+        self._host = load_backend("numpy")
+        self._shadow = _copy(self._state_vars + self._metric_vars)
+        if self.runner is None:  # a second fit() call keeps the history and snapshots
+            self.state = self.guard.init_state(self._host)
+            names = [getattr(w, "path", w.name) for w in self._weights]
+            self.runner = GuardRunner(self.guard, self, self._host, names)
+            self.runner.snapshot(0, self.state)
+        self._prev_totals = self._read_tracker()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        # Keras reset the metrics: the undo copy must hold the reset values
+        n = len(self._state_vars)
+        self._shadow[n:] = _copy(self._metric_vars)
+        self._prev_totals = self._read_tracker()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        runner = self.runner
+        steps_seen = int(self.state.step)
+        if runner.consume_skip_batch(steps_seen):
+            self._undo()
+            return
+        n = len(self._weights)
+        deltas = [
+            ops.sqrt(ops.sum(ops.square(ops.cast(w.value, "float32") - ops.cast(s, "float32"))))
+            for w, s in zip(self._weights, self._shadow[:n], strict=True)
+        ]
+        totals = [ops.cast(t.value, "float32") for t in self._tracker]
+        host = ops.convert_to_numpy(ops.stack([*totals, *deltas])) if deltas or totals else None
+        loss = self._batch_loss(host[: len(totals)] if host is not None else [], logs)
+        layers = np.asarray(host[len(totals) :], np.float32) if host is not None else None
+        norm = np.float32(np.sqrt(np.sum(np.square(layers, dtype=np.float64)))) if n else None
+        decision, self.state = policy.decide(self.guard, self._host, self.state, loss, norm)
+        d = {k: (x.item() if hasattr(x, "item") else x) for k, x in decision._asdict().items()}
+        for key in ("apply", "rollback", "snapshot"):
+            d[key] = bool(d[key])
+        if d["apply"]:
+            self._shadow = _copy(self._state_vars + self._metric_vars)
+            self._prev_totals = self._read_tracker()
+        else:
+            self._undo()
+        rollbacks = runner.rollbacks
+        self.state = runner.after_step(
+            d, self.state, layers if self.guard.track_layers else None, self._host
+        )
+        if runner.rollbacks != rollbacks:  # restored: the new state is the one to undo to
+            self._shadow = _copy(self._state_vars + self._metric_vars)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _read_tracker(self) -> list[float]:
+        return [float(ops.convert_to_numpy(t.value)) for t in self._tracker]
+
+    def _batch_loss(self, totals: Any, logs: dict | None) -> np.float32:
+        if len(totals) == 2 and len(self._prev_totals) == 2:
+            d_count = float(totals[1]) - self._prev_totals[1]
+            if d_count > 0:
+                return np.float32((float(totals[0]) - self._prev_totals[0]) / d_count)
+        value = (logs or {}).get("loss", np.nan)
+        return np.float32(ops.convert_to_numpy(value))
+
+    def _undo(self) -> None:
+        for var, value in zip(self._state_vars + self._metric_vars, self._shadow, strict=True):
+            var.assign(value)
+
+    @property
+    def history(self) -> Any:
+        return self.runner.history
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self.runner.log.events
+
+    # -- the Adapter protocol of GuardRunner -------------------------------------------------------
+    def capture(self) -> list[Any]:
+        return [ops.convert_to_numpy(v.value).copy() for v in self._state_vars]
+
+    def restore(self, payload: list[Any]) -> None:
+        for var, value in zip(self._state_vars, payload, strict=True):
+            var.assign(value)
+
+    def scale_lr(self, ratio: float) -> None:
+        opt = self.model.optimizer
+        if isinstance(opt._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            self.lr_factor_applied = False
+            return
+        opt.learning_rate = float(ops.convert_to_numpy(opt.learning_rate)) * ratio
+
+    def to_host(self, payload: list[Any]) -> dict[str, Any]:
+        return {
+            getattr(v, "path", v.name): x for v, x in zip(self._state_vars, payload, strict=True)
+        }
+
+    def from_host(self, tree: dict[str, Any]) -> list[Any]:
+        return [tree[getattr(v, "path", v.name)] for v in self._state_vars]
+
+
+def _copy(variables: list[Any]) -> list[Any]:
+    return [ops.copy(v.value) for v in variables]

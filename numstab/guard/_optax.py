@@ -1,0 +1,206 @@
+"""The training guard in a functional optax loop: the decision inside ``jit``, actions outside.
+
+    og = TrainingGuard(snapshot_every=100).for_optax()
+    gstate = og.init(params, opt_state)          # a GuardState pytree; first snapshot
+
+    @jax.jit
+    def train_step(params, opt_state, gstate, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        return og.step(tx, params, opt_state, gstate, loss, grads)
+
+    for batch in batches:
+        if og.skip_batch():
+            continue
+        params, opt_state, gstate, decision = train_step(params, opt_state, gstate, batch)
+        params, opt_state, gstate = og.after_step(decision, params, opt_state, gstate)
+
+``step`` (traced, no host sync): per-leaf gradient norms and the global norm, the decision of
+``numstab.guard.policy`` on the jax backend, then ``tx.update`` and ``optax.apply_updates``
+only when the step is good (``lax.cond``; a skipped step leaves params and optimizer state
+untouched, its count included). The updates are multiplied by ``gstate.lr_factor``: for any
+optimizer whose update is linear in the learning rate (every optax optimizer ending in
+``scale_by_learning_rate``: sgd, adam, adamw, lion, ...) that is the learning rate times the
+factor, without recompiling.
+
+``after_step`` (host): one ``jax.device_get`` of the decision, then history, log, snapshots
+(copies of params and optimizer state, so donated buffers are safe) and rollbacks, which
+return the restored params and optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from numstab.backends import load_backend
+from numstab.errors import InvalidArgumentError
+from numstab.guard import policy
+from numstab.guard.guard import GuardRunner, TrainingGuard
+from numstab.guard.monitor import layer_norms
+
+
+class OptaxGuard:
+    """A :class:`TrainingGuard` for a functional optax loop; see the module docstring."""
+
+    def __init__(self, guard: TrainingGuard) -> None:
+        self.guard = guard
+        self._jax = load_backend("jax")
+        self.runner: GuardRunner | None = None
+        self._current: tuple[Any, Any] | None = None
+
+    def init(self, params: Any, opt_state: Any) -> policy.GuardState:
+        """The initial guard state (a pytree of jax arrays); takes the first snapshot."""
+        names = [
+            jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)
+        ]
+        state = policy.init_state(self.guard, self._jax)
+        self.runner = GuardRunner(self.guard, self, self._jax, names)
+        self._current = (params, opt_state)
+        self.runner.snapshot(0, state)
+        return state
+
+    # -- traced --------------------------------------------------------------------------------
+    def check(
+        self, gstate: policy.GuardState, loss: jax.Array, grads: Any
+    ) -> tuple[policy.Decision, policy.GuardState]:
+        """The decision on this step and the next guard state (pure; jit-friendly)."""
+        return check(self.guard, gstate, loss, grads)
+
+    def step(
+        self,
+        tx: optax.GradientTransformation,
+        params: Any,
+        opt_state: Any,
+        gstate: policy.GuardState,
+        loss: jax.Array,
+        grads: Any,
+    ) -> tuple[Any, Any, policy.GuardState, policy.Decision]:
+        """``check``, then the optimizer step only if it is good (``lax.cond``)."""
+        return guarded_step(self.guard, tx, params, opt_state, gstate, loss, grads)
+
+    # -- host ------------------------------------------------------------------------------------
+    def skip_batch(self) -> bool:
+        """True while the batches right after a rollback are skipped (logged)."""
+        runner = self._require()
+        return runner.consume_skip_batch(self._steps_seen)
+
+    def after_step(
+        self, decision: policy.Decision, params: Any, opt_state: Any, gstate: policy.GuardState
+    ) -> tuple[Any, Any, policy.GuardState]:
+        """Act on the decision: log, snapshot, roll back. Returns (params, opt_state,
+        gstate), restored from the last good snapshot after a rollback."""
+        runner = self._require()
+        d = jax.device_get(decision)  # one transfer of a few scalars (+ the layer norms)
+        host = {k: x.item() for k, x in d._asdict().items() if k != "layer_norms"}
+        for key in ("apply", "rollback", "snapshot"):
+            host[key] = bool(host[key])
+        self._current = (params, opt_state)
+        self._steps_seen = host["step"] + 1
+        gstate = runner.after_step(host, gstate, d.layer_norms, load_backend("numpy"))
+        params, opt_state = self._current
+        return params, opt_state, gstate
+
+    @property
+    def history(self) -> Any:
+        return self._require().history
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self._require().log.events
+
+    def load_snapshot(
+        self, params: Any, opt_state: Any, step: int | None = None
+    ) -> tuple[Any, Any, policy.GuardState]:
+        """Restore from the newest (or ``step``) snapshot file; ``params`` and ``opt_state``
+        give the tree structure. Returns (params, opt_state, gstate)."""
+        runner = self._require()
+        self._current = (params, opt_state)
+        step, gstate = runner.load_from_disk(step)
+        self._steps_seen = step
+        return (*self._current, gstate)
+
+    def _require(self) -> GuardRunner:
+        if self.runner is None:
+            raise InvalidArgumentError("Expected OptaxGuard.init(params, opt_state) first")
+        return self.runner
+
+    _steps_seen = 0
+
+    # -- the Adapter protocol of GuardRunner -------------------------------------------------------
+    def capture(self) -> tuple[Any, Any]:
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), self._current)
+
+    def restore(self, payload: tuple[Any, Any]) -> None:
+        self._current = jax.tree.map(lambda x: jnp.array(x, copy=True), payload)
+
+    def scale_lr(self, ratio: float) -> None:
+        """Nothing to do: the factor lives in the guard state and scales the updates."""
+
+    def to_host(self, payload: tuple[Any, Any]) -> dict[str, Any]:
+        params, opt_state = jax.device_get(payload)
+        return {"params": jax.tree.leaves(params), "opt_state": jax.tree.leaves(opt_state)}
+
+    def from_host(self, tree: dict[str, Any]) -> tuple[Any, Any]:
+        params, opt_state = self._current
+        p_def = jax.tree.structure(params)
+        o_def = jax.tree.structure(opt_state)
+        return (
+            jax.tree.unflatten(p_def, [jnp.asarray(x) for x in tree["params"]]),
+            jax.tree.unflatten(o_def, [jnp.asarray(x) for x in tree["opt_state"]]),
+        )
+
+
+# -- the traced functions, usable with the (hashable) TrainingGuard as a static jit argument --
+
+
+def check(
+    guard: TrainingGuard, gstate: policy.GuardState, loss: jax.Array, grads: Any
+) -> tuple[policy.Decision, policy.GuardState]:
+    """Per-leaf and global gradient norms, then the decision of ``numstab.guard.policy``."""
+    leaves = jax.tree.leaves(grads)
+    for i, leaf in enumerate(leaves):
+        if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
+            raise InvalidArgumentError(
+                f"Expected floating-point gradients. Received: leaf {i} with dtype="
+                f"{jnp.asarray(leaf).dtype}"
+            )
+    if jnp.ndim(loss) != 0:
+        raise InvalidArgumentError(
+            f"Expected a scalar loss. Received: loss.shape={jnp.shape(loss)}"
+        )
+    be = load_backend("jax")
+    norms, total = layer_norms(be, leaves)
+    decision, gstate = policy.decide(guard, be, gstate, loss, total)
+    if guard.track_layers:
+        decision = decision._replace(layer_norms=norms)
+    return decision, gstate
+
+
+def guarded_step(
+    guard: TrainingGuard,
+    tx: optax.GradientTransformation,
+    params: Any,
+    opt_state: Any,
+    gstate: policy.GuardState,
+    loss: jax.Array,
+    grads: Any,
+) -> tuple[Any, Any, policy.GuardState, policy.Decision]:
+    """``check``, then ``tx.update`` (updates times ``gstate.lr_factor``) and
+    ``optax.apply_updates`` only when the step is good; otherwise params and opt_state are
+    returned untouched. Returns (params, opt_state, gstate, decision)."""
+    decision, gstate = check(guard, gstate, loss, grads)
+
+    def apply(_: None) -> tuple[Any, Any]:
+        updates, new_opt = tx.update(grads, opt_state, params)
+        factor = gstate.lr_factor
+        updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
+        return optax.apply_updates(params, updates), new_opt
+
+    def skip(_: None) -> tuple[Any, Any]:
+        return params, opt_state
+
+    params, opt_state = jax.lax.cond(decision.apply, apply, skip, None)
+    return params, opt_state, gstate, decision

@@ -1,0 +1,211 @@
+"""The training guard in a PyTorch loop: the guard decides whether ``optimizer.step()`` runs.
+
+    tg = TrainingGuard(snapshot_every=100).for_torch(model, optimizer, scheduler=sched)
+    for x, y in loader:
+        if tg.skip_batch():            # True only for skip_after_rollback batches
+            continue
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if tg.step(loss):              # checks, then optimizer.step() only if the step is good
+            sched.step()
+
+Per step: the per-parameter gradient norms come from one ``torch._foreach_norm`` per device
+and dtype, and the global norm from them, on the device; then ONE host transfer reads the
+loss and the global norm (as ``GradScaler.step`` reads its flag). The decision itself runs on
+the host (``numstab.guard.policy`` on NumPy). The per-parameter norms stay on the device and
+are copied to the history 256 steps at a time.
+
+Snapshots copy ``model.state_dict()`` (buffers included), ``optimizer.state_dict()`` and the
+scheduler's state on the device. A rollback loads them back (in place: the optimizer keeps
+its parameters), then multiplies every param group's ``lr`` (and ``initial_lr``, and the
+scheduler's ``base_lrs``) by the LR factor.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from numstab.backends import load_backend
+from numstab.errors import InvalidArgumentError
+from numstab.guard import policy
+from numstab.guard.guard import GuardRunner, TrainingGuard
+from numstab.guard.monitor import layer_norms
+
+
+class TorchGuard:
+    """A :class:`TrainingGuard` bound to a model, an optimizer and optionally a scheduler."""
+
+    def __init__(
+        self,
+        guard: TrainingGuard,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: Any = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidArgumentError(
+                f"Expected model to be a torch.nn.Module. Received: model of type "
+                f"{type(model).__name__}"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidArgumentError(
+                f"Expected optimizer to be a torch.optim.Optimizer. Received: optimizer of "
+                f"type {type(optimizer).__name__}"
+            )
+        if scheduler is not None and not hasattr(scheduler, "state_dict"):
+            raise InvalidArgumentError(
+                f"Expected scheduler to be a torch LR scheduler or None. Received: "
+                f"scheduler of type {type(scheduler).__name__}"
+            )
+        self.guard = guard
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in named]
+        self._empty = [p.new_empty(0) for p in self._params]  # norm 0 for a missing grad
+        self._host = load_backend("numpy")
+        self._torch = load_backend("torch")
+        self.state = guard.init_state(self._host)
+        # deferred: a snapshot due after step t is taken when step t + 1 starts, so that the
+        # user's scheduler.step() after step t is in it
+        names = [n for n, _ in named]
+        self.runner = GuardRunner(guard, self, self._host, names, defer_snapshots=True)
+        self.runner.snapshot(0, self.state)
+
+    # -- the loop ----------------------------------------------------------------------------
+    @property
+    def steps_seen(self) -> int:
+        return int(self.state.step)
+
+    def skip_batch(self) -> bool:
+        """True while the batches right after a rollback are skipped (logged)."""
+        self.runner.take_pending_snapshot()
+        return self.runner.consume_skip_batch(self.steps_seen)
+
+    def step(self, loss: torch.Tensor | float, step_fn: Callable[[], Any] | None = None) -> bool:
+        """Decide on this step from ``loss`` and the ``.grad`` of the parameters; call
+        ``step_fn`` (default ``optimizer.step``) only when the step is good; take snapshots
+        and roll back as the decision says. Returns whether the step was applied.
+
+        A snapshot that falls due after this step is taken when the next ``step`` (or
+        ``skip_batch``, or ``flush``) starts, after the user's ``scheduler.step()``."""
+        self.runner.take_pending_snapshot()
+        grads = [
+            e if p.grad is None else p.grad for p, e in zip(self._params, self._empty, strict=True)
+        ]
+        with torch.no_grad():
+            norms, total = layer_norms(self._torch, grads) if grads else (None, None)
+            loss_t = _scalar_loss(loss, total)
+            pair = torch.stack([loss_t, total.float() if total is not None else loss_t * 0])
+            loss_h, norm_h = pair.tolist()  # the one host sync of the step
+        decision, self.state = policy.decide(
+            self.guard,
+            self._host,
+            self.state,
+            np.float32(loss_h),
+            np.float32(norm_h) if grads else None,
+        )
+        d = _host_dict(decision)
+        if d["apply"]:
+            (step_fn or self.optimizer.step)()
+        self.state = self.runner.after_step(
+            d, self.state, norms if self.guard.track_layers else None, self._torch
+        )
+        return d["apply"]
+
+    def flush(self) -> None:
+        """Take a snapshot that fell due after the last step (e.g. at the end of training)."""
+        self.runner.take_pending_snapshot()
+
+    # -- results ---------------------------------------------------------------------------------
+    @property
+    def history(self) -> Any:
+        return self.runner.history
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self.runner.log.events
+
+    def load_snapshot(self, step: int | None = None) -> int:
+        """Restore model, optimizer and scheduler from the newest (or ``step``) snapshot file
+        of ``snapshot_dir``, e.g. after a crash; returns its step."""
+        step, self.state = self.runner.load_from_disk(step)
+        return step
+
+    # -- the Adapter protocol of GuardRunner -------------------------------------------------------
+    def capture(self) -> dict[str, Any]:
+        payload = {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+        }
+        if self.scheduler is not None:
+            payload["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
+        return payload
+
+    def restore(self, payload: dict[str, Any]) -> None:
+        self.model.load_state_dict(payload["model"])
+        # a copy: load_state_dict may keep the given tensors, which later steps update in place
+        self.optimizer.load_state_dict(copy.deepcopy(payload["optimizer"]))
+        if self.scheduler is not None and "scheduler" in payload:
+            self.scheduler.load_state_dict(copy.deepcopy(payload["scheduler"]))
+
+    def scale_lr(self, ratio: float) -> None:
+        for group in self.optimizer.param_groups:
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    if isinstance(group[key], torch.Tensor):
+                        group[key].mul_(ratio)
+                    else:
+                        group[key] = group[key] * ratio
+        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
+
+    def to_host(self, payload: Any) -> Any:
+        if isinstance(payload, torch.Tensor):
+            t = payload.detach().cpu()
+            return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+        if isinstance(payload, dict):
+            return {k: self.to_host(x) for k, x in payload.items()}
+        if isinstance(payload, (list, tuple)):
+            return type(payload)(self.to_host(x) for x in payload)
+        return payload
+
+    def from_host(self, tree: Any) -> Any:
+        if isinstance(tree, np.ndarray):
+            return torch.from_numpy(np.array(tree))  # load_state_dict casts and moves
+        if isinstance(tree, dict):
+            return {k: self.from_host(x) for k, x in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self.from_host(x) for x in tree)
+        return tree
+
+
+def _scalar_loss(loss: Any, like: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise InvalidArgumentError(
+                f"Expected a scalar loss. Received: loss.shape={tuple(loss.shape)}"
+            )
+        return loss.detach().reshape(()).float().to(like.device if like is not None else None)
+    if isinstance(loss, bool) or not isinstance(loss, (int, float, np.number)):
+        raise InvalidArgumentError(
+            f"Expected loss to be a scalar tensor or a number. Received: loss={loss!r}"
+        )
+    return torch.tensor(float(loss), device=like.device if like is not None else None)
+
+
+def _host_dict(decision: policy.Decision) -> dict[str, Any]:
+    d = decision._asdict()
+    out = {k: (x.item() if hasattr(x, "item") else x) for k, x in d.items() if k != "layer_norms"}
+    out["apply"] = bool(out["apply"])
+    out["rollback"] = bool(out["rollback"])
+    out["snapshot"] = bool(out["snapshot"])
+    return out

@@ -1,0 +1,175 @@
+"""The guard's per-step decision, written once over backend primitives (jit-friendly).
+
+    finite   = isfinite(loss) and isfinite(grad_norm)
+    spike    = loss_spikes.score(loss) or grad_norm_spikes.score(grad_norm)
+    apply    = finite and not spike                    # otherwise the step is skipped
+    bad[t]   = not apply, kept for the last `rollback_window` steps
+    rollback = sum(bad) >= rollback_after              # the host restores the last snapshot
+    snapshot = apply and (good steps since the last snapshot) == snapshot_every
+
+The state (:class:`GuardState`) is a NamedTuple of arrays: a JAX pytree and a TF nest. The
+host-side actions (restoring, writing snapshots, logging) live in ``numstab.guard.runner``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from numstab.backends._base import Backend
+from numstab.guard.spikes import WindowState
+
+if TYPE_CHECKING:
+    from numstab.guard.guard import TrainingGuard
+
+Array = Any
+
+#: bit -> reason name; ``Decision.reasons`` is the sum of the bits that apply
+REASONS = {1: "nonfinite_loss", 2: "nonfinite_grad", 4: "loss_spike", 8: "grad_norm_spike"}
+
+
+def reason_names(bits: int) -> list[str]:
+    """The names of the reasons set in ``bits`` (``Decision.reasons`` read on the host)."""
+    return [name for bit, name in REASONS.items() if int(bits) & bit]
+
+
+class GuardState(NamedTuple):
+    """Everything the decision needs, as 0-d or 1-d arrays."""
+
+    loss_window: WindowState
+    grad_norm_window: WindowState
+    bad_flags: Array  # int32 [rollback_window]: 1 where a recent step was skipped
+    bad_position: Array  # int32: next slot of bad_flags
+    good_since_snapshot: Array  # int32: applied steps since the last snapshot
+    lr_factor: Array  # float32: product of the LR factors of every rollback so far
+    step: Array  # int32: steps observed (applied or not)
+
+
+class Decision(NamedTuple):
+    """The verdict on one step (0-d arrays); the host reads it with one transfer."""
+
+    apply: Array  # bool: take the optimizer step
+    rollback: Array  # bool: restore the last good snapshot now
+    snapshot: Array  # bool: this applied step completes snapshot_every good steps
+    reasons: Array  # int32 bit set of REASONS (0 when applied)
+    loss: Array  # float32
+    grad_norm: Array  # float32 (NaN when no gradient norm was given)
+    loss_z: Array  # float32 z-score of the loss (0 before warmup / without detector)
+    grad_norm_z: Array  # float32
+    step: Array  # int32: the index of this step
+    layer_norms: Array | None = None  # float32 [layers] where the adapter computed them
+
+
+def init_state(guard: TrainingGuard, be: Backend, like: Array | None = None) -> GuardState:
+    import numpy as np
+
+    def window(detector: Any) -> WindowState:
+        # a disabled detector keeps a 2-slot window so that every state has one structure
+        return (detector or _DISABLED).init(be, like)
+
+    return GuardState(
+        loss_window=window(guard.loss_spikes),
+        grad_norm_window=window(guard.grad_norm_spikes),
+        bad_flags=be.asarray(np.zeros(guard.rollback_window, np.int32), like=like),
+        bad_position=be.asarray(np.int32(0), like=like),
+        good_since_snapshot=be.asarray(np.int32(0), like=like),
+        lr_factor=be.asarray(np.float32(1.0), like=like),
+        step=be.asarray(np.int32(0), like=like),
+    )
+
+
+def decide(
+    guard: TrainingGuard, be: Backend, state: GuardState, loss: Array, grad_norm: Array | None
+) -> tuple[Decision, GuardState]:
+    """One step's :class:`Decision` and the next state; ``grad_norm=None``: loss only."""
+    loss = be.cast(loss, "float32")
+    norm = be.cast(grad_norm if grad_norm is not None else be.asarray(0.0, like=loss), "float32")
+    finite_loss = be.isfinite(loss)
+    finite_norm = be.isfinite(norm)
+    zero = be.asarray(0.0, dtype="float32", like=loss)
+    no = zero > 1.0  # a 0-d False of the backend
+    loss_z, loss_spike = (zero, no)
+    norm_z, norm_spike = (zero, no)
+    if guard.loss_spikes is not None:
+        loss_z, loss_spike = guard.loss_spikes.score(be, state.loss_window, loss)
+    if guard.grad_norm_spikes is not None and grad_norm is not None:
+        norm_z, norm_spike = guard.grad_norm_spikes.score(be, state.grad_norm_window, norm)
+    apply = finite_loss & finite_norm & ~loss_spike & ~norm_spike
+    reasons = (
+        be.cast(~finite_loss, "int32")
+        + 2 * be.cast(~finite_norm, "int32")
+        + 4 * be.cast(loss_spike, "int32")
+        + 8 * be.cast(norm_spike, "int32")
+    )
+
+    slot = be.arange(guard.rollback_window, like=state.bad_flags) == state.bad_position
+    bad_flags = be.where(slot, be.cast(~apply, "int32"), state.bad_flags)
+    rollback = be.sum(bad_flags) >= guard.rollback_after
+    good = state.good_since_snapshot + be.cast(apply, "int32")
+    snapshot = apply & (good >= guard.snapshot_every)
+
+    new_state = GuardState(
+        loss_window=_push(be, guard.loss_spikes, state.loss_window, loss, apply),
+        grad_norm_window=_push(
+            be,
+            guard.grad_norm_spikes if grad_norm is not None else None,
+            state.grad_norm_window,
+            norm,
+            apply,
+        ),
+        bad_flags=be.cast(bad_flags, "int32"),
+        bad_position=be.cast((state.bad_position + 1) % guard.rollback_window, "int32"),
+        good_since_snapshot=be.cast(be.where(snapshot, 0, good), "int32"),
+        lr_factor=state.lr_factor,
+        step=be.cast(state.step + 1, "int32"),
+    )
+    decision = Decision(
+        apply=apply,
+        rollback=rollback,
+        snapshot=snapshot,
+        reasons=be.cast(reasons, "int32"),
+        loss=loss,
+        grad_norm=norm if grad_norm is not None else zero + float("nan"),
+        loss_z=be.cast(loss_z, "float32"),
+        grad_norm_z=be.cast(norm_z, "float32"),
+        step=state.step,
+    )
+    return decision, new_state
+
+
+def _push(be: Backend, detector: Any, window: WindowState, x: Array, apply: Array) -> WindowState:
+    if detector is None:
+        return window
+    accept = apply | (be.isfinite(x) & detector.record_spikes)
+    return detector.push(be, window, x, accept)
+
+
+def rolled_back(
+    guard: TrainingGuard, be: Backend, current: GuardState, snapshot: GuardState
+) -> GuardState:
+    """The state after a rollback to a snapshot taken with state ``snapshot``.
+
+    The spike windows return to the snapshot's (the values seen since, spikes included, are
+    forgotten); the bad-step window and the good-step count restart; the LR factor is the
+    current one times ``guard.lr_factor``; ``step`` keeps counting.
+    """
+    return current._replace(
+        loss_window=snapshot.loss_window,
+        grad_norm_window=snapshot.grad_norm_window,
+        bad_flags=current.bad_flags * 0,
+        good_since_snapshot=current.good_since_snapshot * 0,
+        lr_factor=be.cast(current.lr_factor * guard.lr_factor, "float32"),
+    )
+
+
+class _Disabled:
+    def init(self, be: Backend, like: Array | None) -> WindowState:
+        import numpy as np
+
+        return WindowState(
+            be.asarray(np.zeros(2, np.float32), like=like),
+            be.asarray(np.int32(0), like=like),
+            be.asarray(np.int32(0), like=like),
+        )
+
+
+_DISABLED = _Disabled()

@@ -1,0 +1,207 @@
+"""numstab.guard in a PyTorch loop: a NaN at step k kills an unguarded run and not a guarded
+one; rollback restores model and optimizer exactly and lowers the LR; disk snapshots; history."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from numstab.errors import InvalidArgumentError  # noqa: E402
+from numstab.guard import TrainingGuard, load_npz, read_log  # noqa: E402
+
+STEPS, BATCH = 150, 32
+_g = torch.Generator().manual_seed(0)
+X = torch.randn(256, 8, generator=_g)
+Y = X @ torch.randn(8, 1, generator=_g) + 0.1 * torch.randn(256, 1, generator=_g)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: torch's thread pool only adds contention on a shared CPU (20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make():
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+def batch(step: int, nan_steps=()):
+    i = (step % 8) * BATCH
+    x = X[i : i + BATCH].clone()
+    if step in nan_steps:
+        x[0, 0] = math.nan
+    return x, Y[i : i + BATCH]
+
+
+def train(guard: TrainingGuard | None, nan_steps=(), steps: int = STEPS, on_step=None):
+    model, opt = make()
+    tg = guard.for_torch(model, opt) if guard is not None else None
+    for step in range(steps):
+        x, y = batch(step, nan_steps)
+        if tg is not None and tg.skip_batch():
+            continue
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if tg is None:
+            opt.step()
+        else:
+            tg.step(loss)
+        if on_step is not None:
+            on_step(step, model, opt, tg)
+    with torch.no_grad():
+        final = torch.nn.functional.mse_loss(model(X), Y).item()
+    finite = all(torch.isfinite(p).all() for p in model.parameters())
+    return final, finite, model, opt, tg
+
+
+def test_nan_at_step_k_kills_the_plain_loop_and_the_guard_survives_it(tmp_path):
+    clean, clean_finite, *_ = train(None)
+    dead, dead_finite, *_ = train(None, nan_steps={40})
+    log = tmp_path / "guard.jsonl"
+    kept, finite, _, _, tg = train(TrainingGuard(log_path=log), nan_steps={40})
+    assert clean_finite and math.isfinite(clean)
+    assert not dead_finite and math.isnan(dead)  # without the guard the run dies
+    assert finite and abs(kept - clean) <= 0.05 * clean, (kept, clean)
+    skips = [e for e in read_log(log) if e["event"] == "skip"]
+    assert [(e["step"], e["reasons"]) for e in skips] == [
+        (40, ["nonfinite_loss", "nonfinite_grad"])
+    ]
+    assert skips[0]["loss"] == "NaN"
+    assert tg.runner.skipped == 1 and tg.runner.rollbacks == 0
+
+
+def test_a_finite_loss_spike_is_skipped_after_the_warmup():
+    def spiky(step):
+        x, y = batch(step)
+        return (x * 30.0, y) if step == 100 else (x, y)
+
+    model, opt = make()
+    tg = TrainingGuard().for_torch(model, opt)
+    applied = []
+    for step in range(105):
+        x, y = spiky(step)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        applied.append(tg.step(loss))
+    assert applied == [i != 100 for i in range(105)]
+    skip = next(e for e in tg.events if e["event"] == "skip")
+    assert skip["step"] == 100 and "loss_spike" in skip["reasons"]
+    assert skip["loss_z"] > 6.0 and math.isfinite(skip["loss"])
+
+
+def test_rollback_restores_model_and_optimizer_exactly_and_lowers_the_lr():
+    guard = TrainingGuard(snapshot_every=10, rollback_after=3, skip_after_rollback=2)
+    seen = {}
+
+    def on_step(step, model, opt, tg):
+        if step == 19:  # the snapshot after 20 good steps
+            seen["params"] = [p.detach().clone() for p in model.parameters()]
+            seen["exp_avg"] = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+        if step == 22:  # the third NaN: rolled back right now
+            seen["after"] = [p.detach().clone() for p in model.parameters()]
+            seen["exp_avg_after"] = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+            seen["lr"] = opt.param_groups[0]["lr"]
+            seen["adam_step"] = float(opt.state[next(model.parameters())]["step"])
+
+    final, finite, _, opt, tg = train(guard, nan_steps={20, 21, 22}, on_step=on_step)
+    for a, b in zip(seen["params"], seen["after"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(seen["exp_avg"], seen["exp_avg_after"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert seen["lr"] == pytest.approx(0.025) and seen["adam_step"] == 20.0
+    events = [(e["event"], e["step"]) for e in tg.events if e["event"] != "snapshot"]
+    assert events == [
+        ("skip", 20),
+        ("skip", 21),
+        ("skip", 22),
+        ("rollback", 22),
+        ("skip_batch", 23),
+        ("skip_batch", 23),
+    ]
+    rollback = next(e for e in tg.events if e["event"] == "rollback")
+    assert rollback["to_step"] == 20 and rollback["offending_steps"] == [20, 21, 22]
+    assert rollback["lr_factor"] == 0.5
+    assert finite and math.isfinite(final) and opt.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def test_disk_snapshots_resume_a_fresh_model(tmp_path):
+    guard = TrainingGuard(snapshot_every=25, snapshot_dir=tmp_path, keep_on_disk=2)
+    train(guard, steps=60)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["snapshot-000000025.npz", "snapshot-000000050.npz"]
+    tree = load_npz(tmp_path / files[-1])  # plain arrays, no pickle
+    assert set(tree) == {"payload", "guard_state", "lr_factor", "step"} and tree["step"] == 50
+    fresh, fresh_opt = make()
+    resumed = TrainingGuard(snapshot_dir=tmp_path).for_torch(fresh, fresh_opt)
+    assert resumed.load_snapshot() == 50 and resumed.steps_seen == 50
+    saved = tree["payload"]["model"]
+    for name, p in fresh.named_parameters():
+        np.testing.assert_array_equal(p.detach().numpy(), saved[name])
+    assert fresh_opt.state_dict()["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert float(fresh_opt.state[next(fresh.parameters())]["step"]) == 50.0
+
+
+def test_history_holds_fused_layer_norms_and_exports(tmp_path):
+    _, _, model, _, tg = train(TrainingGuard(), steps=12, nan_steps={5})
+    h = tg.history.as_arrays()
+    assert h["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert h["layer_norms"].shape == (12, 4) and h["step"].tolist() == list(range(12))
+    assert h["applied"].tolist() == [i != 5 for i in range(12)]
+    ok = h["applied"]
+    np.testing.assert_allclose(
+        np.sqrt((h["layer_norms"][ok] ** 2).sum(1)), h["grad_norm"][ok], rtol=1e-5
+    )
+    # the last row is the norm of the last step's gradients
+    last = [torch.linalg.vector_norm(p.grad).item() for p in model.parameters()]
+    np.testing.assert_allclose(h["layer_norms"][-1], last, rtol=1e-5)
+    tg.history.to_csv(tmp_path / "h.csv")
+    rows = (tmp_path / "h.csv").read_text().splitlines()
+    assert rows[0] == "step,applied,loss,grad_norm,0.weight,0.bias,2.weight,2.bias"
+    assert len(rows) == 13
+    tg.history.plot(tmp_path / "h.png")
+    assert (tmp_path / "h.png").stat().st_size > 0
+
+
+def test_torch_bad_arguments():
+    model, opt = make()
+    with pytest.raises(InvalidArgumentError, match=r"torch\.nn\.Module"):
+        TrainingGuard().for_torch("model", opt)
+    with pytest.raises(InvalidArgumentError, match=r"torch\.optim\.Optimizer"):
+        TrainingGuard().for_torch(model, [opt])
+    tg = TrainingGuard().for_torch(model, opt)
+    with pytest.raises(InvalidArgumentError, match="scalar loss"):
+        tg.step(torch.ones(3))
+    with pytest.raises(InvalidArgumentError, match="scalar tensor or a number"):
+        tg.step("1.0")
+
+
+def test_rollback_scales_a_scheduler_base_lr_so_the_factor_survives_scheduler_steps():
+    model, opt = make()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))
+    tg = TrainingGuard(snapshot_every=5, rollback_after=2).for_torch(model, opt, scheduler=sched)
+    for step in range(12):
+        x, y = batch(step, nan_steps={8, 9})
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if tg.step(torch.nn.functional.mse_loss(model(x), y)):
+            sched.step()
+    # rolled back at step 9 to the snapshot after 5 steps; then 2 more applied steps
+    assert [e["event"] for e in tg.events if e["event"] != "snapshot"] == [
+        "skip",
+        "skip",
+        "rollback",
+    ]
+    assert sched.base_lrs == [pytest.approx(0.025)]
+    assert sched.last_epoch == 5 + 2
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025 / (1 + 0.01 * 7))
