@@ -19,8 +19,10 @@ from numstab.errors import (
     UnknownBackendError,
 )
 from numstab.guard import SpikeDetector, TrainingGuard
+from numstab.locate import LocateReport, locate_nonfinite
 from numstab.loss_scale import LossScaler, LossScaleState
 from numstab.losses import cross_entropy, log_softmax, logsumexp, smooth_labels
+from numstab.nonfinite import NonFiniteRecord, assert_finite, find_nonfinite
 from numstab.schedules import WarmupCosineSchedule, warmup_cosine_schedule
 
 __version__ = "0.1.0"
@@ -38,10 +40,12 @@ __all__ = [
     "BackendMismatchError",
     "BackendUnavailableError",
     "InvalidArgumentError",
+    "LocateReport",
     "LossScaleState",
     "LossScaler",
     "MixedBackendsError",
     "NonFiniteError",
+    "NonFiniteRecord",
     "NumstabError",
     "SpikeDetector",
     "TrainingGuard",
@@ -52,13 +56,16 @@ __all__ = [
     "__version__",
     "adaptive_grad_clip",
     "all_finite",
+    "assert_finite",
     "available_backends",
     "backend_choice",
     "clip_by_global_norm",
     "clip_by_value",
     "cross_entropy",
+    "find_nonfinite",
     "get_backend",
     "global_norm",
+    "locate_nonfinite",
     "log_softmax",
     "logsumexp",
     "resolve_backend",

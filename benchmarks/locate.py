@@ -1,0 +1,158 @@
+"""locate_nonfinite vs a plain training step (and torch.autograd.detect_anomaly), per backend.
+
+The network is conformance_tests/locate_models.py (embed -> 2 blocks -> head) at a larger
+size; the plain step is forward + loss + gradients (torch: ``loss.backward()``; Keras:
+``tf.GradientTape``; JAX: ``jax.jit(jax.value_and_grad)``). ``locate_nonfinite`` runs on the
+clean network with the same loss, so it does all its work (no early exit). Medians of
+repeated runs; ratios against the plain step measured in the same run. Goal: locate within
+3 plain steps. JAX: the instrumented pass is compiled once per model and shapes; its
+compile time is reported separately, next to the plain step's.
+
+    python benchmarks/locate.py [--quick] [--backends torch,tensorflow,jax]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from conformance_tests import locate_models as lm
+from numstab.locate import locate_nonfinite
+
+
+def _medians(fns: dict, repeats: int) -> dict:
+    """Median seconds of each function, run round-robin so that load on the machine hits
+    every contender alike."""
+    times: dict = {label: [] for label in fns}
+    for _ in range(repeats):
+        for label, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[label].append(time.perf_counter() - t0)
+    return {label: statistics.median(ts) for label, ts in times.items()}
+
+
+def bench_torch(size: dict, repeats: int) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    if args_threads:
+        torch.set_num_threads(args_threads)
+    model = lm.torch_model(lm.weights(**size["w"]))
+    ids = torch.from_numpy(lm.tokens(False, **size["t"]))
+    targets = (torch.from_numpy(lm.targets(**size["t"])), 1.0)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        lm.torch_loss(model(ids), targets).backward()
+
+    def anomaly_step():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled"
+            with torch.autograd.detect_anomaly(check_nan=True):
+                step()
+
+    def locate():
+        report = locate_nonfinite(model, ids, loss_fn=lm.torch_loss, targets=targets)
+        assert not report.found
+
+    for fn in (step, anomaly_step, locate):
+        fn()  # warm-up
+    fns = {"plain step": step, "detect_anomaly step": anomaly_step, "locate_nonfinite": locate}
+    return _medians(fns, repeats)
+
+
+def bench_tensorflow(size: dict, repeats: int) -> dict:
+    import tensorflow as tf
+
+    model = lm.keras_model(lm.weights(**size["w"]))
+    ids = tf.constant(lm.tokens(False, **size["t"]))
+    targets = (tf.constant(lm.targets(**size["t"])), 1.0)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = lm.tf_loss(model(ids), targets)
+        tape.gradient(loss, model.trainable_variables)
+
+    def locate():
+        report = locate_nonfinite(model, ids, loss_fn=lm.tf_loss, targets=targets)
+        assert not report.found
+
+    for fn in (step, locate):
+        fn()
+    return _medians({"plain step": step, "locate_nonfinite": locate}, repeats)
+
+
+def bench_jax(size: dict, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    model = lm.jax_model(None)
+    params = lm.jax_params(lm.weights(**size["w"]))
+    ids = jnp.asarray(lm.tokens(False, **size["t"]))
+    targets = (jnp.asarray(lm.targets(**size["t"])), 1.0)
+    grad = jax.jit(jax.value_and_grad(lambda p: lm.jax_loss(model(p, ids), targets)))
+
+    def step():
+        jax.block_until_ready(grad(params))
+
+    def locate():
+        report = locate_nonfinite(model, params, ids, loss_fn=lm.jax_loss, targets=targets)
+        assert not report.found
+
+    t0 = time.perf_counter()
+    step()
+    plain_first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    locate()
+    locate_first = time.perf_counter() - t0
+    return {
+        **_medians({"plain step": step, "locate_nonfinite": locate}, repeats),
+        "plain step, first call (compile)": plain_first,
+        "locate_nonfinite, first call (compile)": locate_first,
+    }
+
+
+args_threads = 0  # --torch-threads: intra-op threads (0 = torch's default)
+
+BENCHES = {"torch": bench_torch, "tensorflow": bench_tensorflow, "jax": bench_jax}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    parser.add_argument("--backends", default="torch,tensorflow,jax")
+    parser.add_argument(
+        "--torch-threads", type=int, default=0, help="torch intra-op threads (0: default)"
+    )
+    args = parser.parse_args()
+    global args_threads
+    args_threads = args.torch_threads
+    if args.quick:
+        size = {"w": {"vocab": 64, "dim": 32, "hidden": 64}, "t": {"batch": 4, "seq": 16}}
+        repeats = 5
+    else:
+        size = {"w": {"vocab": 512, "dim": 128, "hidden": 512}, "t": {"batch": 8, "seq": 64}}
+        repeats = 20
+    size["t"]["vocab"] = size["w"]["vocab"]
+    print(f"network: {size['w']} x 2 blocks, batch {size['t']}; median of {repeats}")
+    for name in args.backends.split(","):
+        times = BENCHES[name.strip()](size, repeats)
+        plain = times["plain step"]
+        print(f"\n[{name}]")
+        for label, seconds in times.items():
+            ratio = seconds / plain
+            print(f"  {label:40s} {seconds * 1e3:9.2f} ms   {ratio:6.2f}x plain step")
+        verdict = "meets" if times["locate_nonfinite"] <= 3 * plain else "MISSES"
+        print(f"  goal locate_nonfinite <= 3 plain steps: {verdict}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""What locate_nonfinite found, and how the first bad layer is chosen (written once).
+
+Each framework adapter turns one forward (and backward) pass into ``LayerCall`` entries,
+one per call of a named layer, holding 0-d device arrays: the abs max of the layer's
+inputs, outputs and own parameters, and of the gradient it received (w.r.t. its outputs)
+and the gradients it produced (w.r.t. its inputs and its own parameters). A max propagates
+NaN and inf, so one number per group says both "finite?" and "how large?". ``summarise``
+reads all of them to the host in one transfer and picks the first bad layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from numstab.backends._base import Backend, native_op
+
+Array = Any
+
+#: the name given to the loss function's own entry (it runs after the model's last layer)
+LOSS = "<loss>"
+
+
+def absmax(be: Backend, tensors: list) -> Array | None:
+    """max |x| over floating, non-empty ``tensors`` as a 0-d array (None if there are none);
+    NaN if any NaN, else inf if any inf. float64 stays float64, everything else float32."""
+    tensors = [t for t in tensors if t is not None and _floating(be, t)]
+    if not tensors:
+        return None
+    dtype = "float64" if any(be.dtype_name(t) == "float64" for t in tensors) else "float32"
+    with be.float_errors_ignored():
+        if len(tensors) == 1:  # the common case, in two ops
+            return be.max(be.abs(be.cast(tensors[0], dtype)))
+        return be.max(native_op(be, "leaf_norms")(tensors, math.inf, dtype))
+
+
+def _floating(be: Backend, t: Any) -> bool:
+    dtype = be.dtype_name(t)
+    return dtype.startswith(("float", "bfloat")) and be.size(t, dtype) != 0
+
+
+@dataclasses.dataclass
+class LayerCall:
+    """One call of one layer. ``start`` / ``end``: when its forward began and finished;
+    ``backward``: its position in the backward pass (smaller = earlier)."""
+
+    name: str
+    kind: str
+    start: int
+    end: int = -1
+    backward: float | None = None
+    inputs: Array | None = None
+    outputs: Array | None = None
+    params: Array | None = None
+    grad_outputs: Array | None = None
+    grad_inputs: Array | None = None
+    grad_params: Array | None = None
+    param_names: tuple[str, ...] = ()
+
+
+_FIELDS = ("inputs", "outputs", "params", "grad_outputs", "grad_inputs", "grad_params")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocateReport:
+    """The first layer, in execution order, whose output (forward) or gradient (backward)
+    holds NaN or inf; ``found`` is False when the pass was clean.
+
+    Absolute maxima are NaN / inf when the group is not finite, None when the layer has no
+    such tensors. ``nan_count`` / ``inf_count`` count the bad output (forward) or the bad
+    gradients the layer produced (backward). ``layer == ""`` is the model itself (its own
+    code between sub-layers); ``"<loss>"`` is the loss function.
+    """
+
+    framework: str
+    found: bool
+    layer: str | None = None
+    layer_type: str | None = None
+    phase: str | None = None
+    nan_count: int | None = None
+    inf_count: int | None = None
+    inputs_finite: bool | None = None
+    inputs_absmax: float | None = None
+    params_finite: bool | None = None
+    params_absmax: float | None = None
+    nonfinite_params: tuple[str, ...] = ()
+    grad_output_finite: bool | None = None
+    grad_output_absmax: float | None = None
+    layers_checked: int = 0
+    backward_checked: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        passes = "forward and backward" if self.backward_checked else "forward"
+        if not self.found:
+            return (
+                f"locate_nonfinite ({self.framework}): no NaN or inf in the {passes} pass "
+                f"of {self.layers_checked} layer call(s)."
+            )
+        what = "output" if self.phase == "forward" else "gradient"
+        lines = [
+            f"locate_nonfinite ({self.framework}): first non-finite {what} in the "
+            f"{self.phase} pass at layer {self.layer or '<model>'!r} ({self.layer_type}): "
+            f"{self.nan_count} nan, {self.inf_count} inf.",
+            f"  inputs: {_state(self.inputs_finite, self.inputs_absmax)}",
+            f"  parameters: {_state(self.params_finite, self.params_absmax)}"
+            + (
+                f" ({', '.join(self.nonfinite_params)})"
+                if self.nonfinite_params and self.phase == "forward"
+                else ""
+            ),
+        ]
+        if self.phase == "backward":
+            lines.append(
+                "  incoming gradient: " + _state(self.grad_output_finite, self.grad_output_absmax)
+            )
+            if self.nonfinite_params:
+                lines.append(
+                    f"  non-finite parameter gradients: {', '.join(self.nonfinite_params)}"
+                )
+        return "\n".join(lines)
+
+
+def _state(finite: bool | None, value: float | None) -> str:
+    if finite is None:
+        return "none"
+    return f"{'finite' if finite else 'NOT finite'}, abs max {value:.6g}"
+
+
+def summarise(
+    be: Backend,
+    calls: list[LayerCall],
+    *,
+    backward_checked: bool,
+    counts: Any,
+    param_paths: Any = None,
+    framework: str | None = None,
+) -> LocateReport:
+    """Read every call's maxima in one transfer and report the first bad layer.
+
+    Forward: the call that FINISHED first with a non-finite output (a sub-layer finishes
+    before its parent, so the innermost culprit wins). Backward (only if the forward was
+    clean): the call earliest in the backward pass whose own gradients (w.r.t. its inputs or
+    own parameters) are non-finite. ``counts(call, phase) -> (nan, inf)`` and
+    ``param_paths(call) -> names`` give the details of the chosen call only. The maxima may
+    already be on the host (NumPy, with ``be`` the numpy backend and ``framework`` set).
+    """
+    host = _read_all(be, calls)
+    fwd = [c for c, h in zip(calls, host, strict=True) if _bad(h["outputs"])]
+    base = {"framework": framework or be.name, "layers_checked": len(calls)}
+    if fwd:
+        call = min(fwd, key=lambda c: c.end)
+        return _report(
+            call, host[calls.index(call)], "forward", base, backward_checked, counts, param_paths
+        )
+    bwd = [
+        c
+        for c, h in zip(calls, host, strict=True)
+        if c.backward is not None and (_bad(h["grad_inputs"]) or _bad(h["grad_params"]))
+    ]
+    if not bwd:
+        return LocateReport(found=False, backward_checked=backward_checked, **base)
+    call = min(bwd, key=lambda c: c.backward)
+    return _report(
+        call, host[calls.index(call)], "backward", base, backward_checked, counts, param_paths
+    )
+
+
+def _bad(value: float | None) -> bool:
+    return value is not None and not math.isfinite(value)
+
+
+def _read_all(be: Backend, calls: list[LayerCall]) -> list[dict[str, float | None]]:
+    slots = [(i, f, getattr(c, f)) for i, c in enumerate(calls) for f in _FIELDS]
+    present = [(i, f, x) for i, f, x in slots if x is not None]
+    host: list[dict[str, float | None]] = [dict.fromkeys(_FIELDS) for _ in calls]
+    if not present:
+        return host
+    wide = "float64" if any(be.dtype_name(x) == "float64" for _, _, x in present) else "float32"
+    values = be.to_numpy(be.stack([be.cast(x, wide) for _, _, x in present])).tolist()
+    for (i, f, _), value in zip(present, values, strict=True):
+        host[i][f] = float(value)
+    return host
+
+
+def _report(call, h, phase, base, backward_checked, counts, param_paths) -> LocateReport:
+    nan, inf = counts(call, phase)
+    params_bad = _bad(h["params"]) or (phase == "backward" and _bad(h["grad_params"]))
+    return LocateReport(
+        found=True,
+        layer=call.name,
+        layer_type=call.kind,
+        phase=phase,
+        nan_count=int(nan),
+        inf_count=int(inf),
+        inputs_finite=None if h["inputs"] is None else not _bad(h["inputs"]),
+        inputs_absmax=h["inputs"],
+        params_finite=None if h["params"] is None else not _bad(h["params"]),
+        params_absmax=h["params"],
+        nonfinite_params=tuple(param_paths(call, phase)) if params_bad and param_paths else (),
+        grad_output_finite=None
+        if phase == "forward" or h["grad_outputs"] is None
+        else not _bad(h["grad_outputs"]),
+        grad_output_absmax=None if phase == "forward" else h["grad_outputs"],
+        backward_checked=backward_checked,
+        **base,
+    )

@@ -1,0 +1,204 @@
+"""Which leaves of a tree hold NaN or inf, where, and how many: ``find_nonfinite``,
+``assert_finite``.
+
+Two passes: one fused per-leaf ``max |x|`` on the device (NaN and inf propagate through a
+max, so a leaf is finite exactly when its max is), read to the host once; then counts and
+the finite range for the offending leaves only. Both functions read values on the host:
+they are eager-only and raise ``InvalidArgumentError`` under jit / tf.function /
+torch.compile (use ``numstab.all_finite`` there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from numstab import _validate as v
+from numstab._dispatch import framework_of, resolve_backend, to_backend
+from numstab.backends._base import Backend, native_op
+from numstab.errors import InvalidArgumentError, NonFiniteError
+from numstab.tree import leaves_with_paths
+
+Tree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteRecord:
+    """One leaf holding NaN or inf. ``finite_min`` / ``finite_max`` are over its finite
+    elements (None when it has none)."""
+
+    path: str
+    nan_count: int
+    posinf_count: int
+    neginf_count: int
+    shape: tuple[int, ...]
+    dtype: str
+    finite_min: float | None
+    finite_max: float | None
+
+    @property
+    def inf_count(self) -> int:
+        return self.posinf_count + self.neginf_count
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        span = (
+            "no finite values"
+            if self.finite_min is None
+            else f"finite range [{self.finite_min:.6g}, {self.finite_max:.6g}]"
+        )
+        return (
+            f"{self.path or '<root>'}: {self.nan_count} nan, {self.posinf_count} +inf, "
+            f"{self.neginf_count} -inf of {self.size} ({self.dtype}{list(self.shape)}); {span}"
+        )
+
+
+def named_leaves(tree: Tree) -> list[tuple[str, Any]]:
+    """(path, leaf) pairs. A torch module gives ``named_parameters`` then floating
+    ``named_buffers`` ("layers.3.attn.q_proj.weight"); a flat dict of str -> torch.Tensor (a
+    state dict) gives its keys; a Keras layer or model gives its variables' ``.path``
+    ("dense/kernel"); anything else follows ``numstab.tree`` ("['opt_state'][0].mu['w']")."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(tree, torch.nn.Module):
+        buffers = [(n, b) for n, b in tree.named_buffers() if b.is_floating_point()]
+        return list(tree.named_parameters()) + buffers
+    if torch is not None and _is_state_dict(tree, torch):
+        return list(tree.items())
+    keras = sys.modules.get("keras")
+    if keras is not None and isinstance(tree, keras.Layer):
+        return [(w.path, w.value) for w in tree.weights]
+    return [(path, _unwrap(leaf)) for path, leaf in leaves_with_paths(tree)]
+
+
+def _is_state_dict(tree: Any, torch: Any) -> bool:
+    return (
+        isinstance(tree, Mapping)
+        and len(tree) > 0
+        and all(isinstance(k, str) and isinstance(x, torch.Tensor) for k, x in tree.items())
+    )
+
+
+def _unwrap(leaf: Any) -> Any:
+    """A Keras variable found inside a tree stands for its backend tensor."""
+    if type(leaf).__module__.startswith("keras") and hasattr(leaf, "value"):
+        return leaf.value
+    return leaf
+
+
+def find_nonfinite(tree: Tree, *, backend: str | None = None) -> list[NonFiniteRecord]:
+    """One ``NonFiniteRecord`` per leaf holding NaN or +-inf, in leaf order; ``[]`` if none.
+
+    Integer, bool, empty and ``None`` leaves cannot be non-finite and are skipped. Host
+    sync: one read of a per-leaf flag vector, then one read of the counts and one of the
+    ranges of the offending leaves. Eager only (``InvalidArgumentError`` while tracing).
+    """
+    be, named = _floating_leaves(tree, backend)
+    if not named:
+        return []
+    bad = [named[i] for i in _nonfinite_indices(be, [x for _, x in named])]
+    return _records(be, bad) if bad else []
+
+
+def assert_finite(tree: Tree, name: str = "grads", *, backend: str | None = None) -> None:
+    """Raise ``NonFiniteError`` naming every offending leaf of ``tree`` (a host sync).
+
+    The error's ``paths``, ``nan_count`` and ``inf_count`` sum over the leaves, and
+    ``records`` holds the ``NonFiniteRecord`` list. Eager only, like ``find_nonfinite``.
+    """
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"Expected name to be a str. Received: name={name!r}")
+    records = find_nonfinite(tree, backend=backend)
+    if not records:
+        return
+    shown = "; ".join(str(r) for r in records[:10])
+    more = f"; and {len(records) - 10} more" if len(records) > 10 else ""
+    err = NonFiniteError(
+        f"{name} holds non-finite values in {len(records)} leaf(s): {shown}{more}",
+        framework=_framework_name(tree, backend),
+        nan_count=sum(r.nan_count for r in records),
+        inf_count=sum(r.inf_count for r in records),
+        paths=tuple(r.path for r in records),
+    )
+    err.records = records
+    raise err
+
+
+def _framework_name(tree: Tree, backend: str | None) -> str:
+    be, _ = _floating_leaves(tree, backend)
+    return be.name
+
+
+def _floating_leaves(tree: Tree, backend: str | None) -> tuple[Backend, list[tuple[str, Any]]]:
+    named = [(p, x) for p, x in named_leaves(tree) if x is not None]
+    be = resolve_backend(*(x for _, x in named), backend=backend)
+    like = next((x for _, x in named if framework_of(x) != "host"), None)
+    out = []
+    for path, leaf in named:
+        leaf = to_backend(be, leaf, like=like)
+        if be.is_tracing(leaf):
+            raise InvalidArgumentError(
+                "Expected concrete arrays: find_nonfinite and assert_finite read values on "
+                "the host and cannot run under jax.jit, tf.function or torch.compile (use "
+                f"numstab.all_finite there). Received: a traced leaf at {path or '<root>'}"
+            )
+        dtype = be.dtype_name(leaf)
+        if v.is_floating(dtype) and be.size(leaf, dtype) != 0:
+            out.append((path, leaf))
+    return be, out
+
+
+def _nonfinite_indices(be: Backend, leaves: list) -> list[int]:
+    """Indices of the leaves holding NaN or inf: one fused max |x| per leaf, one host read."""
+    dtype = "float64" if any(be.dtype_name(x) == "float64" for x in leaves) else "float32"
+    with be.float_errors_ignored():
+        absmax = native_op(be, "leaf_norms")(leaves, math.inf, dtype)
+        flags = be.to_numpy(be.isfinite(absmax))
+    return [i for i, ok in enumerate(flags.reshape(-1).tolist()) if not ok]
+
+
+def _records(be: Backend, named: list[tuple[str, Any]]) -> list[NonFiniteRecord]:
+    counts, ranges = [], []
+    inf = float("inf")
+    wide = "float64" if any(be.dtype_name(x) == "float64" for _, x in named) else "float32"
+    with be.float_errors_ignored():
+        for _, leaf in named:
+            x = be.cast(leaf, "float64" if be.dtype_name(leaf) == "float64" else "float32")
+            finite = be.isfinite(x)
+            n_finite = be.count(finite, None, be.index_dtype)
+            n_pos = be.count(x == inf, None, be.index_dtype)
+            n_neg = be.count(x == -inf, None, be.index_dtype)
+            counts.append(be.stack([n_finite, n_pos, n_neg]))
+            high = be.max(be.where(finite, x, -inf))
+            low = -be.max(be.where(finite, -x, -inf))
+            ranges.append(be.stack([be.cast(low, wide), be.cast(high, wide)]))
+        counts_h = be.to_numpy(be.stack(counts)).tolist()
+        ranges_h = be.to_numpy(be.stack(ranges)).tolist()
+    out = []
+    for (path, leaf), (n_finite, n_pos, n_neg), (low, high) in zip(
+        named, counts_h, ranges_h, strict=True
+    ):
+        shape = tuple(int(d) for d in be.shape(leaf))
+        size = math.prod(shape)
+        has_finite = n_finite > 0
+        out.append(
+            NonFiniteRecord(
+                path=path,
+                nan_count=int(size - n_finite - n_pos - n_neg),
+                posinf_count=int(n_pos),
+                neginf_count=int(n_neg),
+                shape=shape,
+                dtype=be.dtype_name(leaf),
+                finite_min=float(low) if has_finite else None,
+                finite_max=float(high) if has_finite else None,
+            )
+        )
+    return out
