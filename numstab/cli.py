@@ -66,10 +66,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="numstab", description=numstab.__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="frameworks, versions, devices and the active backend")
+    from numstab.bench import command as bench_command
+
+    bench_command.add_arguments(
+        commands.add_parser(
+            "bench",
+            help="the AMP stability benchmark: one model trained in torch, jax and tensorflow",
+            description="Train one small transformer LM in every installed framework, in fp32, "
+            "bf16 and fp16, with and without remedies and faults; write results.json, "
+            "report.md and plots.",
+        )
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
             return info()
+        if args.command == "bench":
+            command = ["numstab", *(sys.argv[1:] if argv is None else argv)]
+            return bench_command.main(args, command)
     except NumstabError as exc:
         print(f"numstab: error: {exc}", file=sys.stderr)
         return 2
