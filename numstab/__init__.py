@@ -23,6 +23,7 @@ from numstab.locate import LocateReport, locate_nonfinite
 from numstab.loss_scale import LossScaler, LossScaleState
 from numstab.losses import cross_entropy, log_softmax, logsumexp, smooth_labels
 from numstab.nonfinite import NonFiniteRecord, assert_finite, find_nonfinite
+from numstab.numerics import CheckNumerics, check_numerics
 from numstab.schedules import WarmupCosineSchedule, warmup_cosine_schedule
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __all__ = [
     "AGC",
     "BackendMismatchError",
     "BackendUnavailableError",
+    "CheckNumerics",
     "InvalidArgumentError",
     "LocateReport",
     "LossScaleState",
@@ -59,6 +61,7 @@ __all__ = [
     "assert_finite",
     "available_backends",
     "backend_choice",
+    "check_numerics",
     "clip_by_global_norm",
     "clip_by_value",
     "cross_entropy",

@@ -1,0 +1,373 @@
+"""Step-time cost of ``numstab.numerics`` on a small transformer training step.
+
+What is measured (CPU unless the framework sees more; float32)
+----------------------------------------------------------------
+The same decoder-only transformer in each framework (token + position embedding, ``--layers``
+pre-LayerNorm blocks of causal self-attention and a GELU MLP, a vocabulary head, mean token
+cross-entropy, one SGD update), written with the framework's usual tools: ``torch.nn``
+modules and eager autograd; a ``jax.jit`` step with optax; a ``tf.function`` step with
+``tf.GradientTape``. The causal mask uses -1e9 rather than -inf (mode="op" with ``inf=True``
+would otherwise flag the mask itself, as TensorFlow's own check does).
+
+Per backend, one step time for each configuration:
+
+- ``off``: no checking;
+- ``sentinel``: ``check_numerics(mode="sentinel")`` around all timed steps, with
+  ``check()`` at the end of every step (the read that a training loop would do per step,
+  so its host sync is included). torch records every module output, the gradient into it and
+  every parameter gradient automatically; JAX and TensorFlow ``watch`` the loss and the
+  gradients the compiled step returns;
+- ``op``: ``check_numerics()`` (every op checked; compiled steps run op by op);
+- torch only, ``detect_anomaly``: ``torch.autograd.set_detect_anomaly(True)``, the anchor
+  (users report 1.5x to 3x slower training).
+
+How: configurations are interleaved round by round (A B C D, A B C D, ...) after untimed
+warmup steps (which also compile); each timed step ends with the loss read on the host, and the
+garbage collector is paused. Reported: the median wall and process-CPU time of a step per
+configuration, each with its ratio to ``off`` measured in the same run (the CPU-time ratio is
+less disturbed by other processes on a shared machine). Intra-op threads are pinned to
+``--threads`` (default 1). Goal: sentinel <= 1.05.
+
+Usage: python benchmarks/check_numerics.py [--backends torch,jax,tensorflow] [--layers 2]
+       [--width 256] [--seq 128] [--batch 8] [--vocab 1024] [--steps 8] [--rounds 5]
+       [--threads 1] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from numstab.numerics import check_numerics
+
+MASK = -1e9
+
+
+def data(args, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, args.vocab, (args.batch, args.seq + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def init_params(args, seed=0) -> dict[str, np.ndarray]:
+    """One set of float32 weights, shared by the three implementations."""
+    rng = np.random.default_rng(seed)
+    d, v, t = args.width, args.vocab, args.seq
+
+    def w(*shape):
+        return (rng.normal(0, 1 / math.sqrt(shape[0]), shape)).astype(np.float32)
+
+    p = {"tok": w(v, d) * 0.1, "pos": w(t, d) * 0.1, "head": w(d, v)}
+    for i in range(args.layers):
+        p |= {
+            f"b{i}.ln1": np.ones(d, np.float32),
+            f"b{i}.qkv": w(d, 3 * d),
+            f"b{i}.proj": w(d, d),
+            f"b{i}.ln2": np.ones(d, np.float32),
+            f"b{i}.fc1": w(d, 4 * d),
+            f"b{i}.fc2": w(4 * d, d),
+        }
+    return p
+
+
+# -- torch -------------------------------------------------------------------------------------
+
+
+def torch_step(args) -> dict[str, Callable[[], float]]:
+    import torch
+    import torch.nn.functional as F
+
+    params = init_params(args)
+    heads, d = args.heads, args.width
+
+    class Block(torch.nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+            self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+            self.proj = torch.nn.Linear(d, d, bias=False)
+            self.fc1 = torch.nn.Linear(d, 4 * d, bias=False)
+            self.fc2 = torch.nn.Linear(4 * d, d, bias=False)
+            with torch.no_grad():
+                for name in ("qkv", "proj", "fc1", "fc2"):
+                    getattr(self, name).weight.copy_(torch.from_numpy(params[f"b{i}.{name}"]).T)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).unbind(2)
+            q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+            scores = q @ k.transpose(-1, -2) / math.sqrt(d // heads)
+            mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+            att = scores.masked_fill(mask, MASK).softmax(-1) @ v
+            x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = torch.nn.Embedding(args.vocab, d)
+            self.pos = torch.nn.Parameter(torch.from_numpy(params["pos"]))
+            self.blocks = torch.nn.ModuleList(Block(i) for i in range(args.layers))
+            self.ln = torch.nn.LayerNorm(d)
+            self.head = torch.nn.Linear(d, args.vocab, bias=False)
+            with torch.no_grad():
+                self.tok.weight.copy_(torch.from_numpy(params["tok"]))
+                self.head.weight.copy_(torch.from_numpy(params["head"]).T)
+
+        def forward(self, tokens):
+            x = self.tok(tokens) + self.pos
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tokens, targets = (torch.from_numpy(a) for a in data(args))
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(tokens).reshape(-1, args.vocab), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    @contextlib.contextmanager
+    def anomaly():
+        with torch.autograd.set_detect_anomaly(True):
+            yield None
+
+    return {
+        "off": _plain(step),
+        "sentinel": _checked(step, "sentinel", "torch"),
+        "op": _checked(step, "op", "torch"),
+        "detect_anomaly": _plain(step, anomaly),
+    }
+
+
+# -- jax ---------------------------------------------------------------------------------------
+
+
+def jax_step(args) -> dict[str, Callable[[], float]]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    heads, d = args.heads, args.width
+    params = {k: jnp.asarray(v) for k, v in init_params(args).items()}
+    tokens, targets = (jnp.asarray(a) for a in data(args))
+    opt = optax.sgd(1e-3)
+
+    def layer_norm(x, g):
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) * jax.lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * g
+
+    def forward(p, tokens):
+        x = p["tok"][tokens] + p["pos"]
+        b, t, _ = x.shape
+        mask = jnp.triu(jnp.ones((t, t), bool), 1)
+        for i in range(args.layers):
+            qkv = (layer_norm(x, p[f"b{i}.ln1"]) @ p[f"b{i}.qkv"]).reshape(b, t, 3, heads, -1)
+            q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
+            scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // heads)
+            att = jax.nn.softmax(jnp.where(mask, MASK, scores), -1) @ v
+            x = x + att.transpose(0, 2, 1, 3).reshape(b, t, d) @ p[f"b{i}.proj"]
+            h = jax.nn.gelu(layer_norm(x, p[f"b{i}.ln2"]) @ p[f"b{i}.fc1"], approximate=False)
+            x = x + h @ p[f"b{i}.fc2"]
+        return x @ p["head"]
+
+    def loss_fn(p):
+        logits = forward(p, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    @jax.jit
+    def train(p, state):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        updates, state = opt.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss, grads
+
+    box = {"p": params, "s": opt.init(params)}
+
+    def step(cn=None) -> float:
+        box["p"], box["s"], loss, grads = train(box["p"], box["s"])
+        if cn is not None:
+            cn.watch(loss, "loss")
+            cn.watch(grads, "grads")
+        return float(loss)
+
+    return {
+        "off": _plain(step),
+        "sentinel": _checked(step, "sentinel", "jax", pass_context=True),
+        "op": _checked(step, "op", "jax"),
+    }
+
+
+# -- tensorflow --------------------------------------------------------------------------------
+
+
+def tensorflow_step(args) -> dict[str, Callable[[], float]]:
+    import tensorflow as tf
+
+    heads, d = args.heads, args.width
+    params = {k: tf.Variable(v, name=k.replace(".", "_")) for k, v in init_params(args).items()}
+    tokens, targets = (tf.constant(a) for a in data(args))
+
+    def layer_norm(x, g):
+        mu, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+        return (x - mu) * tf.math.rsqrt(var + 1e-5) * g
+
+    def forward(p, tokens):
+        x = tf.gather(p["tok"], tokens) + p["pos"]
+        b, t = x.shape[0], x.shape[1]
+        mask = tf.linalg.band_part(tf.ones((t, t)), 0, -1) - tf.eye(t) > 0
+        for i in range(args.layers):
+            qkv = tf.reshape(layer_norm(x, p[f"b{i}.ln1"]) @ p[f"b{i}.qkv"], (b, t, 3, heads, -1))
+            q, k, v = (tf.transpose(qkv[:, :, j], (0, 2, 1, 3)) for j in range(3))
+            scores = q @ tf.transpose(k, (0, 1, 3, 2)) / math.sqrt(d // heads)
+            att = tf.nn.softmax(tf.where(mask, MASK, scores), -1) @ v
+            x = x + tf.reshape(tf.transpose(att, (0, 2, 1, 3)), (b, t, d)) @ p[f"b{i}.proj"]
+            h = tf.nn.gelu(layer_norm(x, p[f"b{i}.ln2"]) @ p[f"b{i}.fc1"])
+            x = x + h @ p[f"b{i}.fc2"]
+        return x @ p["head"]
+
+    names = list(params)
+
+    @tf.function
+    def train():
+        with tf.GradientTape() as tape:
+            logits = forward(params, tokens)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(targets, logits))
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, [params[k] for k in names])]
+        for k, g in zip(names, grads, strict=True):
+            params[k].assign_sub(1e-3 * g)
+        return loss, grads
+
+    def step(cn=None) -> float:
+        loss, grads = train()
+        if cn is not None:
+            cn.watch(loss, "loss")
+            cn.watch(grads, "grads")
+        return float(loss)
+
+    return {
+        "off": _plain(step),
+        "sentinel": _checked(step, "sentinel", "tensorflow", pass_context=True),
+        "op": _checked(step, "op", "tensorflow"),
+    }
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def _plain(step, context=contextlib.nullcontext):
+    def run(n: int) -> list[float]:
+        times = []
+        with context():
+            for _ in range(n):
+                t0, c0 = time.perf_counter(), time.process_time()
+                step()
+                times.append((time.perf_counter() - t0, time.process_time() - c0))
+        return times
+
+    return run
+
+
+def _checked(step, mode, backend, pass_context=False):
+    def run(n: int) -> list[float]:
+        times = []
+        with check_numerics(mode=mode, backend=backend) as cn:
+            for _ in range(n):
+                t0, c0 = time.perf_counter(), time.process_time()
+                step(cn) if pass_context else step()
+                if mode == "sentinel":
+                    cn.check()
+                times.append((time.perf_counter() - t0, time.process_time() - c0))
+        return times
+
+    return run
+
+
+def _limit_threads(n: int, backends: list[str]) -> None:
+    """Pin intra-op threads (spinning thread pools on a shared CPU make timings noisy)."""
+    eigen = "true" if n > 1 else "false"
+    os.environ.setdefault("XLA_FLAGS", f"--xla_cpu_multi_thread_eigen={eigen}")
+    if "torch" in backends:
+        import torch
+
+        torch.set_num_threads(n)
+    if "tensorflow" in backends:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(n)
+        tf.config.threading.set_inter_op_parallelism_threads(n)
+
+
+BUILDERS = {"torch": torch_step, "jax": jax_step, "tensorflow": tensorflow_step}
+
+
+def measure(name: str, args) -> None:
+    configs = BUILDERS[name](args)
+    steps = {k: (max(1, args.steps // 4) if k == "op" and name != "torch" else args.steps)
+             for k in configs}  # fmt: skip
+    for run in configs.values():  # warmup: compiles, first hooks, first trace
+        run(args.warmup)
+    samples: dict[str, list[float]] = {k: [] for k in configs}
+    gc.disable()
+    try:
+        for _ in range(args.rounds):
+            for k, run in configs.items():
+                samples[k] += run(steps[k])
+    finally:
+        gc.enable()
+    base = [statistics.median(t[i] for t in samples["off"]) for i in (0, 1)]
+    print(f"\n{name}: median step time over {args.rounds} interleaved rounds")
+    print(f"  {'config':16s} {'wall ms':>9s} {'ratio':>7s} {'cpu ms':>9s} {'ratio':>7s}  steps")
+    for k, times in samples.items():
+        wall, cpu = (statistics.median(t[i] for t in times) for i in (0, 1))
+        print(
+            f"  {k:16s} {wall * 1e3:9.2f} {wall / base[0]:7.3f} {cpu * 1e3:9.2f} "
+            f"{cpu / base[1]:7.3f}  {len(times)}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backends", default="torch,jax,tensorflow")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per framework")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
+    args = parser.parse_args()
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    _limit_threads(args.threads, backends)
+    if args.quick:
+        args.width, args.seq, args.vocab, args.steps, args.rounds = 128, 64, 512, 3, 3
+    print(
+        f"model: {args.layers} blocks, width {args.width}, {args.heads} heads, seq {args.seq}, "
+        f"batch {args.batch}, vocab {args.vocab}; {args.steps} steps x {args.rounds} rounds"
+    )
+    for name in backends:
+        measure(name, args)
+
+
+if __name__ == "__main__":
+    main()

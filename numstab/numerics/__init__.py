@@ -1,0 +1,313 @@
+"""``check_numerics``: one switch that raises ``NonFiniteError`` where NaN or inf appear.
+
+Two modes (``docs/drafts/check_numerics.md`` is the contract):
+
+- ``"op"`` (default): every op output is checked as it is produced, through the framework's
+  own machinery (torch anomaly mode plus a dispatch mode, TensorFlow
+  ``enable_check_numerics``, JAX ``jax_debug_nans`` / ``jax_debug_infs``, NumPy ``errstate``),
+  and the first bad op raises. A debugging mode: slow.
+- ``"sentinel"``: cheap enough to leave on. Finiteness summaries of layer outputs and
+  gradients (torch modules, automatically) and of whatever is passed to ``watch`` are kept on
+  the device and read once, at ``check()`` or when the context exits.
+
+Used as ``with check_numerics(): ...`` or as a decorator. On exit every global switch is back
+to exactly what it was, whether the block ended normally or raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import threading
+from typing import Any
+
+from numstab._config import AUTO, configured_backend
+from numstab._dispatch import detect
+from numstab._validate import check_choice
+from numstab.backends import canonical_name, load_backend
+from numstab.errors import InvalidArgumentError, NonFiniteError, NumstabError
+
+__all__ = ["MODES", "CheckNumerics", "check_numerics"]
+
+#: "op": check every op as it runs (native switches); "sentinel": cheap device-side summaries
+MODES = ("op", "sentinel")
+#: the frameworks, in the order they are armed; numpy is always armed under "auto"
+FRAMEWORKS = ("torch", "jax", "tensorflow", "numpy")
+_FRAMEWORK_MODULES = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    nan: bool
+    inf: bool
+    backward: bool
+    mode: str
+
+    def bad(self, has_nan: bool, has_inf: bool) -> bool:
+        return (self.nan and has_nan) or (self.inf and has_inf)
+
+    def wanted(self) -> str:
+        return " or ".join(n for n, on in (("NaN", self.nan), ("inf", self.inf)) if on)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"Expected {name} to be a bool. Received: {name}={value!r}")
+    return value
+
+
+def _frameworks_for(backend: str | None) -> tuple[str, ...]:
+    """The frameworks a context arms: the configured backend, or under "auto" every
+    deep-learning framework already imported, plus NumPy."""
+    name = configured_backend(backend)
+    if name != AUTO:
+        load_backend(name)  # BackendUnavailableError when it cannot be imported
+        return (name,)
+    found = [fw for fw, mod in _FRAMEWORK_MODULES.items() if mod in sys.modules]
+    return (*found, "numpy")
+
+
+def _arm_module(framework: str):
+    if framework == "torch":
+        from numstab.numerics import _torch as module
+    elif framework == "jax":
+        from numstab.numerics import _jax as module
+    elif framework == "tensorflow":
+        from numstab.numerics import _tensorflow as module
+    else:
+        from numstab.numerics import _numpy as module
+    return module
+
+
+class Recorder:
+    """The sentinel's bookkeeping: one slot per (layer or watched name, phase), summaries kept
+    on the device until ``read``, which brings them all to the host in one go.
+
+    Summaries are read early, every ``FLUSH_EVERY`` records, to bound memory; that is one host
+    sync per ``FLUSH_EVERY`` records, never one per op.
+    """
+
+    FLUSH_EVERY = 2048
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._slots: dict[Any, int] = {}
+        self.meta: list[dict[str, Any]] = []
+        self._pending: dict[str, list[tuple[int, Any]]] = {}
+        self._count = 0
+        self.bad: dict[int, list[bool]] = {}  # slot -> [has_nan, has_inf] seen so far
+        self._lock = threading.Lock()
+
+    def has(self, key: Any) -> bool:
+        return key in self._slots
+
+    def slot(self, key: Any, **meta: Any) -> int:
+        index = self._slots.get(key)
+        if index is None:
+            index = self._slots[key] = len(self.meta)
+            self.meta.append(meta)
+        return index
+
+    def add(self, framework: str, slot: int, summary: Any) -> None:
+        records = self._pending.get(framework)
+        if records is None:
+            records = self._pending.setdefault(framework, [])
+        records.append((slot, summary))  # atomic under the GIL: hooks may run in threads
+        self._count += 1
+        if self._count >= self.FLUSH_EVERY:
+            self.read()
+
+    def read(self) -> None:
+        """Bring every pending summary to the host (one transfer per dtype and framework)."""
+        with self._lock:
+            pending, self._pending, self._count = self._pending, {}, 0
+        for framework, records in pending.items():
+            flags = _arm_module(framework).read_summaries([s for _, s in records])
+            for (slot, _), (has_nan, has_inf) in zip(records, flags, strict=True):
+                if self.settings.bad(has_nan, has_inf):
+                    seen = self.bad.setdefault(slot, [False, False])
+                    seen[0] |= has_nan
+                    seen[1] |= has_inf
+
+    def error(self) -> NonFiniteError | None:
+        self.read()
+        if not self.bad:
+            return None
+        slots = sorted(self.bad)  # slots are numbered in first-execution order
+        first = self.meta[slots[0]]
+        for slot in slots:
+            name = self.meta[slot].get("resolve")
+            if name is not None:
+                self.meta[slot]["name"] = name()
+        names = tuple(self.meta[s]["name"] for s in slots)
+        has_nan, has_inf = self.bad[slots[0]]
+        what = " and ".join(n for n, on in (("NaN", has_nan), ("inf", has_inf)) if on)
+        phase = first.get("phase")
+        listed = ", ".join(
+            f"{self.meta[s]['name']} ({self.meta[s].get('phase') or 'watched'})" for s in slots[:8]
+        )
+        more = f" and {len(slots) - 8} more" if len(slots) > 8 else ""
+        return NonFiniteError(
+            f"check_numerics(mode='sentinel') found {what} first in {first['name']}"
+            + (f" ({phase} pass)" if phase else "")
+            + f". Non-finite values were seen in: {listed}{more}. Rerun the step under "
+            "check_numerics() (mode='op') to find the op.",
+            framework=first["framework"],
+            op=first["name"],
+            op_kind=None,
+            phase=phase,
+            where=first.get("where"),
+            paths=names,
+        )
+
+    def clear(self) -> None:
+        self._pending, self._count, self.bad = {}, 0, {}
+
+
+class CheckNumerics(contextlib.ContextDecorator):
+    """The object ``check_numerics`` returns: a context manager and a decorator.
+
+    Inside the ``with`` block, ``watch(tree, name)`` adds values to the sentinel and
+    ``check()`` is an explicit check point.
+    """
+
+    def __init__(self, settings: Settings, backend: str | None) -> None:
+        self.settings = settings
+        self.backend = backend
+        self._arms: list[Any] = []
+        self._recorder: Recorder | None = None
+        self._active = False
+
+    def _recreate_cm(self) -> CheckNumerics:  # each decorated call gets a fresh context
+        return CheckNumerics(self.settings, self.backend)
+
+    def __enter__(self) -> CheckNumerics:
+        if self._active:
+            raise NumstabError("This check_numerics context is already active; create a new one.")
+        frameworks = _frameworks_for(self.backend)
+        self._recorder = Recorder(self.settings)
+        self._arms = []
+        try:
+            for framework in frameworks:
+                arm = _arm_module(framework).Arm(self.settings, self._recorder)
+                arm.enter()
+                self._arms.append(arm)
+        except BaseException:
+            self._restore()
+            raise
+        self._active = True
+        return self
+
+    def _restore(self) -> None:
+        errors = []
+        for arm in reversed(self._arms):
+            try:
+                arm.exit()
+            except Exception as exc:  # restore the others before reporting
+                errors.append(exc)
+        self._arms = []
+        if errors:
+            raise errors[0]
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        arms = list(self._arms)
+        self._active = False
+        self._restore()
+        if exc is not None:
+            if isinstance(exc, NonFiniteError):
+                return False
+            for arm in arms:
+                converted = arm.convert(exc)
+                if converted is not None:
+                    raise converted from exc
+            return False
+        error = self._recorder.error() if self._recorder is not None else None
+        if error is not None:
+            raise error
+        return False
+
+    def watch(self, tree: Any, name: str = "value") -> Any:
+        """Record a finiteness summary of every leaf of ``tree`` (no host sync); returns
+        ``tree``. Checked at ``check()`` and at exit. Call it on concrete arrays (outside
+        jit / tf.function), e.g. on the loss and gradients a compiled step returns."""
+        if not self._active:
+            raise NumstabError("watch() needs an active check_numerics context.")
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"Expected name to be a string. Received: name={name!r}")
+        from numstab.tree import flatten
+
+        leaves = [x for x in flatten(tree)[0] if x is not None]
+        if not leaves:
+            return tree
+        framework = detect(*leaves) or "numpy"
+        if framework != "numpy" and any(load_backend(framework).is_tracing(x) for x in leaves):
+            raise InvalidArgumentError(
+                "Expected concrete arrays in watch(), not values traced by jit / tf.function / "
+                f"torch.compile. Received: {name}={type(leaves[0]).__name__}. Watch what the "
+                "compiled function returns."
+            )
+        module = _arm_module(framework)
+        summary = module.summarize(leaves)
+        from numstab.numerics import _where
+
+        key = ("watch", name)
+        slot = self._recorder.slot(key) if self._recorder.has(key) else None
+        if slot is None:
+            slot = self._recorder.slot(
+                key, name=name, phase=None, framework=framework, where=_where.from_stack()
+            )
+        self._recorder.add(framework, slot, summary)
+        return tree
+
+    def check(self) -> None:
+        """Read every summary recorded so far (one host sync) and raise ``NonFiniteError``
+        if any held NaN or inf; the record is cleared either way."""
+        if self._recorder is None:
+            return
+        error = self._recorder.error()
+        self._recorder.clear()
+        if error is not None:
+            raise error
+
+
+def check_numerics(
+    *,
+    nan: bool = True,
+    inf: bool = True,
+    backward: bool = True,
+    mode: str = "op",
+    backend: str | None = None,
+) -> CheckNumerics:
+    """Raise ``NonFiniteError`` where NaN (``nan=True``) or inf (``inf=True``) appear, in the
+    forward pass and, with ``backward=True``, in gradients.
+
+    ``backend=None`` follows the configured backend (``use_backend``, ``set_backend``, ...);
+    under ``"auto"`` it arms every deep-learning framework already imported, plus NumPy.
+    ``mode="op"`` checks every op; ``mode="sentinel"`` keeps per-layer summaries on the
+    device and reads them at ``check()`` / exit.
+    """
+    settings = Settings(
+        nan=_check_bool("nan", nan),
+        inf=_check_bool("inf", inf),
+        backward=_check_bool("backward", backward),
+        mode=_check_mode(mode),
+    )
+    if backend is not None:
+        if not isinstance(backend, str):
+            raise InvalidArgumentError(
+                f"Expected backend to be a string or None. Received: backend={backend!r}"
+            )
+        backend = canonical_name(backend) if backend.strip().lower() != AUTO else AUTO
+    return CheckNumerics(settings, backend)
+
+
+def _check_mode(mode: Any) -> str:
+    if not isinstance(mode, str):
+        raise InvalidArgumentError(
+            "Expected mode to be one of "
+            + ", ".join(repr(m) for m in MODES)
+            + f". Received: mode={mode!r}"
+        )
+    check_choice("mode", mode, MODES)
+    return mode

@@ -1,0 +1,134 @@
+"""JAX machinery for ``check_numerics``.
+
+- ``mode="op"``: ``jax_debug_nans`` (``nan``) and ``jax_debug_infs`` (``inf``), the native
+  switches, restored on exit. Eager, every primitive is checked; under ``jit`` the outputs are
+  checked and, on a hit, JAX reruns the function de-optimized, op by op, to name the primitive.
+  Under ``jit`` JAX checks only the *outputs* of the compiled function, so a NaN that does not
+  reach an output (``jit(grad(f))`` where ``f`` takes ``log`` of a negative number whose
+  gradient is finite) is not reported. numstab keeps this rule rather than setting
+  ``jax_disable_jit``: with jit disabled, the ``-inf`` constants inside ``jax.nn.softmax``'s
+  custom JVP are staged as arrays and ``jax_debug_infs`` reports them (measured). Traceback
+  filtering is turned off inside the context so that the phase and the user's line can be read
+  from the traceback.
+- ``mode="sentinel"``: nothing is switched on; ``watch`` records a jitted per-leaf sum
+  (float32 or wider) without a host sync.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from numstab.errors import NonFiniteError
+from numstab.numerics import _where
+from numstab.numerics._ops import op_kind
+
+_OPTIONS = ("jax_debug_nans", "jax_debug_infs", "jax_traceback_filtering")
+_MESSAGE = re.compile(r"invalid value \((nan|inf)\) encountered in (\S+)")
+
+
+class Arm:
+    """JAX's part of one active ``check_numerics`` context."""
+
+    def __init__(self, settings, recorder) -> None:
+        self.settings = settings
+        self._previous: dict[str, Any] | None = None
+
+    def enter(self) -> None:
+        if self.settings.mode != "op":
+            return
+        self._previous = {name: getattr(jax.config, name) for name in _OPTIONS}
+        jax.config.update("jax_debug_nans", self.settings.nan)  # both False: checks off inside
+        jax.config.update("jax_debug_infs", self.settings.inf)
+        if self.settings.nan or self.settings.inf:
+            jax.config.update("jax_traceback_filtering", "off")
+
+    def exit(self) -> None:
+        if self._previous is not None:
+            for name, value in self._previous.items():
+                jax.config.update(name, value)
+            self._previous = None
+
+    def convert(self, exc: BaseException) -> NonFiniteError | None:
+        if not isinstance(exc, FloatingPointError):
+            return None
+        match = _MESSAGE.search(str(exc))
+        if match is None:
+            return None
+        kind, op = match.groups()
+        phase, where = _phase_and_where(exc)
+        return NonFiniteError(
+            f"check_numerics: {op} produced {'NaN' if kind == 'nan' else 'inf'} in the "
+            f"{phase} pass" + (f" at {where}" if where else "") + f" (jax: {exc})",
+            framework="jax",
+            op=op,
+            op_kind=op_kind(op),
+            phase=phase,
+            where=where,
+        )
+
+
+def _phase_and_where(exc: BaseException) -> tuple[str, str | None]:
+    """The phase from the traceback: a frame of JAX's ``backward_pass`` (transpose), or a
+    JVP rule computing a derivative coefficient (the inward neighbour of the innermost
+    ``*jvp*`` frame of ``ad.py`` is not ``bind``), means backward. The user's line comes from
+    the failing equation's source info (backward pass) or the traceback."""
+    backward, where = False, None
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    jvp_at = None
+    for i, frame in enumerate(frames):
+        name, filename = frame.f_code.co_name, frame.f_code.co_filename
+        if name.startswith("backward_pass"):
+            backward = True
+            eqn = frame.f_locals.get("eqn")
+            if eqn is not None:
+                where = _eqn_where(eqn) or where
+        if "jvp" in name and filename.endswith("ad.py"):
+            jvp_at = i
+    if jvp_at is not None and jvp_at + 1 < len(frames):
+        backward = backward or frames[jvp_at + 1].f_code.co_name != "bind"
+    phase = "backward" if backward else "forward"
+    return phase, where or _where.from_traceback(exc.__traceback__)
+
+
+def _eqn_where(eqn: Any) -> str | None:
+    source_info_util = sys.modules.get("jax._src.source_info_util")
+    try:
+        frame = source_info_util.user_frame(eqn.source_info.traceback)
+    except Exception:  # private API: best effort
+        return None
+    if frame is None or not _where.is_user_file(frame.file_name):
+        return None
+    return f"{frame.file_name}:{frame.start_line}"
+
+
+@jax.jit
+def _summary(leaves: list) -> jax.Array:
+    """Per-leaf sums, in float32 (float64 stays): NaN and inf propagate through a sum, which
+    is one fused pass (a finite leaf whose sum overflows reads as inf)."""
+    return jnp.stack(
+        [jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32)).astype(jnp.float32)
+         if x.dtype != jnp.float64 else jnp.sum(x) for x in leaves]
+    )  # fmt: skip
+
+
+def summarize(leaves: list) -> Any:
+    leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+    return _summary(leaves) if leaves else None
+
+
+def read_summaries(summaries: list) -> list[tuple[bool, bool]]:
+    out = []
+    for s in summaries:
+        sums = np.zeros(1) if s is None else np.asarray(s)
+        out.append((bool(np.isnan(sums).any()), bool(np.isinf(sums).any())))
+    return out

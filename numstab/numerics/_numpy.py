@@ -1,0 +1,82 @@
+"""NumPy machinery for ``check_numerics``.
+
+- ``mode="op"``: ``np.errstate`` with ``invalid="raise"`` (NaN created: 0/0, log(-1),
+  inf - inf) when ``nan``, and ``divide="raise"``, ``over="raise"`` (inf created: 1/0,
+  overflow) when ``inf``; underflow is ignored. IEEE flags are only raised where a NaN or inf
+  is *created*: a NaN that is already in an input passes through silently (NumPy has no
+  hook for that; ``watch`` the inputs).
+- ``mode="sentinel"``: ``watch`` computes the summary at once (NumPy is on the host).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from numstab.errors import NonFiniteError
+from numstab.numerics import _where
+from numstab.numerics._ops import op_kind
+
+_MESSAGE = re.compile(r"(invalid value|divide by zero|overflow) encountered in (\w+)")
+
+
+class Arm:
+    """NumPy's part of one active ``check_numerics`` context."""
+
+    def __init__(self, settings, recorder) -> None:
+        self.settings = settings
+        self._errstate: Any = None
+
+    def enter(self) -> None:
+        if self.settings.mode != "op":
+            return
+        on_inf = "raise" if self.settings.inf else "ignore"
+        self._errstate = np.errstate(
+            invalid="raise" if self.settings.nan else "ignore",
+            divide=on_inf,
+            over=on_inf,
+            under="ignore",
+        )
+        self._errstate.__enter__()
+
+    def exit(self) -> None:
+        if self._errstate is not None:
+            self._errstate.__exit__(None, None, None)
+            self._errstate = None
+
+    def convert(self, exc: BaseException) -> NonFiniteError | None:
+        if not isinstance(exc, FloatingPointError):
+            return None
+        match = _MESSAGE.search(str(exc))
+        if match is None:
+            return None
+        what, op = match.groups()
+        where = _where.from_traceback(exc.__traceback__)
+        produced = "NaN" if what == "invalid value" else "inf"
+        return NonFiniteError(
+            f"check_numerics: numpy {op} produced {produced} ({what})"
+            + (f" at {where}" if where else "")
+            + ".",
+            framework="numpy",
+            op=op,
+            op_kind=op_kind(op),
+            phase="forward",
+            where=where,
+        )
+
+
+def summarize(leaves: list) -> Any:
+    flags = np.zeros(2, bool)
+    with np.errstate(all="ignore"):
+        for x in leaves:
+            x = np.asarray(x)
+            if x.dtype.kind in "fc" or x.dtype.name == "bfloat16":
+                x = x.astype(np.float64) if x.dtype.name == "bfloat16" else x
+                flags |= (bool(np.isnan(x).any()), bool(np.isinf(x).any()))
+    return flags
+
+
+def read_summaries(summaries: list) -> list[tuple[bool, bool]]:
+    return [(bool(s[0]), bool(s[1])) for s in summaries]

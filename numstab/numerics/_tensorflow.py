@@ -1,0 +1,140 @@
+"""TensorFlow machinery for ``check_numerics``.
+
+- ``mode="op"``: ``tf.debugging.enable_check_numerics()`` (native: every float op output,
+  gradient ops included), turned off on exit unless it was on before. It checks NaN and inf
+  together, so ``nan`` and ``inf`` must be equal on TensorFlow. TensorFlow cannot compile the
+  check under ``tf.function(jit_compile=True)`` (``DebugNumericSummaryV2`` has no XLA
+  kernel: such a function fails to compile), so numstab also sets
+  ``tf.config.run_functions_eagerly(True)`` inside the context: every ``tf.function``, XLA
+  or not, runs op by op and is checked, as ``torch.compile`` and ``jax.jit`` are.
+- ``mode="sentinel"``: nothing is switched on; ``watch`` records per-leaf sums (float32 or
+  wider) from a ``tf.function`` without a host sync.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.debug.lib import check_numerics_callback
+
+from numstab.errors import InvalidArgumentError, NonFiniteError
+from numstab.numerics import _where
+from numstab.numerics._ops import op_kind
+
+_OP = re.compile(r'output (\d+) of (?:eagerly-executing|graph) op "(\w+)"')
+_NODE = re.compile(r"Detected at node (\S+)")
+_COUNT = re.compile(r"# of ([+-])(NaN|Inf) elements: (\d+)")
+
+
+def is_enabled() -> bool:
+    """Whether check_numerics is on in this thread (TensorFlow keeps it per thread)."""
+    return getattr(check_numerics_callback._state, "check_numerics_callback", None) is not None
+
+
+class Arm:
+    """TensorFlow's part of one active ``check_numerics`` context."""
+
+    def __init__(self, settings, recorder) -> None:
+        self.settings = settings
+        self._restore: bool | None = None
+
+    def enter(self) -> None:
+        s = self.settings
+        if s.mode != "op":
+            return
+        if s.nan != s.inf:
+            raise InvalidArgumentError(
+                "Expected nan == inf with TensorFlow in mode='op': tf.debugging."
+                "enable_check_numerics checks NaN and inf together. Received: "
+                f"nan={s.nan}, inf={s.inf}. Use both, or mode='sentinel'."
+            )
+        self._eagerly = tf.config.functions_run_eagerly()
+        self._restore = was = is_enabled()
+        if s.nan:
+            tf.config.run_functions_eagerly(True)
+        if s.nan and not was:
+            tf.debugging.enable_check_numerics()
+        elif not s.nan and was:
+            tf.debugging.disable_check_numerics()
+
+    def exit(self) -> None:
+        if self._restore is None:
+            return
+        tf.config.run_functions_eagerly(self._eagerly)
+        if self._restore and not is_enabled():
+            tf.debugging.enable_check_numerics()
+        elif not self._restore and is_enabled():
+            tf.debugging.disable_check_numerics()
+        self._restore = None
+
+    def convert(self, exc: BaseException) -> NonFiniteError | None:
+        message = str(exc)
+        if not isinstance(exc, tf.errors.InvalidArgumentError) or "Infinity or NaN" not in (
+            message
+        ):
+            return None
+        match = _OP.search(message)
+        index, op = (int(match.group(1)), match.group(2)) if match else (None, None)
+        node = _NODE.search(message)
+        node = node.group(1) if node else ""
+        counts = {"NaN": 0, "Inf": 0}
+        found = False
+        for _sign, kind, n in _COUNT.findall(message):
+            counts[kind] += int(n)
+            found = True
+        backward = (op or "").endswith("Grad") or "gradient" in node.lower()
+        graph = "graph op" in message
+        if not graph:
+            backward = backward or _in_backprop(exc)
+        where = _where.from_text(message) if graph else _where.from_traceback(exc.__traceback__)
+        phase = "backward" if backward else "forward"
+        return NonFiniteError(
+            f"check_numerics: {op} produced NaN or inf in output {index} in the {phase} pass"
+            + (f" at {where}" if where else "")
+            + f" (tensorflow: {message.strip().splitlines()[-1][:200]})",
+            framework="tensorflow",
+            op=op,
+            op_kind=op_kind(op),
+            phase=phase,
+            where=where,
+            nan_count=counts["NaN"] if found else None,
+            inf_count=counts["Inf"] if found else None,
+        )
+
+
+def _in_backprop(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.endswith(("backprop.py", "imperative_grad.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+@tf.function(reduce_retracing=True)
+def _summary(leaves: list) -> Any:
+    """Per-leaf sums in float32 (float64 stays): NaN and inf propagate through a sum, one pass
+    per leaf (a finite leaf whose sum overflows reads as inf)."""
+    return tf.stack(
+        [
+            tf.reduce_sum(x) if x.dtype == tf.float64 else tf.reduce_sum(tf.cast(x, tf.float32))
+            for x in leaves
+        ]
+    )
+
+
+def summarize(leaves: list) -> Any:
+    leaves = [x for x in leaves if x.dtype.is_floating and x.shape.num_elements() != 0]
+    return _summary(leaves) if leaves else None
+
+
+def read_summaries(summaries: list) -> list[tuple[bool, bool]]:
+    out = []
+    for s in summaries:
+        sums = np.zeros(1) if s is None else s.numpy()
+        out.append((bool(np.isnan(sums).any()), bool(np.isinf(sums).any())))
+    return out

@@ -1,0 +1,263 @@
+"""torch machinery for ``check_numerics``.
+
+- ``mode="op"``: ``torch.autograd.set_detect_anomaly(True, check_nan=nan)`` (native; it gives
+  the forward traceback of a failing backward node) plus a ``TorchDispatchMode`` that checks
+  every floating output of every aten op, forward and backward (the autograd engine runs
+  backward ops under the same mode), because anomaly mode alone ignores the forward pass and
+  inf. ``torch.compile``d functions run eagerly inside (``set_stance("force_eager")``): a
+  dispatch mode cannot see inside a compiled graph, and ``fullgraph=True`` would refuse to run.
+- ``mode="sentinel"``: a global module forward hook records one reduction (``summary``) of
+  every floating module output (no sync), and a post-accumulate-grad hook the same
+  for the gradient of each parameter of those modules (a NaN born in the backward pass reaches
+  the parameter gradients of every layer before it, so the first such layer in backward order
+  is named).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from numstab.errors import NonFiniteError
+from numstab.numerics import _where
+from numstab.numerics._ops import op_kind
+
+#: active op-mode contexts, innermost last. Process-wide, not thread-local: on CUDA the
+#: autograd engine runs backward ops on its own device threads (under the same dispatch mode).
+_ACTIVE: list = []
+
+
+def _op_stack() -> list:
+    return _ACTIVE
+
+
+def _float_tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        out = (out,)
+    elif isinstance(out, dict):
+        out = tuple(out.values())
+    elif not isinstance(out, (tuple, list)):
+        return []
+    return [t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+
+
+def _counts(t: torch.Tensor) -> tuple[int, int]:
+    return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+
+
+class _CheckOps(TorchDispatchMode):
+    """Checks every floating output of every aten op; raises at the first bad one."""
+
+    def __init__(self, settings) -> None:
+        super().__init__()
+        self.settings = settings
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        stack = _op_stack()
+        if not stack or stack[-1] is not self:  # an inner check_numerics decides
+            return out
+        node = torch._C._current_autograd_node()
+        if node is not None and not self.settings.backward:
+            return out
+        for index, t in enumerate(_float_tensors(out)):
+            if t.device.type == "meta" or t.layout != torch.strided:
+                continue
+            low, high = torch.stack(torch.aminmax(t)).tolist()  # one host read per output
+            has_nan = math.isnan(low)
+            has_inf = math.isinf(low) or math.isinf(high)
+            if has_nan and self.settings.inf and not self.settings.nan:
+                has_inf = bool(torch.isinf(t).any())
+            if self.settings.bad(has_nan, has_inf):
+                raise _op_error(func, node, index, t, self.settings)
+        return out
+
+
+def _op_error(func, node, index: int, t: torch.Tensor, settings) -> NonFiniteError:
+    nan_count, inf_count = _counts(t)
+    aten = str(func)
+    if node is not None:
+        phase, op = "backward", node.name()
+        where = _where.from_text(str(node.metadata.get("traceback_", "")))
+        detail = f"{op} (aten op {aten})"
+    else:
+        phase, op = "forward", aten
+        where = _where.from_stack()
+        detail = op
+    kind = op_kind(op) or op_kind(aten)
+    at = f" at {where}" if where else ""
+    return NonFiniteError(
+        f"check_numerics: {detail} produced {nan_count} NaN and {inf_count} inf in output "
+        f"{index} (shape {tuple(t.shape)}, {str(t.dtype).replace('torch.', '')}) in the "
+        f"{phase} pass{at}.",
+        framework="torch",
+        op=op,
+        op_kind=kind,
+        phase=phase,
+        where=where,
+        nan_count=nan_count,
+        inf_count=inf_count,
+    )
+
+
+class Arm:
+    """torch's part of one active ``check_numerics`` context."""
+
+    def __init__(self, settings, recorder) -> None:
+        self.settings = settings
+        self.recorder = recorder
+        self._stack = contextlib.ExitStack()
+        self._mode: _CheckOps | None = None
+        self._handles: list[Any] = []
+        self._hooked_params: set[int] = set()
+        self._modules: weakref.WeakSet = weakref.WeakSet()
+        self._last: tuple[int, int] | None = None
+        self._slots: dict[Any, int] = {}
+
+    # -- enter / exit ------------------------------------------------------------------------
+    def enter(self) -> None:
+        if self.settings.mode == "op" and not (self.settings.nan or self.settings.inf):
+            # checks off inside: outer contexts defer to this one (the innermost decides)
+            previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+            torch.autograd.set_detect_anomaly(False)
+            self._stack.callback(torch.autograd.set_detect_anomaly, *previous)
+            _op_stack().append(self)
+            self._stack.callback(_op_stack().remove, self)
+            return
+        if not (self.settings.nan or self.settings.inf):
+            return
+        if self.settings.mode == "op":
+            if self.settings.backward:
+                previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+                torch.autograd.set_detect_anomaly(True, check_nan=self.settings.nan)
+                self._stack.callback(torch.autograd.set_detect_anomaly, *previous)
+            self._stack.enter_context(torch.compiler.set_stance("force_eager"))
+            self._mode = _CheckOps(self.settings)
+            self._stack.enter_context(self._mode)
+            _op_stack().append(self._mode)
+            self._stack.callback(_op_stack().remove, self._mode)
+        else:
+            hook = torch.nn.modules.module.register_module_forward_hook(self._forward_hook)
+            self._handles.append(hook)
+
+    def exit(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._stack.close()
+
+    # -- sentinel hooks ----------------------------------------------------------------------
+    def _resolver(self, module: torch.nn.Module) -> Any:
+        ref = weakref.ref(module)
+        modules = self._modules
+
+        def resolve() -> str:
+            target = ref()
+            if target is None:
+                return "<deleted module>"
+            qualified = ""
+            for root in list(modules):
+                for name, sub in root.named_modules():
+                    if sub is target and len(name) > len(qualified):
+                        qualified = name
+            kind = type(target).__name__
+            return f"{qualified} ({kind})" if qualified else kind
+
+        return resolve
+
+    def _record(self, key: Any, module: torch.nn.Module, phase: str, t: torch.Tensor) -> None:
+        slot = self._slots.get(key)
+        if slot is None:
+            slot = self._slots[key] = self.recorder.slot(
+                key,
+                name=type(module).__name__,
+                resolve=self._resolver(module),
+                phase=phase,
+                framework="torch",
+            )
+        self.recorder.add("torch", slot, summary(t))
+
+    def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._modules.add(module)
+        for index, t in enumerate(_float_tensors(output)):
+            stamp = (id(t), t._version)
+            if stamp == self._last:  # a container returning its last child's output
+                continue
+            self._last = stamp
+            self._record((id(module), index, "forward"), module, "forward", t)
+        if self.settings.backward:
+            for param in module._parameters.values():
+                if (
+                    param is not None
+                    and param.requires_grad
+                    and id(param) not in self._hooked_params
+                ):
+                    self._hooked_params.add(id(param))
+                    key = (id(module), id(param), "backward")
+                    self._handles.append(
+                        param.register_post_accumulate_grad_hook(
+                            lambda p, key=key, m=module: self._param_hook(key, m, p)
+                        )
+                    )
+
+    def _param_hook(self, key: Any, module: torch.nn.Module, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is not None and grad.numel():
+            self._record(key, module, "backward", grad)
+
+    # -- conversion --------------------------------------------------------------------------
+    def convert(self, exc: BaseException) -> NonFiniteError | None:
+        """anomaly mode's own ``RuntimeError`` (a backward node returned NaN)."""
+        message = str(exc)
+        if not isinstance(exc, RuntimeError) or "returned nan values" not in message:
+            return None
+        op = message.split("'")[1] if message.count("'") >= 2 else None
+        return NonFiniteError(
+            f"check_numerics: {message}",
+            framework="torch",
+            op=op,
+            op_kind=op_kind(op),
+            phase="backward",
+            where=_where.from_traceback(exc.__traceback__),
+        )
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def summary(t: torch.Tensor) -> Any:
+    """One reduction whose value is finite exactly when ``t`` is (no sync): the sum for
+    float32/64 (NaN and inf propagate; about twice as fast as min/max on CPU; a finite tensor
+    whose sum overflows, beyond 3.4e38 in float32, reads as inf), else ``aminmax`` (a float16
+    sum would overflow at 65504)."""
+    t = t.detach()
+    return t.sum() if t.dtype in _WIDE else torch.aminmax(t)
+
+
+def summarize(leaves: list) -> Any:
+    """Per-leaf summaries on the device, for ``watch``."""
+    return [summary(t) for t in leaves if t.is_floating_point() and t.numel()]
+
+
+def read_summaries(summaries: list) -> list[tuple[bool, bool]]:
+    """(has_nan, has_inf) per summary: sums and (min, max) pairs are stacked per dtype and
+    read in one transfer each."""
+    groups: dict[Any, list[tuple[int, Any, Any]]] = {}
+    for i, s in enumerate(summaries):
+        for one in s if isinstance(s, list) else [s]:
+            low, high = (one, one) if isinstance(one, torch.Tensor) else one
+            groups.setdefault(low.dtype, []).append((i, low, high))
+    out = [[False, False] for _ in summaries]
+    for group in groups.values():
+        lows = torch.stack([low for _, low, _ in group])
+        highs = torch.stack([high for _, _, high in group])
+        flags = torch.stack([torch.isnan(lows), torch.isinf(lows) | torch.isinf(highs)]).tolist()
+        for (i, _, _), has_nan, has_inf in zip(group, flags[0], flags[1], strict=True):
+            out[i][0] |= has_nan
+            out[i][1] |= has_inf
+    return [(a, b) for a, b in out]

@@ -1,0 +1,58 @@
+"""Find the user's ``file:line`` in a traceback or stack, skipping framework and numstab frames."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import sysconfig
+import traceback
+from types import TracebackType
+
+_INTERNAL_PACKAGES = (
+    "torch", "jax", "jaxlib", "tensorflow", "keras", "tf_keras", "numpy", "optax", "numstab",
+    "pytest", "_pytest", "pluggy", "absl", "functorch",
+)  # fmt: skip
+
+
+def _internal_roots() -> tuple[str, ...]:
+    roots = {sysconfig.get_paths()["stdlib"]}
+    for name in _INTERNAL_PACKAGES:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            roots.add(os.path.dirname(os.path.abspath(path)))
+    return tuple(root + os.sep for root in roots)
+
+
+def is_user_file(filename: str, roots: tuple[str, ...] | None = None) -> bool:
+    if filename.startswith("<"):
+        return False
+    roots = _internal_roots() if roots is None else roots
+    return not os.path.abspath(filename).startswith(roots)
+
+
+def _last_user(frames: list[tuple[str, int]]) -> str | None:
+    roots = _internal_roots()
+    for filename, line in reversed(frames):
+        if is_user_file(filename, roots):
+            return f"{filename}:{line}"
+    return None
+
+
+def from_traceback(tb: TracebackType | None) -> str | None:
+    """The innermost user frame of an exception's traceback."""
+    return _last_user([(f.filename, f.lineno or 0) for f in traceback.extract_tb(tb)])
+
+
+def from_stack() -> str | None:
+    """The innermost user frame of the current call stack."""
+    return _last_user([(f.filename, f.lineno or 0) for f in traceback.extract_stack()])
+
+
+_FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def from_text(text: str) -> str | None:
+    """The last user ``File "...", line N`` of a traceback printed as text."""
+    return _last_user([(m.group(1), int(m.group(2))) for m in _FILE_LINE.finditer(text)])
