@@ -16,6 +16,7 @@ from numstab.errors import (
     MixedBackendsError,
     NonFiniteError,
     NumstabError,
+    OutlierError,
     UnknownBackendError,
 )
 from numstab.guard import SpikeDetector, TrainingGuard
@@ -29,6 +30,15 @@ from numstab.schedules import WarmupCosineSchedule, warmup_cosine_schedule
 __version__ = "0.1.0"
 
 preload_imported_frameworks()
+
+
+def __getattr__(name: str):
+    # numstab.data imports NumPy: loaded on first use, so that importing numstab does not
+    if name == "data":
+        import importlib
+
+        return importlib.import_module("numstab.data")
+    raise AttributeError(f"module 'numstab' has no attribute {name!r}")
 
 
 def get_backend() -> str:
@@ -49,6 +59,7 @@ __all__ = [
     "NonFiniteError",
     "NonFiniteRecord",
     "NumstabError",
+    "OutlierError",
     "SpikeDetector",
     "TrainingGuard",
     "UnknownBackendError",

@@ -1,0 +1,165 @@
+"""The fields of a data batch, and per-sample non-finite counts over backend primitives.
+
+A batch is a nest of dicts, tuples, lists, namedtuples and dataclasses (numstab.tree's rules)
+whose leaves are arrays of any framework or NumPy. One extra rule: a list or tuple holding only
+``str``/``bytes`` (what ``torch``'s default collate makes of string fields) is one per-sample
+field, not a container. Every array leaf with a batch axis is a *batched* field; floating ones
+are checked, integer and bool ones are finite by definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from numstab import _validate as v
+from numstab import tree
+from numstab._dispatch import framework_of
+from numstab.backends import load_backend
+from numstab.backends._base import Backend
+from numstab.errors import InvalidArgumentError
+
+Array = Any
+
+
+def _is_string_list(node: Any) -> bool:
+    return (
+        isinstance(node, (list, tuple))
+        and not hasattr(type(node), "_fields")
+        and len(node) > 0
+        and all(isinstance(item, (str, bytes)) for item in node)
+    )
+
+
+def _flatten(node: Any, path: str, paths: list, leaves: list) -> tree.TreeDef:
+    split = None if _is_string_list(node) else tree._children(node)
+    if split is None:
+        paths.append(path)
+        leaves.append(node)
+        return tree.LEAF
+    pairs, rebuild = split
+    children = tuple(_flatten(child, path + suffix, paths, leaves) for suffix, child in pairs)
+    return tree.TreeDef(rebuild, children)
+
+
+@dataclass
+class Field:
+    """One leaf of a batch. ``kind``: ``"float"`` (checked), ``"exact"`` (integer, bool,
+    strings: finite by definition) or ``"static"`` (no batch axis: scalars, None, 0-d arrays;
+    passed through untouched; a floating one is still checked and counts against every
+    sample)."""
+
+    path: str
+    value: Any
+    kind: str
+    backend: Backend | None  # None for host values that are not arrays
+    batched: bool
+    dtype: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.path or "<batch>"
+
+
+@dataclass
+class Batch:
+    fields: list[Field]
+    treedef: tree.TreeDef
+    size: int | None  # None when no field has a batch axis
+
+    def rebuild(self, values: list) -> Any:
+        return tree.unflatten(self.treedef, values)
+
+    @property
+    def float_fields(self) -> list[Field]:
+        return [f for f in self.fields if f.kind == "float"]
+
+
+def check_batch_axis(batch_axis: Any) -> int:
+    batch_axis = v.check_int("batch_axis", batch_axis)
+    if batch_axis < 0:
+        raise InvalidArgumentError(
+            f"Expected batch_axis >= 0 (counted from the front, so fields of any rank "
+            f"agree). Received: batch_axis={batch_axis}"
+        )
+    return batch_axis
+
+
+def backend_of(leaf: Any) -> Backend:
+    """The leaf's own framework's backend; host arrays (NumPy) use the NumPy backend."""
+    framework = framework_of(leaf)
+    return load_backend("numpy" if framework == "host" else framework)
+
+
+def split_batch(batch: Any, batch_axis: int) -> Batch:
+    """Classify every leaf and find the batch size (every batched field must agree)."""
+    paths: list[str] = []
+    leaves: list[Any] = []
+    treedef = _flatten(batch, "", paths, leaves)
+    fields, size, size_path = [], None, ""
+    for path, leaf in zip(paths, leaves, strict=True):
+        field = _classify(path, leaf, batch_axis)
+        if field.batched:
+            n = len(leaf) if field.backend is None else field.backend.shape(leaf)[batch_axis]
+            if size is None:
+                size, size_path = n, field.label
+            elif n is not None and n != size:
+                raise InvalidArgumentError(
+                    f"Expected every field to hold {size} samples along batch_axis="
+                    f"{batch_axis}, as {size_path} does. Received: {field.label} with {n}"
+                )
+        fields.append(field)
+    return Batch(fields, treedef, size)
+
+
+def _classify(path: str, leaf: Any, batch_axis: int) -> Field:
+    if _is_string_list(leaf):
+        return Field(path, leaf, "exact", None, batch_axis == 0, "str")
+    if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
+        return Field(path, leaf, "static", None, False)
+    be = backend_of(leaf)
+    dtype = be.dtype_name(leaf)
+    batched = len(be.shape(leaf)) > batch_axis
+    kind = "float" if v.is_floating(dtype) else "exact"
+    return Field(path, leaf, kind, be, batched, dtype)
+
+
+# -- per-sample counts: one reduction per field, written once over backend primitives ------
+def sample_counts(be: Backend, x: Array, batch_axis: int, mask: Array) -> Array:
+    """Number of true entries of ``mask`` (shaped like ``x``) per sample, as int32."""
+    rank = len(be.shape(x))
+    other = tuple(axis for axis in range(rank) if axis != batch_axis)
+    counts = be.cast(mask, "int32")
+    return be.sum(counts, axis=other) if other else counts
+
+
+def nonfinite_counts(be: Backend, x: Array, batch_axis: int) -> Array:
+    """Non-finite (NaN or +-inf) entries per sample: ``sum(~isfinite(x))`` over the other
+    axes, as an int32 vector (graph-safe: no host sync)."""
+    return sample_counts(be, x, batch_axis, ~be.isfinite(x))
+
+
+def nan_counts(be: Backend, x: Array, batch_axis: int) -> Array:
+    """NaN entries per sample (``x != x``), as an int32 vector."""
+    return sample_counts(be, x, batch_axis, x != x)
+
+
+def surely_finite(fields: list[Field]) -> bool:
+    """Eager fast path: True proves every element of every field finite.
+
+    A sum is finite only if every term is (NaN and inf propagate; inf - inf is NaN), so one
+    fused sum per field decides the common, clean case. A finite sum that overflows makes it
+    return False, and the caller then counts exactly; it never returns a false True.
+    """
+    by_backend: dict[str, tuple[Backend, list]] = {}
+    for field in fields:
+        be, x = field.backend, field.value
+        with be.float_errors_ignored():
+            acc = "float64" if field.dtype == "float64" else "float32"
+            total = be.sum(x if field.dtype == acc else be.cast(x, acc))
+            by_backend.setdefault(be.name, (be, []))[1].append(be.cast(total, "float32"))
+    for be, sums in by_backend.values():
+        with be.float_errors_ignored():
+            if be.any(~be.isfinite(be.stack(sums))):
+                return False
+    return True

@@ -1,0 +1,172 @@
+"""``check_batch``: which fields and samples of a batch hold NaN or inf, and how many.
+
+Also ``nonfinite_per_sample``, the graph-safe core: one reduction per field, no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from numstab._dispatch import resolve_backend, to_backend
+from numstab.data._fields import (
+    Batch,
+    Field,
+    check_batch_axis,
+    nan_counts,
+    nonfinite_counts,
+    sample_counts,
+    split_batch,
+    surely_finite,
+)
+
+Array = Any
+
+
+@dataclass(frozen=True)
+class FieldReport:
+    """One floating field. ``bad_samples``: indices along the batch axis of the samples with
+    a NaN or inf (every sample when a field without a batch axis is non-finite)."""
+
+    path: str
+    dtype: str
+    shape: tuple
+    nan_count: int
+    inf_count: int
+    bad_samples: tuple[int, ...]
+    #: per-sample (non-finite, NaN) counts as NumPy vectors; None when clean or unbatched
+    per_sample: tuple[np.ndarray, np.ndarray] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    @property
+    def ok(self) -> bool:
+        return self.nan_count == 0 and self.inf_count == 0
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """Per-field counts of non-finite values in one batch.
+
+    ``fields``: every floating field in flatten order (clean ones too); ``skipped``: paths of
+    the integer, bool and string fields, finite by definition, and of non-array leaves.
+    """
+
+    batch_size: int | None
+    fields: tuple[FieldReport, ...]
+    skipped: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(f.ok for f in self.fields)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @property
+    def nan_count(self) -> int:
+        return sum(f.nan_count for f in self.fields)
+
+    @property
+    def inf_count(self) -> int:
+        return sum(f.inf_count for f in self.fields)
+
+    @property
+    def bad_fields(self) -> tuple[FieldReport, ...]:
+        return tuple(f for f in self.fields if not f.ok)
+
+    @property
+    def bad_samples(self) -> tuple[int, ...]:
+        """Sorted indices of the samples with a non-finite value in any field."""
+        return tuple(sorted({i for f in self.fields for i in f.bad_samples}))
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"batch of {self.batch_size}: all {len(self.fields)} floating field(s) finite"
+        lines = [
+            f"batch of {self.batch_size}: {len(self.bad_samples)} sample(s) with non-finite "
+            f"values ({self.nan_count} NaN, {self.inf_count} inf)"
+        ]
+        for f in self.bad_fields:
+            shown = ", ".join(map(str, f.bad_samples[:10])) + (
+                ", ..." if len(f.bad_samples) > 10 else ""
+            )
+            lines.append(
+                f"  {f.path or '<batch>'} ({f.dtype}{list(f.shape)}): {f.nan_count} NaN, "
+                f"{f.inf_count} inf in samples [{shown}]"
+            )
+        return "\n".join(lines)
+
+
+def check_batch(batch: Any, *, batch_axis: int = 0, backend: str | None = None) -> BatchReport:
+    """Count NaN and inf per floating field and per sample of a nested batch (eager).
+
+    Each field is checked in its own framework (NumPy arrays with NumPy, never converted).
+    ``backend=`` only asserts the framework (BackendMismatchError / MixedBackendsError as in
+    docs/semantics.md §1.3). A clean batch costs one fused sum per field and one host sync.
+    """
+    batch_axis = check_batch_axis(batch_axis)
+    parts = split_batch(batch, batch_axis)
+    resolve_backend(*[f.value for f in parts.fields if f.backend is not None], backend=backend)
+    return report_of(parts, batch_axis)
+
+
+def report_of(parts: Batch, batch_axis: int, clean: bool | None = None) -> BatchReport:
+    """The BatchReport of a split batch; ``clean=True`` skips the counting."""
+    floats = parts.float_fields
+    if clean is None:
+        clean = surely_finite(floats)
+    skipped = tuple(f.label for f in parts.fields if f.kind != "float")
+    reports = tuple(_field_report(f, parts.size, batch_axis, clean) for f in floats)
+    return BatchReport(parts.size, reports, skipped)
+
+
+def _field_report(field: Field, size: int | None, batch_axis: int, clean: bool) -> FieldReport:
+    be, x = field.backend, field.value
+    shape = tuple(be.shape(x))
+    if clean:
+        return FieldReport(field.path, field.dtype, shape, 0, 0, ())
+    axis = batch_axis if field.batched else None
+    if axis is None:  # no batch axis: count the whole leaf, blame every sample
+        bad = int(np.sum(~np.isfinite(be.to_numpy(x))))
+        nan = int(np.sum(np.isnan(be.to_numpy(x))))
+        samples = tuple(range(size)) if bad and size else ()
+        return FieldReport(field.path, field.dtype, shape, nan, bad - nan, samples)
+    bad = be.to_numpy(nonfinite_counts(be, x, axis))
+    nan = be.to_numpy(nan_counts(be, x, axis))
+    total, nans = int(bad.sum()), int(nan.sum())
+    samples = tuple(int(i) for i in np.flatnonzero(bad))
+    return FieldReport(field.path, field.dtype, shape, nans, total - nans, samples, (bad, nan))
+
+
+def nonfinite_per_sample(batch: Any, *, batch_axis: int = 0, backend: str | None = None) -> Array:
+    """An int32 vector: the number of NaN/inf values of each sample over every floating
+    field with a batch axis (``sum(~isfinite(x))`` over the other axes, one reduction per
+    field). Graph-safe: runs under jax.jit, tf.function, torch.compile and in tf.data
+    functions. Host leaves are converted to the batch's framework (docs/semantics.md §1.3);
+    integer and bool fields are skipped. Needs at least one batched field.
+    """
+    from numstab.errors import InvalidArgumentError
+
+    batch_axis = check_batch_axis(batch_axis)
+    parts = split_batch(batch, batch_axis)
+    arrays = [f.value for f in parts.fields if f.backend is not None]
+    be = resolve_backend(*arrays, backend=backend)
+    like = next((x for x in arrays if hasattr(x, "device")), None)
+    batched = [f for f in parts.fields if f.batched and f.backend is not None]
+    if not batched:
+        raise InvalidArgumentError(
+            f"Expected a batch with at least one array field of rank > batch_axis="
+            f"{batch_axis}. Received: {len(parts.fields)} field(s), none batched"
+        )
+    total = None
+    for f in batched:
+        if f.kind == "float":
+            counts = nonfinite_counts(be, to_backend(be, f.value, like=like), batch_axis)
+            total = counts if total is None else total + counts
+    if total is None:  # only integer / bool fields: zeros, on the batch's device
+        x = to_backend(be, batched[0].value, like=like)
+        total = sample_counts(be, x, batch_axis, x != x)
+    return total

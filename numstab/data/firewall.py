@@ -1,0 +1,389 @@
+"""``guard``: per-sample NaN/inf and outlier screening of a stream of batches.
+
+Each batch is split into fields (numstab.data._fields). A clean batch costs one fused sum per
+floating field and one host sync, and is handed on unchanged (the same object). Otherwise the
+samples with a NaN or inf in any floating field are found (one reduction per field), and an
+optional outlier filter screens the finite ones. Then, per sample:
+
+- ``"drop"``: the flagged samples are removed from every batched field (the batch shrinks);
+- ``"replace"``: NaN and +-inf values become ``replace_value`` (finite values untouched);
+- ``"raise"``: NonFiniteError (OutlierError for outliers) naming the field and the sample's
+  global index.
+
+Outliers follow ``outlier_policy`` (default: ``"raise"`` under ``policy="raise"``, else
+``"drop"``; a finite sample has no value to replace). Every flagged sample is recorded in
+``stats`` (FirewallStats) and, with ``quarantine_dir``, written to a ``.npz`` file first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from numstab import _validate as v
+from numstab.data import quarantine
+from numstab.data._fast import clean_batch_size
+from numstab.data._fields import (
+    Batch,
+    Field,
+    backend_of,
+    check_batch_axis,
+    split_batch,
+    surely_finite,
+)
+from numstab.data.check import report_of
+from numstab.data.outliers import OutlierFilter, make_outlier_filter
+from numstab.data.stats import FirewallStats, SampleRecord
+from numstab.errors import InvalidArgumentError, NonFiniteError, OutlierError
+
+POLICIES = ("drop", "replace", "raise")
+OUTLIER_POLICIES = ("drop", "raise")
+
+Features = Sequence[str] | Callable[[Any], Any] | None
+
+
+class Firewall:
+    """The per-batch logic and state of ``guard``; usable on its own: ``process(batch)``.
+
+    Args:
+        policy: ``"drop"``, ``"replace"`` or ``"raise"`` for samples with NaN/inf.
+        outliers: None, ``"zscore"``, ``"mad"``, ``"isolation_forest"`` or an OutlierFilter.
+        outlier_policy: ``"drop"`` or ``"raise"``; see the module docstring for the default.
+        outlier_fields: the paths (as in BatchReport) whose values form a sample's features,
+            or a callable ``batch -> (n, d) array``; default: every floating batched field,
+            flattened per sample and concatenated.
+        replace_value: the finite value NaN/inf become under ``"replace"``.
+        batch_axis: the samples' axis in every batched field (>= 0).
+        quarantine_dir: where flagged samples are written (``quarantine`` module).
+        keep_empty: hand on a batch whose samples were all dropped (else it is skipped).
+    """
+
+    def __init__(
+        self,
+        policy: str = "drop",
+        *,
+        outliers: str | OutlierFilter | None = None,
+        outlier_policy: str | None = None,
+        outlier_fields: Features = None,
+        replace_value: float = 0.0,
+        batch_axis: int = 0,
+        quarantine_dir: str | None = None,
+        quarantine_prefix: str = "quarantine",
+        keep_empty: bool = False,
+    ) -> None:
+        v.check_choice("policy", policy, POLICIES)
+        if outlier_policy is None:
+            outlier_policy = "raise" if policy == "raise" else "drop"
+        v.check_choice("outlier_policy", outlier_policy, OUTLIER_POLICIES)
+        self.policy, self.outlier_policy = policy, outlier_policy
+        self.outliers = make_outlier_filter(outliers)
+        self.outlier_fields = _check_outlier_fields(outlier_fields)
+        self.replace_value = v.check_number("replace_value", replace_value, low=-np.inf)
+        self.batch_axis = check_batch_axis(batch_axis)
+        if quarantine_dir is not None and not isinstance(quarantine_dir, str | bytes):
+            quarantine_dir = str(quarantine_dir)  # a pathlib.Path
+        self.quarantine_dir = quarantine_dir
+        self.quarantine_prefix = quarantine_prefix
+        self.keep_empty = bool(keep_empty)
+        self.stats = FirewallStats()
+        self._batch_in_epoch = 0
+        self._epoch = 0
+
+    def new_epoch(self) -> None:
+        """Start numbering batches from 0 again (``guard`` calls it on every ``iter``)."""
+        self._epoch = self.stats.epochs
+        self.stats.epochs += 1
+        self._batch_in_epoch = 0
+
+    def process(self, batch: Any) -> Any:
+        """The batch with its flagged samples handled; None when all were dropped (and
+        ``keep_empty`` is False). A clean batch comes back as the same object."""
+        stats = self.stats
+        if self.outliers is None:
+            n = clean_batch_size(batch, self.batch_axis)
+            if n is not None:  # the fast path: provably clean
+                stats.samples_seen += n
+                stats.samples_passed += n
+                stats.batches_seen += 1
+                self._batch_in_epoch += 1
+                return batch
+        parts = split_batch(batch, self.batch_axis)
+        if parts.size is None:
+            raise InvalidArgumentError(
+                f"Expected a batch with at least one array field of rank > batch_axis="
+                f"{self.batch_axis}. Received: {type(batch).__name__} with no batched field"
+            )
+        n = parts.size
+        first_index, number = stats.samples_seen, self._batch_in_epoch
+        stats.samples_seen += n
+        stats.batches_seen += 1
+        self._batch_in_epoch += 1
+        floats = parts.float_fields
+        clean = not floats or surely_finite(floats)
+        if clean and self.outliers is None:
+            stats.samples_passed += n
+            return batch
+        report = report_of(parts, self.batch_axis, clean=clean)
+        bad = np.zeros(n, dtype=bool)
+        bad[list(report.bad_samples)] = True
+        outlier = self._outlier_flags(batch, parts, bad) if self.outliers else np.zeros_like(bad)
+        if not (bad.any() or outlier.any()):
+            stats.samples_passed += n
+            return batch
+        flagged = np.flatnonzero(bad | outlier)
+        self._record(report, bad, flagged, first_index, number)
+        if self.quarantine_dir is not None:
+            reasons = ["nonfinite" if bad[i] else "outlier" for i in flagged]
+            path = quarantine.write(
+                self.quarantine_dir,
+                self.quarantine_prefix,
+                self._epoch,
+                number,
+                parts,
+                self.batch_axis,
+                flagged,
+                first_index + flagged,
+                reasons,
+            )
+            stats.quarantine_files.append(path)
+        self._maybe_raise(report, bad, outlier, first_index, number)
+        return self._apply(batch, parts, report, bad, outlier)
+
+    # -- steps --------------------------------------------------------------------------------
+    def _outlier_flags(self, batch: Any, parts: Batch, bad: np.ndarray) -> np.ndarray:
+        features = _features(batch, parts, self.outlier_fields, self.batch_axis)
+        flags = np.zeros(len(bad), dtype=bool)
+        good = ~bad
+        if features.shape[0] != len(bad):
+            raise InvalidArgumentError(
+                f"Expected outlier features with one row per sample ({len(bad)}). "
+                f"Received: features.shape={features.shape}"
+            )
+        flags[good] = self.outliers(features[good])
+        return flags
+
+    def _action(self, is_bad: bool) -> str:
+        policy = self.policy if is_bad else self.outlier_policy
+        return {"drop": "dropped", "replace": "replaced", "raise": "raised"}[policy]
+
+    def _record(self, report, bad, flagged, first_index, number) -> None:
+        stats = self.stats
+        per_sample: dict[int, list] = {}
+        for f in report.bad_fields:
+            for i in f.bad_samples:
+                per_sample.setdefault(i, []).append(f.path or "<batch>")
+        counts = self._value_counts(report, bad)
+        for i in flagged:
+            i = int(i)
+            is_bad = bool(bad[i])
+            fields = tuple(per_sample.get(i, ())) if is_bad else (self.outliers.name,)
+            nan, inf = counts.get(i, (0, 0))
+            stats.records.append(
+                SampleRecord(
+                    first_index + i,
+                    self._epoch,
+                    number,
+                    i,
+                    "nonfinite" if is_bad else "outlier",
+                    self._action(is_bad),
+                    fields,
+                    nan,
+                    inf,
+                )
+            )
+        stats.nan_values += report.nan_count
+        stats.inf_values += report.inf_count
+
+    def _value_counts(self, report, bad) -> dict[int, tuple[int, int]]:
+        """NaN and inf counts per bad sample (batched fields only)."""
+        nan = np.zeros(len(bad), dtype=np.int64)
+        total = np.zeros(len(bad), dtype=np.int64)
+        for f in report.bad_fields:
+            if f.per_sample is not None:
+                total += f.per_sample[0]
+                nan += f.per_sample[1]
+        return {int(i): (int(nan[i]), int(total[i] - nan[i])) for i in np.flatnonzero(bad)}
+
+    def _maybe_raise(self, report, bad, outlier, first_index, number) -> None:
+        if bad.any() and self.policy == "raise":
+            i = int(np.flatnonzero(bad)[0])
+            fields = [f for f in report.bad_fields if i in f.bad_samples]
+            names = ", ".join(f.path or "<batch>" for f in fields)
+            raise NonFiniteError(
+                f"Non-finite data: sample {first_index + i} (epoch {self._epoch}, batch "
+                f"{number}, position {i}) has NaN/inf in field(s) {names}; "
+                f"{int(bad.sum())} sample(s) of this batch are non-finite "
+                f"({report.nan_count} NaN, {report.inf_count} inf values)",
+                phase="data",
+                nan_count=report.nan_count,
+                inf_count=report.inf_count,
+                paths=tuple(f.path for f in report.bad_fields),
+            )
+        if outlier.any() and self.outlier_policy == "raise":
+            positions = np.flatnonzero(outlier)
+            indices = tuple(int(first_index + i) for i in positions)
+            raise OutlierError(
+                f"Outlier data: sample {indices[0]} (epoch {self._epoch}, batch {number}, "
+                f"position {int(positions[0])}) was flagged by the {self.outliers.name!r} "
+                f"filter; {len(indices)} outlier(s) in this batch",
+                filter=self.outliers.name,
+                indices=indices,
+            )
+
+    def _apply(self, batch, parts: Batch, report, bad, outlier) -> Any:
+        drop = outlier.copy() if self.outlier_policy == "drop" else np.zeros_like(outlier)
+        values = [f.value for f in parts.fields]
+        if self.policy == "drop":
+            drop |= bad
+        elif self.policy == "replace" and bad.any():
+            values = self._replaced(parts, report, values)
+        if drop.any():
+            keep = ~drop
+            pairs = zip(parts.fields, values, strict=True)
+            values = [_compress(f, x, keep, self.batch_axis) for f, x in pairs]
+        kept = int(len(drop) - drop.sum())
+        self.stats.samples_passed += kept
+        if kept == 0 and not self.keep_empty:
+            self.stats.batches_skipped += 1
+            return None
+        return parts.rebuild(values)
+
+    def _replaced(self, parts: Batch, report, values: list) -> list:
+        bad_paths = {f.path for f in report.bad_fields}
+        out = list(values)
+        for k, field in enumerate(parts.fields):
+            if field.kind == "float" and field.path in bad_paths:
+                be, x = field.backend, field.value
+                out[k] = be.where(be.isfinite(x), x, self.replace_value)
+        self.stats.replaced_values += report.nan_count + report.inf_count
+        return out
+
+    # -- torch collate --------------------------------------------------------------------
+    def collate_fn(self, collate: Callable[[list], Any] | None = None) -> Callable[[list], Any]:
+        """A DataLoader ``collate_fn``: ``collate`` (default: torch's ``default_collate``),
+        then ``process``. Only in the main process (``num_workers=0``): a worker's copy of
+        the stats would be lost, so inside a worker it raises unless ``quarantine_dir`` is
+        set (then the files are the record). All-dropped batches come back empty."""
+        if collate is None:
+            from torch.utils.data import default_collate as collate
+
+        def collate_and_guard(samples: list) -> Any:
+            from torch.utils.data import get_worker_info
+
+            if get_worker_info() is not None and self.quarantine_dir is None:
+                raise InvalidArgumentError(
+                    "Expected the firewall's collate_fn in the main process (num_workers=0), "
+                    "where its stats are kept, or a quarantine_dir to record flagged samples "
+                    "from workers. Received: a DataLoader worker without quarantine_dir. "
+                    "Prefer numstab.data.guard(loader)."
+                )
+            saved, self.keep_empty = self.keep_empty, True
+            try:
+                return self.process(collate(samples))
+            finally:
+                self.keep_empty = saved
+
+        return collate_and_guard
+
+
+def _compress(field: Field, x: Any, keep: np.ndarray, batch_axis: int) -> Any:
+    if not field.batched:
+        return x
+    if field.backend is None:  # per-sample strings
+        return type(x)(item for item, k in zip(x, keep, strict=True) if k)
+    be = field.backend
+    mask = keep if be.name == "numpy" else be.asarray(keep, like=x)
+    return be.compress(x, mask, batch_axis)
+
+
+def _check_outlier_fields(spec: Features) -> Features:
+    if spec is None or callable(spec):
+        return spec
+    if isinstance(spec, str) or not all(isinstance(p, str) for p in spec):
+        raise InvalidArgumentError(
+            f"Expected outlier_fields to be None, a callable batch -> (n, d) array, or a "
+            f"sequence of field paths such as [\"['x']\"]. Received: outlier_fields={spec!r}"
+        )
+    return tuple(spec)
+
+
+def _features(batch: Any, parts: Batch, spec: Features, batch_axis: int) -> np.ndarray:
+    """The (n, d) float64 host matrix the outlier filter sees."""
+    if callable(spec):
+        x = spec(batch)
+        return _as_matrix(backend_of(x).to_numpy(x) if hasattr(x, "dtype") else x)
+    fields = [f for f in parts.float_fields if f.batched]
+    if spec is not None:
+        known = {f.path: f for f in fields}
+        missing = [p for p in spec if p not in known]
+        if missing:
+            raise InvalidArgumentError(
+                f"Expected outlier_fields among the floating batched fields "
+                f"{sorted(known)}. Received: {missing}"
+            )
+        fields = [known[p] for p in spec]
+    columns = []
+    for f in fields:
+        x = np.moveaxis(f.backend.to_numpy(f.value), batch_axis, 0)
+        columns.append(x.reshape(x.shape[0], -1).astype(np.float64))
+    if not columns:
+        raise InvalidArgumentError(
+            "Expected at least one floating batched field for the outlier filter. "
+            "Received: none (pass outlier_fields= a callable to build features)"
+        )
+    return np.concatenate(columns, axis=1)
+
+
+def _as_matrix(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return x[:, None] if x.ndim == 1 else x.reshape(x.shape[0], -1)
+
+
+class GuardedIterable:
+    """An iterable over the source's batches after the firewall; ``stats`` as in Firewall.
+
+    Each ``iter()`` is a new epoch over the source (a DataLoader reshuffles as usual).
+    ``len()`` is the source's number of batches; fully dropped batches are skipped, so fewer
+    may come.
+    """
+
+    def __init__(self, source: Iterable, firewall: Firewall) -> None:
+        self.source = source
+        self.firewall = firewall
+
+    @property
+    def stats(self) -> FirewallStats:
+        return self.firewall.stats
+
+    def __iter__(self) -> Iterator:
+        self.firewall.new_epoch()
+        for batch in self.source:
+            out = self.firewall.process(batch)
+            if out is not None:
+                yield out
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
+def guard(
+    iterable: Iterable,
+    policy: str = "drop",
+    outliers: str | OutlierFilter | None = None,
+    **options: Any,
+) -> GuardedIterable:
+    """Wrap a torch DataLoader, a tf.data.Dataset (iterated eagerly) or any iterable of
+    batches; see Firewall for ``options`` and the module docstring for the semantics.
+
+    >>> loader = guard(batches, "drop", replace_value=0.0)   # doctest: +SKIP
+    >>> for batch in loader: ...                             # doctest: +SKIP
+    >>> loader.stats.dropped                                 # global sample indices
+    """
+    if not hasattr(iterable, "__iter__"):
+        raise InvalidArgumentError(
+            f"Expected an iterable of batches (DataLoader, tf.data.Dataset, generator). "
+            f"Received: iterable of type {type(iterable).__name__}"
+        )
+    return GuardedIterable(iterable, Firewall(policy, outliers=outliers, **options))

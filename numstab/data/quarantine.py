@@ -1,0 +1,61 @@
+"""Write flagged samples to disk as ``.npz`` (no pickle), atomically (temp file + rename).
+
+One file per batch with flagged samples: ``{prefix}-e{epoch:04d}-b{batch:06d}.npz`` holding
+
+- ``index``, ``position`` (int64): global stream indices and positions in the batch;
+- ``reason`` (str): ``"nonfinite"`` or ``"outlier"`` per sample;
+- ``paths`` (str): the field paths, in order; ``field_<i>``: the flagged samples' values of
+  path ``i`` (batch axis first; bfloat16 saved as float32; strings as str arrays).
+
+Every array is plain (no object dtype): ``np.load(path, allow_pickle=False)`` reads it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+
+from numstab.data._fields import Batch
+
+
+def write(
+    directory: str,
+    prefix: str,
+    epoch: int,
+    batch_number: int,
+    parts: Batch,
+    batch_axis: int,
+    positions: np.ndarray,
+    indices: np.ndarray,
+    reasons: list[str],
+) -> str:
+    arrays: dict[str, np.ndarray] = {
+        "index": np.asarray(indices, dtype=np.int64),
+        "position": np.asarray(positions, dtype=np.int64),
+        "reason": np.asarray(reasons, dtype=str),
+    }
+    paths = []
+    for field in parts.fields:
+        if not field.batched:
+            continue
+        if field.backend is None:  # a per-sample list of str / bytes
+            values = np.asarray([field.value[i] for i in positions])
+        else:
+            values = np.moveaxis(field.backend.to_numpy(field.value), batch_axis, 0)[positions]
+        arrays[f"field_{len(paths)}"] = np.ascontiguousarray(values)
+        paths.append(field.label)
+    arrays["paths"] = np.asarray(paths, dtype=str)
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, f"{prefix}-e{epoch:04d}-b{batch_number:06d}.npz")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".npz")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return target
