@@ -19,6 +19,7 @@ from numstab.errors import (
     OutlierError,
     UnknownBackendError,
 )
+from numstab.fused_cross_entropy import fused_linear_cross_entropy
 from numstab.guard import SpikeDetector, TrainingGuard
 from numstab.locate import LocateReport, locate_nonfinite
 from numstab.loss_scale import LossScaler, LossScaleState
@@ -77,6 +78,7 @@ __all__ = [
     "clip_by_value",
     "cross_entropy",
     "find_nonfinite",
+    "fused_linear_cross_entropy",
     "get_backend",
     "global_norm",
     "locate_nonfinite",

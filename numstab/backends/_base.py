@@ -242,10 +242,36 @@ class Backend:
         out = self.exp(x - self.reshape(lse, (-1, 1))) * self.reshape(scale, (-1, 1))
         return out if shift is None else out - self.reshape(shift, (-1, 1))
 
-    def sequenced(self, x: Array, after: Array) -> Array:
+    def sequenced(self, x: Array, after: list[Array]) -> Array:
         """``x``, made available only once ``after`` is computed: keeps a graph executor from
         running the chunks of a loop side by side (and holding all their buffers at once)."""
         return x
+
+    def scan_chunks(
+        self, step: Callable, carry: Any, inputs: tuple, chunk: int, rows: int
+    ) -> tuple[Any, tuple]:
+        """Fold ``step(carry, chunk_inputs) -> (carry, chunk_outputs)`` over consecutive chunks
+        of ``chunk`` rows (the last may be shorter) of every array in ``inputs`` (None entries
+        pass as None). Returns the final carry and each output concatenated over the chunks
+        (None stays None). The first chunk may turn None carry entries into arrays; after it
+        the carry keeps its shapes and dtypes. Here: a Python loop, each chunk sequenced after
+        the previous one."""
+        outputs, previous = [], None
+        for start in range(0, max(rows, 1), chunk):
+            part = slice(start, min(start + chunk, rows))
+            sliced = tuple(None if x is None else x[part] for x in inputs)
+            if previous is not None and sliced[0] is not None:
+                sliced = (self.sequenced(sliced[0], previous), *sliced[1:])
+            carry, out = step(carry, sliced)
+            previous = [o for o in (*out, *carry) if o is not None] or None
+            outputs.append(out)
+        return carry, self._concat_outputs(outputs)
+
+    def _concat_outputs(self, outputs: list[tuple]) -> tuple:
+        return tuple(
+            None if parts[0] is None else self.concat(list(parts))
+            for parts in zip(*outputs, strict=True)
+        )
 
     def custom_gradient(
         self,

@@ -120,10 +120,26 @@ class JaxBackend(Backend):
         rows = jnp.arange(x.shape[0])
         return x.at[rows, index].add(values.astype(x.dtype))
 
-    def sequenced(self, x, after):
-        # XLA's scheduler would otherwise start every chunk's matmul early (measured: the
-        # temporaries of an 8-chunk loop grew with the number of chunks)
-        return jax.lax.optimization_barrier((x, after))[0]
+    def scan_chunks(self, step, carry, inputs, chunk, rows):
+        # lax.scan holds one chunk's buffers at a time; an unrolled Python loop under jit let
+        # XLA:CPU keep every chunk's logits alive (measured: temporaries = all the logits)
+        full = rows // chunk
+        if full < 3:
+            return super().scan_chunks(step, carry, inputs, chunk, rows)
+        first = tuple(None if x is None else x[:chunk] for x in inputs)
+        carry, out_first = step(carry, first)  # turns None carries into arrays
+        middle = tuple(
+            None if x is None else x[chunk : full * chunk].reshape(full - 1, chunk, *x.shape[1:])
+            for x in inputs
+        )
+        carry, out_middle = jax.lax.scan(step, carry, middle)
+        out_middle = tuple(None if o is None else o.reshape(-1, *o.shape[2:]) for o in out_middle)
+        outputs = [out_first, out_middle]
+        if full * chunk < rows:
+            last = tuple(None if x is None else x[full * chunk :] for x in inputs)
+            carry, out_last = step(carry, last)
+            outputs.append(out_last)
+        return carry, self._concat_outputs(outputs)
 
     def custom_gradient(self, forward, backward, args):
         @jax.custom_vjp

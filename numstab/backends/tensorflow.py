@@ -153,7 +153,7 @@ class TensorflowBackend(Backend):
     def sequenced(self, x, after):
         if tf.executing_eagerly():
             return x
-        with tf.control_dependencies([after]):
+        with tf.control_dependencies(after):
             return tf.identity(x)
 
     def custom_gradient(self, forward, backward, args):

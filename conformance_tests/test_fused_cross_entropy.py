@@ -1,0 +1,215 @@
+"""fused_linear_cross_entropy against the unfused numstab.cross_entropy(hidden @ weight.T + bias)
+on every backend, eager and compiled: loss values and the gradients of hidden, weight and bias.
+
+Both sides run on the same backend, in the same dtype and mode. Chunk sizes that do not divide
+the token count are used throughout, so the last, short chunk is always exercised.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import numstab as ns
+from numstab.errors import InvalidArgumentError
+from numstab.fused_cross_entropy import default_chunk_size, fused_linear_cross_entropy
+
+TOKENS, WIDTH, VOCAB = 14, 8, 11
+#: (rtol, atol) of fused against unfused: values, then gradients. In bfloat16 both sides round
+#: the logits to bfloat16, but each chunk's matmul may round differently from the full one.
+TOLERANCE = {
+    "float32": ((2e-5, 2e-5), (2e-5, 2e-6)),
+    "bfloat16": ((1e-2, 1e-2), (3e-2, 4e-3)),
+}
+CASES = {
+    "plain": {},
+    "smoothing": {"label_smoothing": 0.1},
+    "z_loss": {"z_loss": 1e-2},
+    "smoothing_z_loss": {"label_smoothing": 0.2, "z_loss": 1e-3},
+}
+
+
+def _data(seed=0, ignored=(2, 7), batch_shape=(TOKENS,)):
+    rng = np.random.default_rng(seed)
+    tokens = int(np.prod(batch_shape))
+    hidden = rng.normal(size=(*batch_shape, WIDTH))
+    weight = rng.normal(size=(VOCAB, WIDTH)) / np.sqrt(WIDTH)
+    bias = rng.normal(size=VOCAB) * 0.1
+    labels = rng.integers(0, VOCAB, size=tokens)
+    labels[list(ignored)] = -100
+    cotangent = rng.normal(size=batch_shape)
+    return hidden, weight, bias, labels.reshape(batch_shape), cotangent
+
+
+def _unfused(hidden, weight, labels, *, bias=None, chunk_size=None, **kwargs):
+    del chunk_size  # the unfused loss has no chunks
+    product = hidden @ _transpose(weight)
+    if bias is not None:
+        product = product + bias
+    return ns.cross_entropy(product, labels, **kwargs)
+
+
+def _transpose(w):
+    return w.T if hasattr(w, "T") else __import__("tensorflow").transpose(w)
+
+
+def value_and_grads(target, fn, arrays, wrt, cotangent):
+    """(fn(*arrays), gradients of sum(fn * cotangent) w.r.t. arrays[i] for i in wrt) as NumPy
+    float64; gradients are None on the numpy backend."""
+    h, compiled = target.h, target.compiled
+    if target.name == "numpy":
+        return h.numpy(fn(*arrays)), None
+    if target.name == "torch":
+        torch = h.torch
+        arrays = [
+            a.detach().clone().requires_grad_(True) if i in wrt else a for i, a in enumerate(arrays)
+        ]
+        out = h._compile(fn, compiled)(*arrays)
+        cot = torch.as_tensor(cotangent, dtype=out.dtype, device=out.device)
+        grads = torch.autograd.grad((out * cot).sum(), [arrays[i] for i in wrt])
+        return h.numpy(out), [h.numpy(g) for g in grads]
+    if target.name == "jax":
+        jax = h.jax
+        cot = jax.numpy.asarray(cotangent, dtype="float32")
+
+        def objective(*args):
+            out = fn(*args)
+            return (out * cot).sum(), out
+
+        vg = jax.value_and_grad(objective, argnums=tuple(wrt), has_aux=True)
+        (_, out), grads = (jax.jit(vg) if compiled else vg)(*arrays)
+        return h.numpy(out), [h.numpy(g) for g in grads]
+    tf = h.tf
+    cot = tf.constant(cotangent, dtype=tf.float32)
+
+    def run(*args):
+        with tf.GradientTape() as tape:
+            for i in wrt:
+                tape.watch(args[i])
+            out = fn(*args)
+            total = tf.reduce_sum(out * cot)
+        return out, tape.gradient(total, [args[i] for i in wrt])
+
+    with tf.device(h.tf_device):
+        out, grads = (tf.function(run) if compiled else run)(*arrays)
+    return h.numpy(out), [h.numpy(g) for g in grads]
+
+
+def _check(target, dtype, kwargs, *, data=None, bias=True, wrt=(0, 1, 3), chunk_size=4):
+    hidden, weight, b, labels, cotangent = data or _data()
+    h = target.h
+    arrays = [h.asarray(hidden, dtype), h.asarray(weight, dtype), h.asarray(labels)]
+    if bias:
+        arrays.append(h.asarray(b, dtype))
+    else:
+        wrt = tuple(i for i in wrt if i != 3)
+    reduction = kwargs.get("reduction", "mean")
+    cot = cotangent if reduction == "none" else np.float64(cotangent.flat[0])
+
+    def call(impl):
+        def fn(x, w, y, *maybe_bias):
+            return impl(x, w, y, bias=maybe_bias[0] if maybe_bias else None, **kwargs)
+
+        return fn
+
+    fused_impl = lambda *a, **k: fused_linear_cross_entropy(*a, chunk_size=chunk_size, **k)
+    got, got_grads = value_and_grads(target, call(fused_impl), arrays, wrt, cot)
+    eager = SimpleNamespace(h=h, name=target.name, compiled=False)  # the reference
+    want, want_grads = value_and_grads(eager, call(_unfused), arrays, wrt, cot)
+    (v_rtol, v_atol), (g_rtol, g_atol) = TOLERANCE[dtype]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=v_rtol, atol=v_atol, err_msg="loss")
+    if want_grads is None:
+        return got, None
+    for i, g, w in zip(wrt, got_grads, want_grads, strict=True):
+        assert g.shape == w.shape
+        scale = max(np.abs(w).max(), 1e-30)  # relative to the gradient's own size
+        np.testing.assert_allclose(
+            g / scale, w / scale, rtol=g_rtol, atol=g_atol, err_msg=f"gradient of arg {i}"
+        )
+    return got, got_grads
+
+
+def test_mean_smoothing_z_loss(target):
+    _check(target, "float32", CASES["smoothing_z_loss"])
+
+
+def test_none_bfloat16_without_bias(target):
+    """reduction="none" takes a per-row cotangent: its backward recomputes the chunks."""
+    got, _ = _check(target, "bfloat16", {"label_smoothing": 0.1, "reduction": "none"}, bias=False)
+    assert got.shape == (TOKENS,)
+    assert got[2] == 0.0 and got[7] == 0.0  # ignored rows
+
+
+def test_sum_hidden_only(target):
+    """Gradients for hidden alone (weight and bias frozen) equal the unfused ones."""
+    _check(target, "float32", {"z_loss": 1e-2, "reduction": "sum"}, wrt=(0,))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_case_and_dtype(eager_target, case):
+    for dtype in TOLERANCE:
+        _check(eager_target, dtype, CASES[case])
+
+
+@pytest.mark.parametrize("chunk_size", [1, None])
+def test_any_chunk_size(eager_target, chunk_size):
+    _check(eager_target, "float32", {"z_loss": 1e-3, "reduction": "sum"}, chunk_size=chunk_size)
+
+
+def test_batch_dimensions(eager_target):
+    data = _data(seed=3, ignored=(0, 5), batch_shape=(2, 7))
+    got, _ = _check(eager_target, "float32", {"reduction": "none"}, data=data)
+    assert got.shape == (2, 7)
+
+
+def test_every_row_ignored_gives_zero(eager_target):
+    data = _data(ignored=range(TOKENS))
+    got, grads = _check(eager_target, "float32", {"label_smoothing": 0.1}, data=data)
+    assert got == 0.0
+    if grads is not None:
+        assert all(not np.any(g) for g in grads)
+
+
+def test_out_of_range_label_raises_eagerly(eager_target):
+    hidden, weight, _, labels, _ = _data()
+    labels[4] = VOCAB
+    h = eager_target.h
+    with pytest.raises(InvalidArgumentError, match=r"Received: labels\[4\]=11 \(1 label"):
+        fused_linear_cross_entropy(h.asarray(hidden, "float32"), h.asarray(weight, "float32"),
+                                   h.asarray(labels))  # fmt: skip
+
+
+def _bad_calls(h):
+    x = h.asarray(np.zeros((6, 4)), "float32")
+    w = h.asarray(np.zeros((5, 4)), "float32")
+    y = h.asarray(np.zeros(6, np.int64))
+    f = fused_linear_cross_entropy
+    return [
+        (lambda: f(x, h.asarray(np.zeros((5, 3)), "float32"), y), r"weight of shape \(vocab, 4\)"),
+        (lambda: f(x, w, h.asarray(np.zeros((6, 2), np.int64))), r"labels.shape=\(6, 2\)"),
+        (lambda: f(x, w, y, chunk_size=0), r"chunk_size >= 1.*Received: chunk_size=0"),
+        (lambda: f(x, w, y, chunk_size=2.0), r"chunk_size to be an int"),
+        (lambda: f(h.asarray(np.zeros((6, 4), np.int32)), w, y), r"hidden.dtype=int32"),
+        (lambda: f(x, w, h.asarray(np.zeros(6), "float32")), r"labels.dtype=float32"),
+        (lambda: f(x, h.asarray(np.zeros((5, 4)), "float16"), y), r"weight.dtype=float16"),
+        (lambda: f(x, w, y, bias=h.asarray(np.zeros(4), "float32")), r"bias.shape=\(4,\)"),
+        (lambda: f(x, w, y, reduction="avg"), r"Received: reduction='avg'"),
+        (lambda: f(x, w, y, label_smoothing=2.0), r"label_smoothing in \[0, 1\]"),
+    ]
+
+
+def test_bad_input_raises_the_same_everywhere(eager_target):
+    for call, message in _bad_calls(eager_target.h):
+        with pytest.raises(InvalidArgumentError, match=message):
+            call()
+
+
+def test_default_chunk_size_rule():
+    assert default_chunk_size(4096, 65536) == 128  # 32 MiB of float32 logits
+    assert default_chunk_size(32768, 131072) == 64
+    assert default_chunk_size(10, 65536) == 10  # never more than the rows
+    assert default_chunk_size(1000, 2**30) == 1  # never less than one row
+    assert default_chunk_size(300, 65536) == 100  # 3 even chunks, not 128 + 128 + 44

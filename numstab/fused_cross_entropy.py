@@ -1,0 +1,273 @@
+"""Fused linear cross-entropy: the loss of ``cross_entropy(hidden @ weight.T + bias, labels)``
+without ever holding the [tokens, vocab] logits, forward or backward.
+
+Rows of ``hidden`` are processed in chunks. For each chunk the forward pass computes the
+logits, their log-sum-exp, the per-row losses and, when a gradient may be asked for, the
+chunk's gradients (Liger-Kernel's scheme):
+
+    p       = softmax(x),  x = hidden_c @ weight.T + bias,  s = row scale (1/D, 1 or cotangent)
+    dL/dx   = s * [(1 - eps) * (p - onehot(y)) + eps * (p - 1/V) + 2 z lse p]
+    dhidden = dL/dx @ weight,  dweight += dL/dx.T @ hidden_c,  dbias += sum_rows dL/dx
+
+Only those small gradients are kept; the backward pass scales them by the incoming cotangent.
+``reduction="none"`` cannot pre-scale per row, so its backward recomputes the chunks with the
+cotangent as the row scale. See docs/drafts/fused_cross_entropy.md for the full contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from numstab import _validate as v
+from numstab._dispatch import resolve_backend
+from numstab._dispatch import to_backend as _to_backend
+from numstab.backends._base import Backend, native_op
+from numstab.errors import InvalidArgumentError
+from numstab.losses import REDUCTIONS, _raise_out_of_range, _safe_divide
+
+Array = Any
+NAN = float("nan")
+
+#: ``chunk_size=None`` keeps one chunk of float32 logits near this many bytes.
+CHUNK_BYTES = 32 * 2**20
+
+
+def default_chunk_size(rows: int, vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
+    """Rows per chunk so that one chunk of float32 logits is about ``budget_bytes``.
+
+    ``budget_bytes // (4 * vocab)`` rows, rounded down to a multiple of 8 when it is >= 8,
+    at least 1 and at most ``rows``; then evened out over the chunks this needs, so the last
+    chunk is not a sliver. vocab 65536 -> 128 rows (32 MiB), vocab 128k -> 64 rows.
+    """
+    size = max(1, budget_bytes // (4 * max(vocab, 1)))
+    if size >= 8:
+        size -= size % 8
+    if rows <= size:
+        return max(rows, 1)
+    chunks = -(-rows // size)
+    return -(-rows // chunks)
+
+
+def fused_linear_cross_entropy(
+    hidden: Array,
+    weight: Array,
+    labels: Array,
+    *,
+    bias: Array | None = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    z_loss: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    backend: str | None = None,
+) -> Array:
+    """``cross_entropy(hidden @ weight.T + bias, labels, ...)`` computed chunk by chunk.
+
+    ``hidden``: (..., d) floating; ``weight``: (V, d) and ``bias``: (V,) of ``hidden``'s dtype;
+    ``labels``: integer class ids of shape ``hidden.shape[:-1]``. Per counted row, with
+    x = the row's logits, eps = label_smoothing, z = z_loss:
+
+        loss = (1 - eps) * (lse(x) - x[y]) + eps * (lse(x) - mean(x)) + z * lse(x)**2
+
+    Rows labelled ``ignore_index`` add 0 and no gradient; "mean" divides by the number of
+    counted rows and is 0.0 (zero gradient) when there is none. The logits are computed in the
+    input dtype and everything after in float32 (float64 for float64 inputs); weight and bias
+    gradients accumulate over chunks in float32. Out-of-range labels raise eagerly and give NaN
+    rows when traced. ``chunk_size`` rows per chunk; None chooses ``default_chunk_size``.
+    """
+    v.check_choice("reduction", reduction, REDUCTIONS)
+    eps = v.check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
+    z_loss = v.check_number("z_loss", z_loss, low=0.0)
+    ignore_index = v.check_int("ignore_index", ignore_index)
+    if chunk_size is not None:
+        chunk_size = v.check_int("chunk_size", chunk_size)
+        if chunk_size <= 0:
+            raise InvalidArgumentError(
+                f"Expected chunk_size >= 1 or None. Received: chunk_size={chunk_size}"
+            )
+    be = resolve_backend(hidden, weight, labels, bias, backend=backend)
+    hidden = _to_backend(be, hidden)
+    weight = _to_backend(be, weight, like=hidden)
+    labels = _to_backend(be, labels, like=hidden)
+    bias = _to_backend(be, bias, like=hidden)
+    rows, width, vocab, batch_shape = _check_inputs(be, hidden, weight, labels, bias)
+    cdt = v.compute_dtype(be.dtype_name(hidden))
+
+    h = be.reshape(hidden, (rows, width))
+    y = be.reshape(be.cast(labels, be.index_dtype), (rows,))
+    out_of_range = ((y < 0) | (y >= vocab)) & (y != ignore_index)
+    if not be.is_tracing(out_of_range) and be.any(out_of_range):  # concrete labels only
+        _raise_out_of_range(be, labels, vocab, ignore_index)
+
+    plan = _Plan(be, eps, z_loss, ignore_index, reduction, cdt, vocab, rows,
+                 chunk_size or default_chunk_size(rows, vocab))  # fmt: skip
+    with be.float_errors_ignored():
+        out = be.custom_gradient(plan.forward, plan.backward, (h, weight, bias, y))
+    if reduction == "none":
+        return be.reshape(out, batch_shape)
+    return out
+
+
+def _check_inputs(be: Backend, hidden, weight, labels, bias) -> tuple[int, int, int, tuple]:
+    """Validate dtypes and shapes; return (rows, d, V, hidden.shape[:-1])."""
+    dtype = be.dtype_name(hidden)
+    v.check_floating("hidden", dtype)
+    for name, x in (("weight", weight), ("bias", bias)):
+        if x is not None and be.dtype_name(x) != dtype:
+            raise InvalidArgumentError(
+                f"Expected {name} of hidden's dtype {dtype}. "
+                f"Received: {name}.dtype={be.dtype_name(x)}"
+            )
+    label_dtype = be.dtype_name(labels)
+    if not v.is_integer(label_dtype):
+        raise InvalidArgumentError(
+            f"Expected labels of an integer dtype (class ids). Received: labels.dtype={label_dtype}"
+        )
+    shape, w_shape = be.shape(hidden), be.shape(weight)
+    if len(shape) < 1 or shape[-1] is None or any(n is None for n in shape):
+        raise InvalidArgumentError(
+            f"Expected hidden of rank >= 1 with a static shape. Received: hidden.shape={shape}"
+        )
+    if len(w_shape) != 2 or w_shape[1] != shape[-1] or w_shape[0] in (None, 0):
+        raise InvalidArgumentError(
+            f"Expected weight of shape (vocab, {shape[-1]}) with vocab >= 1, for hidden of "
+            f"shape {shape}. Received: weight.shape={w_shape}"
+        )
+    vocab = w_shape[0]
+    if bias is not None and be.shape(bias) != (vocab,):
+        raise InvalidArgumentError(
+            f"Expected bias of shape ({vocab},), one per class. "
+            f"Received: bias.shape={be.shape(bias)}"
+        )
+    batch_shape = shape[:-1]
+    if not v.shapes_match(be.shape(labels), batch_shape):
+        raise InvalidArgumentError(
+            f"Expected labels of shape {batch_shape} for hidden of shape {shape}. "
+            f"Received: labels.shape={be.shape(labels)}"
+        )
+    rows = 1
+    for n in batch_shape:
+        rows *= n
+    return rows, shape[-1], vocab, batch_shape
+
+
+class _Plan:
+    """The chunked forward and backward of one call (static settings only, no arrays)."""
+
+    def __init__(self, be, eps, z_loss, ignore_index, reduction, cdt, vocab, rows, chunk):
+        self.be, self.eps, self.z_loss, self.ignore_index = be, eps, z_loss, ignore_index
+        self.reduction, self.cdt, self.vocab, self.rows, self.chunk = (
+            reduction, cdt, vocab, rows, chunk)  # fmt: skip
+
+    # -- the two halves handed to Backend.custom_gradient ---------------------------------
+    def forward(self, args: tuple, needs: tuple) -> tuple[Array, Any]:
+        h, w, b, y = args
+        be = self.be
+        needs = (needs[0], needs[1], needs[2] and b is not None)
+        y_safe, ignored, out_of_range = self._label_masks(y)
+        counted = be.cast(~(ignored | out_of_range), self.cdt)
+        self.needs = needs  # static flags, kept here: residuals must be arrays (JAX)
+        if self.reduction == "none":  # per-row cotangents: the backward recomputes
+            rows, _ = self._pass(h, w, b, y_safe, ignored, out_of_range, None, (False,) * 3)
+            return rows, (h, w, b, y)
+        denominator = be.sum(be.cast(~ignored, self.cdt))
+        scale = _safe_divide(be, 1.0, denominator) if self.reduction == "mean" else 1.0
+        rows, grads = self._pass(h, w, b, y_safe, ignored, out_of_range, counted * scale, needs)
+        total = rows if self.reduction == "sum" else _safe_divide(be, rows, denominator)
+        return total, grads
+
+    def backward(self, residuals: Any, cotangent: Array) -> tuple:
+        be = self.be
+        if self.reduction != "none":  # gradients were computed forward, for cotangent 1
+            dh, dw, db, _ = residuals  # spelled out: Dynamo failed on a generator here
+            return (
+                None if dh is None else be.scale_owned(dh, cotangent),
+                None if dw is None else be.scale_owned(dw, cotangent),
+                None if db is None else be.scale_owned(db, cotangent),
+                None,
+            )
+        h, w, b, y = residuals
+        needs = self.needs
+        y_safe, ignored, out_of_range = self._label_masks(y)
+        counted = be.cast(~(ignored | out_of_range), self.cdt)
+        row_scale = counted * be.cast(cotangent, self.cdt)
+        _, grads = self._pass(h, w, b, y_safe, ignored, out_of_range, row_scale, needs)
+        return grads
+
+    # -- the chunk loop ---------------------------------------------------------------------
+    def _label_masks(self, y: Array) -> tuple[Array, Array, Array]:
+        ignored = y == self.ignore_index
+        out_of_range = ((y < 0) | (y >= self.vocab)) & ~ignored
+        return self.be.where(ignored | out_of_range, 0, y), ignored, out_of_range
+
+    def _pass(self, h, w, b, y, ignored, out_of_range, row_scale, needs):
+        """Loss rows (concatenated for "none", else their sum) and (dh, dw, db, None)."""
+        be, cdt = self.be, self.cdt
+        want_grads = row_scale is not None and any(needs)
+        want_rows = row_scale is None or self.reduction != "none"
+        b32 = None if b is None else be.cast(b, cdt)
+        none = self.reduction == "none"
+
+        def step(carry, chunk_inputs):
+            total, dw, db = carry
+            h_part, y_part, ignored_part, out_of_range_part, scale = chunk_inputs
+            rows, g = self._chunk(h_part, w, b32, y_part, scale, want_rows)
+            row_out = dh = None
+            if want_rows:
+                rows = be.where(out_of_range_part, NAN, rows)
+                rows = be.where(ignored_part, 0.0, rows)
+                if none:
+                    row_out = rows
+                else:
+                    total = be.sum(rows) if total is None else total + be.sum(rows)
+            if g is not None:
+                if needs[0]:
+                    dh = be.matmul(be.cast(g, be.dtype_name(h)), w)
+                if needs[1]:
+                    dw = be.matmul_accumulate(dw, g, h_part)
+                if needs[2]:
+                    db = be.sum(g, axis=0) if db is None else db + be.sum(g, axis=0)
+            return (total, dw, db), (row_out, dh)
+
+        inputs = (h, y, ignored, out_of_range, row_scale if want_grads else None)
+        (total, dw, db), (row_losses, dh) = be.scan_chunks(
+            step, (None, None, None), inputs, self.chunk, self.rows
+        )
+        out = (row_losses if none else total) if want_rows else None
+        if not want_grads:
+            return out, (None, None, None, None)
+        grads = (
+            dh if needs[0] else None,
+            _cast_if_needed(be, dw, be.dtype_name(w)) if needs[1] else None,
+            _cast_if_needed(be, db, be.dtype_name(b)) if needs[2] else None,
+            None,
+        )
+        return out, grads
+
+    def _chunk(self, h, w, b32, y, scale, want_rows):
+        """One chunk: (loss rows or None, dL/dlogits or None); the logits die here."""
+        be, eps, z, vocab = self.be, self.eps, self.z_loss, self.vocab
+        x = be.cast(be.matmul(h, w, transpose_b=True), self.cdt)
+        if b32 is not None:
+            x = x + b32
+        lse = native_op(be, "logsumexp")(x, axis=-1)
+        rows = None
+        if want_rows:
+            rows = lse - be.take_rows(x, y)
+            if eps:
+                rows = rows * (1.0 - eps) + eps * (lse - be.sum(x, axis=-1) / vocab)
+            if z:
+                rows = rows + z * lse * lse
+        if scale is None:
+            return rows, None
+        coefficient = scale * (1.0 + 2.0 * z * lse) if z else scale
+        shift = scale * (eps / vocab) if eps else None
+        x = be.softmax_grad_owned(x, lse, coefficient, shift)  # reusing the name frees x
+        if eps < 1.0:
+            x = be.add_at_rows(x, y, scale * -(1.0 - eps))
+        return rows, x
+
+
+def _cast_if_needed(be: Backend, x: Array, dtype: str) -> Array:
+    """``x`` itself when it has ``dtype`` (torch.compile rejects saving a no-op cast's alias)."""
+    return x if be.dtype_name(x) == dtype else be.cast(x, dtype)
