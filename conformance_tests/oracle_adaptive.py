@@ -1,5 +1,5 @@
-"""Float64 oracles for schedules and adaptive clipping (docs/drafts/schedules.md,
-docs/drafts/adaptive_clipping.md), spelled out in plain Python / NumPy.
+"""Float64 oracles for schedules and adaptive clipping (docs/semantics.md §12,
+docs/semantics.md §13), spelled out in plain Python / NumPy.
 
 ``ZClipOracle`` transcribes ``zclip.ZClip.step`` (zclip 1.0.0) on a list of gradients, plus
 numstab's one deliberate difference: a non-finite norm changes nothing.

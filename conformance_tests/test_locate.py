@@ -1,6 +1,6 @@
 """find_nonfinite / assert_finite on every backend, and locate_nonfinite on one network
 built with identical weights in torch, Keras and JAX, with planted faults: every backend
-must name the same layer and phase (docs/drafts/nonfinite_and_locate.md)."""
+must name the same layer and phase (docs/semantics.md §15)."""
 
 from __future__ import annotations
 

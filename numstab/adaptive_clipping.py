@@ -12,7 +12,7 @@ gradients); 16-bit gradients are scaled in float32 and rounded once.
     agc = AGC(clip_factor=0.01, eps=1e-3)             # NFNets / optax.adaptive_grad_clip
     grads = agc.clip(grads, params)
 
-See docs/drafts/adaptive_clipping.md for the formulas and the differences from zclip/optax.
+See docs/semantics.md §13 for the formulas and the differences from zclip/optax.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ chunk's gradients (Liger-Kernel's scheme):
 
 Only those small gradients are kept; the backward pass scales them by the incoming cotangent.
 ``reduction="none"`` cannot pre-scale per row, so its backward recomputes the chunks with the
-cotangent as the row scale. See docs/drafts/fused_cross_entropy.md for the full contract.
+cotangent as the row scale. See docs/semantics.md §11 for the full contract.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 
 Values equal ``optax.warmup_cosine_decay_schedule(init_value=warmup_start_lr,
 peak_value=base_lr, warmup_steps=warmup_steps, decay_steps=total_steps, end_value=min_lr)``
-(see docs/drafts/schedules.md for the formula and the edge cases).
+(see docs/semantics.md §12 for the formula and the edge cases).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Numbers derived from the per-step records: one run's stability summary, the fp32
 agreement check across frameworks, the cross-framework spread and the gaps to fp32.
 
-Definitions (also in docs/drafts/bench.md):
+Definitions (also in docs/semantics.md §18):
 - final loss: mean of the last ``max(1, steps // 10)`` losses (capped at 10), or None when
   one of them is non-finite or the run stopped early.
 - diverged: the run stopped early (``divergence_patience`` consecutive non-finite losses),

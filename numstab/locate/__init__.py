@@ -9,7 +9,7 @@ One forward pass (and, with ``loss_fn``, one backward pass) with every layer ins
 - JAX: a plain function whose sub-computations go through ``numstab.locate.jax.layer``
   (flax and equinox are not supported: they are not installed where numstab is tested).
 
-See docs/drafts/nonfinite_and_locate.md for the exact rules.
+See docs/semantics.md §15 for the exact rules.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``check_numerics``: one switch that raises ``NonFiniteError`` where NaN or inf appear.
 
-Two modes (``docs/drafts/check_numerics.md`` is the contract):
+Two modes (``docs/semantics.md §14`` is the contract):
 
 - ``"op"`` (default): every op output is checked as it is produced, through the framework's
   own machinery (torch anomaly mode plus a dispatch mode, TensorFlow
