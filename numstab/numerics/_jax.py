@@ -46,6 +46,11 @@ class Arm:
         jax.config.update("jax_debug_nans", self.settings.nan)  # both False: checks off inside
         jax.config.update("jax_debug_infs", self.settings.inf)
         if self.settings.nan or self.settings.inf:
+            # Seen on jax 0.10.2: an op already dispatched before the context (same shapes)
+            # could skip the check through JAX's C++ dispatch cache. Clearing the caches
+            # makes every op inside go through the checked path (cost: recompiling them).
+            jax.clear_caches()
+        if self.settings.nan or self.settings.inf:
             jax.config.update("jax_traceback_filtering", "off")
 
     def exit(self) -> None:
@@ -61,7 +66,7 @@ class Arm:
         if match is None:
             return None
         kind, op = match.groups()
-        phase, where = _phase_and_where(exc)
+        phase, where = _phase_and_where(exc, op)
         return NonFiniteError(
             f"check_numerics: {op} produced {'NaN' if kind == 'nan' else 'inf'} in the "
             f"{phase} pass" + (f" at {where}" if where else "") + f" (jax: {exc})",
@@ -73,11 +78,14 @@ class Arm:
         )
 
 
-def _phase_and_where(exc: BaseException) -> tuple[str, str | None]:
+def _phase_and_where(exc: BaseException, op: str) -> tuple[str, str | None]:
     """The phase from the traceback: a frame of JAX's ``backward_pass`` (transpose), or a
-    JVP rule computing a derivative coefficient (the inward neighbour of the innermost
-    ``*jvp*`` frame of ``ad.py`` is not ``bind``), means backward. The user's line comes from
-    the failing equation's source info (backward pass) or the traceback."""
+    JVP rule computing a derivative coefficient, means backward. Inward of the innermost
+    ``*jvp*`` frame of ``ad.py``, past the rule plumbing (``call_wrapped``, ``*_jvp`` rules),
+    a rule computing the primal reaches ``bind`` or the op's own function (``sub`` for
+    ``_sub_jvp`` under ``linearize``); anything else (a ``defjvp`` lambda) is a coefficient.
+    The user's line comes from the failing equation's source info (backward pass) or the
+    traceback."""
     backward, where = False, None
     frames = []
     tb = exc.__traceback__
@@ -94,8 +102,10 @@ def _phase_and_where(exc: BaseException) -> tuple[str, str | None]:
                 where = _eqn_where(eqn) or where
         if "jvp" in name and filename.endswith("ad.py"):
             jvp_at = i
-    if jvp_at is not None and jvp_at + 1 < len(frames):
-        backward = backward or frames[jvp_at + 1].f_code.co_name != "bind"
+    if jvp_at is not None:
+        inner = (f.f_code.co_name for f in frames[jvp_at + 1 :])
+        rule = next((n for n in inner if n != "call_wrapped" and "jvp" not in n), "bind")
+        backward = backward or rule not in ("bind", op)
     phase = "backward" if backward else "forward"
     return phase, where or _where.from_traceback(exc.__traceback__)
 
