@@ -43,20 +43,16 @@ class Arm:
         if self.settings.mode != "op":
             return
         self._previous = {name: getattr(jax.config, name) for name in _OPTIONS}
-        jax.config.update("jax_debug_nans", self.settings.nan)  # both False: checks off inside
-        jax.config.update("jax_debug_infs", self.settings.inf)
-        if self.settings.nan or self.settings.inf:
-            # Seen on jax 0.10.2: an op already dispatched before the context (same shapes)
-            # could skip the check through JAX's C++ dispatch cache. Clearing the caches
-            # makes every op inside go through the checked path (cost: recompiling them).
-            jax.clear_caches()
+        # both False: checks off inside
+        _set_checks(self.settings.nan, self.settings.inf)
         if self.settings.nan or self.settings.inf:
             jax.config.update("jax_traceback_filtering", "off")
 
     def exit(self) -> None:
         if self._previous is not None:
-            for name, value in self._previous.items():
-                jax.config.update(name, value)
+            previous = self._previous
+            _set_checks(previous["jax_debug_nans"], previous["jax_debug_infs"])
+            jax.config.update("jax_traceback_filtering", previous["jax_traceback_filtering"])
             self._previous = None
 
     def convert(self, exc: BaseException) -> NonFiniteError | None:
@@ -142,3 +138,14 @@ def read_summaries(summaries: list) -> list[tuple[bool, bool]]:
         sums = np.zeros(1) if s is None else np.asarray(s)
         out.append((bool(np.isnan(sums).any()), bool(np.isinf(sums).any())))
     return out
+
+
+def _set_checks(nan: bool, inf: bool) -> None:
+    """Set jax_debug_nans / jax_debug_infs. When a check turns on, clear JAX's caches: seen on
+    jax 0.10.2, an op dispatched while the check was off (same shapes) skips it afterwards
+    through JAX's C++ dispatch cache. Cost: the ops run next compile again."""
+    turned_on = (nan and not jax.config.jax_debug_nans) or (inf and not jax.config.jax_debug_infs)
+    jax.config.update("jax_debug_nans", nan)
+    jax.config.update("jax_debug_infs", inf)
+    if turned_on:
+        jax.clear_caches()
