@@ -26,7 +26,7 @@ import numpy as np
 
 from numstab.errors import NonFiniteError
 from numstab.numerics import _where
-from numstab.numerics._ops import op_kind
+from numstab.numerics._ops import op_error
 
 _OPTIONS = ("jax_debug_nans", "jax_debug_infs", "jax_traceback_filtering")
 _MESSAGE = re.compile(r"invalid value \((nan|inf)\) encountered in (\S+)")
@@ -63,14 +63,13 @@ class Arm:
             return None
         kind, op = match.groups()
         phase, where = _phase_and_where(exc, op)
-        return NonFiniteError(
-            f"check_numerics: {op} produced {'NaN' if kind == 'nan' else 'inf'} in the "
-            f"{phase} pass" + (f" at {where}" if where else "") + f" (jax: {exc})",
-            framework="jax",
-            op=op,
-            op_kind=op_kind(op),
+        return op_error(
+            "jax",
+            op,
+            produced="NaN" if kind == "nan" else "inf",
             phase=phase,
             where=where,
+            detail=f"jax: {exc}",
         )
 
 

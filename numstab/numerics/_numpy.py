@@ -17,7 +17,7 @@ import numpy as np
 
 from numstab.errors import NonFiniteError
 from numstab.numerics import _where
-from numstab.numerics._ops import op_kind
+from numstab.numerics._ops import op_error
 
 _MESSAGE = re.compile(r"(invalid value|divide by zero|overflow) encountered in (\w+)")
 
@@ -55,16 +55,7 @@ class Arm:
         what, op = match.groups()
         where = _where.from_traceback(exc.__traceback__)
         produced = "NaN" if what == "invalid value" else "inf"
-        return NonFiniteError(
-            f"check_numerics: numpy {op} produced {produced} ({what})"
-            + (f" at {where}" if where else "")
-            + ".",
-            framework="numpy",
-            op=op,
-            op_kind=op_kind(op),
-            phase="forward",
-            where=where,
-        )
+        return op_error("numpy", op, produced=produced, phase="forward", where=where, detail=what)
 
 
 def summarize(leaves: list) -> Any:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from numstab.errors import NonFiniteError
+
 #: squashed name (lower case, no separators, no version or backward suffix) -> kind
 KINDS: dict[str, str] = {
     **dict.fromkeys(["log", "log1p", "log2", "log10", "xlogy"], "log"),
@@ -70,3 +72,32 @@ def op_kind(name: str | None) -> str | None:
             break
         squashed = stripped
     return KINDS.get(squashed)
+
+
+def op_error(
+    framework: str,
+    op: str | None,
+    *,
+    produced: str,
+    phase: str,
+    where: str | None,
+    detail: str | None = None,
+    nan_count: int | None = None,
+    inf_count: int | None = None,
+    kind: str | None = None,
+) -> NonFiniteError:
+    """The one NonFiniteError of op mode, worded the same for every framework:
+    ``check_numerics: <framework> <op> produced <what> in the <phase> pass at <where> (...)``."""
+    return NonFiniteError(
+        f"check_numerics: {framework} {op or 'an op'} produced {produced} in the {phase} pass"
+        + (f" at {where}" if where else "")
+        + (f" ({detail})" if detail else "")
+        + ".",
+        framework=framework,
+        op=op,
+        op_kind=kind or (op_kind(op) if op else None),
+        phase=phase,
+        where=where,
+        nan_count=nan_count,
+        inf_count=inf_count,
+    )

@@ -22,7 +22,7 @@ from tensorflow.python.debug.lib import check_numerics_callback
 
 from numstab.errors import InvalidArgumentError, NonFiniteError
 from numstab.numerics import _where
-from numstab.numerics._ops import op_kind
+from numstab.numerics._ops import op_error
 
 _OP = re.compile(r'output (\d+) of (?:eagerly-executing|graph) op "(\w+)"')
 _NODE = re.compile(r"Detected at node (\S+)")
@@ -91,15 +91,13 @@ class Arm:
             backward = backward or _in_backprop(exc)
         where = _where.from_text(message) if graph else _where.from_traceback(exc.__traceback__)
         phase = "backward" if backward else "forward"
-        return NonFiniteError(
-            f"check_numerics: {op} produced NaN or inf in output {index} in the {phase} pass"
-            + (f" at {where}" if where else "")
-            + f" (tensorflow: {message.strip().splitlines()[-1][:200]})",
-            framework="tensorflow",
-            op=op,
-            op_kind=op_kind(op),
+        return op_error(
+            "tensorflow",
+            op,
+            produced=f"NaN or inf in output {index}",
             phase=phase,
             where=where,
+            detail=f"tensorflow: {message.strip().splitlines()[-1][:200]}",
             nan_count=counts["NaN"] if found else None,
             inf_count=counts["Inf"] if found else None,
         )

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from numstab.errors import NonFiniteError
 from numstab.numerics import _where
-from numstab.numerics._ops import op_kind
+from numstab.numerics._ops import op_error, op_kind
 
 #: active op-mode contexts, innermost last. Process-wide, not thread-local: on CUDA the
 #: autograd engine runs backward ops on its own device threads (under the same dispatch mode).
@@ -84,24 +84,21 @@ def _op_error(func, node, index: int, t: torch.Tensor, settings) -> NonFiniteErr
     if node is not None:
         phase, op = "backward", node.name()
         where = _where.from_text(str(node.metadata.get("traceback_", "")))
-        detail = f"{op} (aten op {aten})"
+        detail = f"aten op {aten}, "
     else:
         phase, op = "forward", aten
         where = _where.from_stack()
-        detail = op
-    kind = op_kind(op) or op_kind(aten)
-    at = f" at {where}" if where else ""
-    return NonFiniteError(
-        f"check_numerics: {detail} produced {nan_count} NaN and {inf_count} inf in output "
-        f"{index} (shape {tuple(t.shape)}, {str(t.dtype).replace('torch.', '')}) in the "
-        f"{phase} pass{at}.",
-        framework="torch",
-        op=op,
-        op_kind=kind,
+        detail = ""
+    return op_error(
+        "torch",
+        op,
+        produced=f"{nan_count} NaN and {inf_count} inf in output {index}",
         phase=phase,
         where=where,
+        detail=f"{detail}shape {tuple(t.shape)}, {str(t.dtype).replace('torch.', '')}",
         nan_count=nan_count,
         inf_count=inf_count,
+        kind=op_kind(op) or op_kind(aten),
     )
 
 
@@ -217,13 +214,13 @@ class Arm:
         if not isinstance(exc, RuntimeError) or "returned nan values" not in message:
             return None
         op = message.split("'")[1] if message.count("'") >= 2 else None
-        return NonFiniteError(
-            f"check_numerics: {message}",
-            framework="torch",
-            op=op,
-            op_kind=op_kind(op),
+        return op_error(
+            "torch",
+            op,
+            produced="NaN",
             phase="backward",
             where=_where.from_traceback(exc.__traceback__),
+            detail=message,
         )
 
 
