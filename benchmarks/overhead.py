@@ -513,6 +513,27 @@ def _mark(ok: bool) -> str:
     return "yes" if ok else "NO"
 
 
+def ratio_table(first: str, rows: list[Row]) -> str:
+    """The numstab-vs-native table; ``first`` names the first column (case or op)."""
+    headers = [first, "backend", "mode", "numstab ms", "native ms", "ratio", "goal", "meets"]
+    return format_table(
+        headers,
+        [
+            [
+                r.case,
+                r.backend,
+                r.mode,
+                f"{r.numstab_ms:.2f}",
+                f"{r.native_ms:.2f}",
+                f"{r.ratio:.3f}",
+                f"<= {r.goal:.2f}",
+                _mark(r.meets_goal),
+            ]
+            for r in rows
+        ],
+    )
+
+
 def print_report(
     meta: dict[str, Any],
     imports: dict[str, Any],
@@ -539,47 +560,13 @@ def print_report(
     )
     if rows:
         print("\nForward + backward, median per call (ratio = numstab / native):")
-        print(
-            format_table(
-                ["case", "backend", "mode", "numstab ms", "native ms", "ratio", "goal", "meets"],
-                [
-                    [
-                        r.case,
-                        r.backend,
-                        r.mode,
-                        f"{r.numstab_ms:.2f}",
-                        f"{r.native_ms:.2f}",
-                        f"{r.ratio:.3f}",
-                        f"<= {r.goal:.2f}",
-                        _mark(r.meets_goal),
-                    ]
-                    for r in rows
-                ],
-            )
-        )
+        print(ratio_table("case", rows))
     if tree_rows:
         print(
             f"\nTree operations on {meta['tree']} fp32 gradients, median per call "
             "(ratio = numstab / native; natives in benchmarks/_overhead_tree.py):"
         )
-        print(
-            format_table(
-                ["op", "backend", "mode", "numstab ms", "native ms", "ratio", "goal", "meets"],
-                [
-                    [
-                        r.case,
-                        r.backend,
-                        r.mode,
-                        f"{r.numstab_ms:.2f}",
-                        f"{r.native_ms:.2f}",
-                        f"{r.ratio:.3f}",
-                        f"<= {r.goal:.2f}",
-                        _mark(r.meets_goal),
-                    ]
-                    for r in tree_rows
-                ],
-            )
-        )
+        print(ratio_table("op", tree_rows))
     if tiny:
         print(
             f"\nTiny forward, logits {TINY_SHAPE[0]}x{TINY_SHAPE[1]}, hard labels, eager, "
