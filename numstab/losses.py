@@ -224,21 +224,17 @@ def _hard_label_rows(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt):
         _raise_out_of_range(be, labels, num_classes, ignore_index)
     y = be.where(ignored | out_of_range, 0, y)  # a safe index; these rows are masked below
     target_logit = be.take_rows(x, y)
-    if eps == 0.0:
-        nll = native_op(be, "softmax_nll")(x, y)
-    else:
-        log_p = native_op(be, "log_softmax")(x)
-        nll = -be.take_rows(log_p, y)
     target_weight = be.gather(weight, y) if weight is not None else None
-    rows = nll * (1.0 - eps) if eps else nll
-    if target_weight is not None:
-        rows = rows * target_weight
-    if eps:
-        valid = x != -INF  # NaN counts as valid, so it propagates
-        valid_count = be.count(valid, axis=-1, dtype=cdt)
-        terms = log_p * weight if weight is not None else log_p
-        smooth = -be.sum(be.where(valid, terms, 0.0), axis=-1)
-        rows = rows + eps * smooth / be.where(valid_count > 0, valid_count, 1.0)
+    if eps == 0.0:
+        rows = native_op(be, "softmax_nll")(x, y)
+        if target_weight is not None:
+            rows = rows * target_weight
+    else:  # the all-classes kernel is exact where it is finite; masked classes need the mask
+        rows = be.finite_or_exact(
+            lambda: native_op(be, "smoothed_nll")(x, y, eps, weight),
+            lambda: _masked_smoothed_rows(be, x, y, target_weight, eps, weight, cdt),
+            like=x,
+        )
     if z_loss:
         lse = native_op(be, "logsumexp")(x, axis=-1)
         z_term = z_loss * lse * lse
@@ -251,6 +247,32 @@ def _hard_label_rows(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt):
     else:
         denominator = be.sum(be.where(ignored, 0.0, target_weight))
     return rows, denominator
+
+
+def _masked_smoothed_rows(be, x, y, target_weight, eps, weight, cdt):
+    """Label-smoothed rows with the -inf (masked) classes left out of the smoothing mean:
+
+        (1 - eps) * w[y] * (lse - x[y]) + eps * (lse * sum_valid w - sum_valid w * x) / K_valid
+
+    (w = 1 without ``weight``; NaN logits count as valid, so they propagate). Written through
+    lse rather than log_softmax: under jax.jit it measured 0.7x optax's smoothed loss, where
+    the log_softmax form was 1.08x.
+    """
+    lse = native_op(be, "logsumexp")(x, axis=-1)
+    nll = lse - be.take_rows(x, y)  # gathered here: TF's cond would densify a captured one
+    if target_weight is not None:
+        nll = nll * target_weight
+    valid = x != -INF
+    valid_count = be.count(valid, axis=-1, dtype=cdt)
+    divisor = be.where(valid_count > 0, valid_count, 1.0)
+    wx = x if weight is None else x * weight
+    total = be.sum(be.where(valid, wx, 0.0), axis=-1)
+    if weight is None:
+        smooth = lse - total / divisor
+    else:  # an all -inf row has lse = -inf and no valid weight: 0, not -inf * 0
+        valid_weight = be.sum(be.where(valid, weight, 0.0), axis=-1)
+        smooth = (be.where(valid_count > 0, lse, 0.0) * valid_weight - total) / divisor
+    return nll * (1.0 - eps) + smooth * eps
 
 
 def _probability_rows(be, x, t, eps, weight, z_loss, cdt):

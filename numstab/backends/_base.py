@@ -84,6 +84,10 @@ class Backend:
         """True inside jit / tf.function / torch.compile, where values cannot be read."""
         raise NotImplementedError
 
+    def can_read(self, x: Array) -> bool:
+        """True when ``x``'s values can be read on the host now (not traced)."""
+        return not self.is_tracing(x)
+
     def float_errors_ignored(self) -> contextlib.AbstractContextManager:
         """A context in which IEEE warnings (log(0), inf - inf) are not reported."""
         return contextlib.nullcontext()
@@ -201,6 +205,31 @@ class Backend:
     def softmax_nll(self, logits: Array, labels: Array) -> Array:
         """Per-row -log_softmax(logits)[label] for 2-D logits and in-range labels."""
         return -self.take_rows(self.log_softmax(logits), labels)
+
+    def smoothed_nll(self, x: Array, labels: Array, eps: float, weight: Array | None) -> Array:
+        """Per row, label smoothing over ALL K classes (torch's ``label_smoothing`` rows):
+        ``(1 - eps) * w[y] * (lse - x[y]) + eps / K * sum_c w[c] * (lse - x[c])``, w = 1
+        without ``weight``. A row holding a -inf (masked) class must come out non-finite."""
+        lse = native_op(self, "logsumexp")(x, axis=-1)
+        nll = lse - self.take_rows(x, labels)
+        count = self.shape(x)[-1]
+        if weight is None:
+            return nll * (1.0 - eps) + (lse - self.sum(x, axis=-1) * (1.0 / count)) * eps
+        nll = nll * self.gather(weight, labels)
+        smooth = lse * self.sum(weight) - self.sum(x * weight, axis=-1)
+        return nll * (1.0 - eps) + smooth * (eps / count)
+
+    def finite_or_exact(
+        self, fast: Callable[[], Array], exact: Callable[[], Array], like: Array
+    ) -> Array:
+        """``fast()`` when all of it is finite, else ``exact()``: for a cheap formula that is
+        exact wherever its result is finite. Eager: one host read. Where values cannot be read
+        (``can_read(like)`` is False): ``exact()`` alone; a backend with graph control flow may
+        branch on device instead."""
+        if not self.can_read(like):
+            return exact()
+        candidate = fast()
+        return exact() if self.any(~self.isfinite(candidate)) else candidate
 
     # -- schedules and adaptive clipping --
     def cos(self, x: Array) -> Array:

@@ -46,6 +46,9 @@ class JaxBackend(Backend):
     def is_tracing(self, x):
         return isinstance(x, jax.core.Tracer)
 
+    def can_read(self, x):
+        return jax.core.is_concrete(x)  # also under jax.grad without jit, unlike is_tracing
+
     def where(self, condition, x, y):
         return jnp.where(condition, x, y)
 
@@ -104,6 +107,13 @@ class JaxBackend(Backend):
         # in the other backends' kernels (optax would give +inf).
         lse = jax.nn.logsumexp(logits, axis=-1)
         return jnp.where(lse == jnp.inf, jnp.nan, lse - self.take_rows(logits, labels))
+
+    def native_smoothed_nll(self, x, labels, eps, weight):
+        # only eager (under jit the masked formula runs): few primitives, as optax's loss
+        log_p = jax.nn.log_softmax(x, axis=-1)
+        terms = log_p if weight is None else log_p * weight
+        nll = -self.take_rows(terms, labels)
+        return nll * (1.0 - eps) - jnp.sum(terms, axis=-1) * (eps / x.shape[-1])
 
     # -- schedules and adaptive clipping --
     def cos(self, x):

@@ -135,6 +135,20 @@ class TensorflowBackend(Backend):
     def native_softmax_nll(self, logits, labels):
         return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
+    def native_smoothed_nll(self, x, labels, eps, weight):
+        if weight is not None:  # the fused kernel's gradient assumes targets that sum to 1
+            return super().smoothed_nll(x, labels, eps, weight)
+        count = x.shape[-1]
+        targets = tf.one_hot(labels, count, on_value=1.0 - eps + eps / count,
+                             off_value=eps / count, dtype=x.dtype)  # fmt: skip
+        return tf.nn.softmax_cross_entropy_with_logits(labels=targets, logits=x)
+
+    def finite_or_exact(self, fast, exact, like):
+        if tf.executing_eagerly():
+            return super().finite_or_exact(fast, exact, like)
+        candidate = fast()  # in a graph: branch on device
+        return tf.cond(tf.reduce_all(tf.math.is_finite(candidate)), lambda: candidate, exact)
+
     # -- schedules and adaptive clipping --
     def cos(self, x):
         return tf.cos(x)

@@ -137,6 +137,11 @@ class TorchBackend(Backend):
     def native_softmax_nll(self, logits, labels):
         return F.cross_entropy(logits, labels.long(), reduction="none")
 
+    def native_smoothed_nll(self, x, labels, eps, weight):
+        return F.cross_entropy(
+            x, labels.long(), weight=weight, reduction="none", label_smoothing=eps
+        )
+
     # -- schedules and adaptive clipping --
     def cos(self, x):
         return torch.cos(x)
