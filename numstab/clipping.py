@@ -86,14 +86,7 @@ def _global_norm(be: Backend, leaves: list, norm_type: float) -> Array:
     if not leaves:
         return be.asarray(0.0, dtype=dtype)
     with be.float_errors_ignored():
-        norms = native_op(be, "leaf_norms")(leaves, norm_type, dtype)
-        if norm_type == math.inf:
-            return be.max(norms)
-        if norm_type == 2.0:
-            return be.sqrt(be.sum(norms * norms))
-        if norm_type == 1.0:
-            return be.sum(norms)
-        return be.sum(norms**norm_type) ** (1.0 / norm_type)
+        return native_op(be, "global_norm")(leaves, norm_type, dtype)
 
 
 def clip_by_global_norm(

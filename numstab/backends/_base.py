@@ -159,6 +159,17 @@ class Backend:
                 norms.append(self.sum(self.abs(x) ** ord) ** (1.0 / ord))
         return self.stack(norms)
 
+    def global_norm(self, leaves: list[Array], ord: float, dtype: str) -> Array:
+        """The ``ord``-norm of the leaf norms (``leaf_norms``), a 0-d array of ``dtype``."""
+        norms = native_op(self, "leaf_norms")(leaves, ord, dtype)
+        if ord == float("inf"):
+            return self.max(norms)
+        if ord == 2.0:
+            return self.sqrt(self.sum(norms * norms))
+        if ord == 1.0:
+            return self.sum(norms)
+        return self.sum(norms**ord) ** (1.0 / ord)
+
     def scale_leaves(self, leaves: list[Array], factor: Array) -> list[Array]:
         """Each leaf times a 0-d ``factor``: float32/64 leaves multiply in their own dtype,
         16-bit leaves in float32 and are rounded back once."""

@@ -124,6 +124,10 @@ class TorchBackend(Backend):
             norms = [n.to(device) for n in norms]
         return torch.stack(norms)
 
+    def native_global_norm(self, leaves, ord, dtype):
+        # torch.nn.utils.get_total_norm's kernels: the norm of the stacked leaf norms
+        return torch.linalg.vector_norm(self.native_leaf_norms(leaves, ord, dtype), ord)
+
     def native_scale_leaves(self, leaves, factor):
         if all(x.dtype == factor.dtype and x.device == factor.device for x in leaves):
             return list(torch._foreach_mul(leaves, factor))  # one multi-tensor kernel
