@@ -14,23 +14,32 @@ Per backend, one step time for each configuration:
 - ``off``: no checking;
 - ``sentinel``: ``check_numerics(mode="sentinel")`` around all timed steps, with
   ``check()`` at the end of every step (the read that a training loop would do per step,
-  so its host sync is included). torch records every module output, the gradient into it and
-  every parameter gradient automatically; JAX and TensorFlow ``watch`` the loss and the
-  gradients the compiled step returns;
+  so its host sync is included), each framework used the documented recommended way: torch
+  records every module output, the gradient into it and every parameter gradient
+  automatically; the JAX step computes ``finite_summary(loss)`` and ``finite_summary(grads)``
+  inside its ``jax.jit`` and ``watch``-es the two small summaries it returns; TensorFlow
+  ``watch``-es the loss and the gradients the ``tf.function`` step returns;
+- JAX only, ``sentinel_arrays``: the jitted step returns the gradients and ``watch`` reduces
+  them in a second compiled call (what ``watch`` does with any array tree);
 - ``op``: ``check_numerics()`` (every op checked; compiled steps run op by op);
 - torch only, ``detect_anomaly``: ``torch.autograd.set_detect_anomaly(True)``, the anchor
   (users report 1.5x to 3x slower training).
 
 How: configurations are interleaved round by round (A B C D, A B C D, ...) after untimed
-warmup steps (which also compile); each timed step ends with the loss read on the host, and the
-garbage collector is paused. Reported: the median wall and process-CPU time of a step per
-configuration, each with its ratio to ``off`` measured in the same run (the CPU-time ratio is
-less disturbed by other processes on a shared machine). Intra-op threads are pinned to
-``--threads`` (default 1). Goal: sentinel <= 1.05.
+warmup steps (which also compile); each run enters its context and does one untimed step
+before timing (JAX's op mode clears JAX's caches on entry). Each timed step ends with the loss
+read on the host, and the garbage collector is paused. Reported: the median wall and
+process-CPU time of a step per configuration, each with its ratio to ``off`` measured in the
+same run (the CPU-time ratio is less disturbed by other processes on a shared machine), and,
+as a noise gauge, the median, min and max over rounds of the CPU ratio to the ``off`` run of
+the same round (``--steps 1 --rounds 30`` alternates step by step). ``--configs`` picks
+configurations (``off`` always runs); ``--pieces`` adds, for JAX, the sentinel's per-step pieces
+timed in isolation. Intra-op threads are pinned to ``--threads``
+(default 1). Goal: sentinel <= 1.05.
 
 Usage: python benchmarks/check_numerics.py [--backends torch,jax,tensorflow] [--layers 2]
        [--width 256] [--seq 128] [--batch 8] [--vocab 1024] [--steps 8] [--rounds 5]
-       [--threads 1] [--quick]
+       [--threads 1] [--configs sentinel,op] [--pieces] [--quick]
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from numstab.numerics import check_numerics
+from numstab.numerics import check_numerics, finite_summary
 
 MASK = -1e9
 
@@ -161,6 +170,56 @@ def torch_step(args) -> dict[str, Callable[[], float]]:
 
 
 def jax_step(args) -> dict[str, Callable[[], float]]:
+    parts = _jax_parts(args)
+    return {
+        "off": _plain(parts["step"]),
+        "sentinel": _checked(parts["checked_step"], "sentinel", "jax", pass_context=True),
+        "sentinel_arrays": _checked(parts["arrays_step"], "sentinel", "jax", pass_context=True),
+        "op": _checked(parts["step"], "op", "jax"),
+    }
+
+
+def jax_pieces(args) -> None:
+    """The sentinel's per-step pieces in isolation (process CPU time, median of 200): the
+    host side of each way to watch, and the reductions the recommended way adds to the jit."""
+    import jax
+
+    parts = _jax_parts(args)
+    p, s = parts["box"]["p"], parts["box"]["s"]
+    _, _, loss, grads = jax.block_until_ready(parts["train_returning_grads"](p, s))
+    _, _, _, (loss_ok, grads_ok) = jax.block_until_ready(parts["train_checked"](p, s))
+    summarize = jax.jit(finite_summary)
+
+    def cpu_ms(f, n=200) -> float:
+        for _ in range(3):
+            f()
+        times = []
+        for _ in range(n):
+            c0 = time.process_time()
+            f()
+            times.append(time.process_time() - c0)
+        return statistics.median(times) * 1e3
+
+    with check_numerics(mode="sentinel", backend="jax") as cn:
+        pieces = {
+            "watch 2 FiniteSummary + check()": lambda: (
+                cn.watch(loss_ok, "loss"),
+                cn.watch(grads_ok, "grads"),
+                cn.check(),
+            ),
+            "watch loss + grads arrays + check()": lambda: (
+                cn.watch(loss, "loss"),
+                cn.watch(grads, "grads"),
+                cn.check(),
+            ),
+            "the reductions alone (jit, blocked)": lambda: jax.block_until_ready(summarize(grads)),
+        }
+        print("\njax: sentinel pieces per step, in isolation (CPU ms, median of 200)")
+        for label, f in pieces.items():
+            print(f"  {label:40s} {cpu_ms(f):8.3f}")
+
+
+def _jax_parts(args) -> dict:
     import jax
     import jax.numpy as jnp
     import optax
@@ -192,25 +251,49 @@ def jax_step(args) -> dict[str, Callable[[], float]]:
         logits = forward(p, tokens)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    @jax.jit
-    def train(p, state):
+    def update(p, state):
         loss, grads = jax.value_and_grad(loss_fn)(p)
         updates, state = opt.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss, grads
 
+    @jax.jit
+    def train(p, state):  # the step without checking
+        return update(p, state)[:3]
+
+    @jax.jit
+    def train_checked(p, state):  # the recommended sentinel step: summaries made in the jit
+        p, state, loss, grads = update(p, state)
+        return p, state, loss, (finite_summary(loss), finite_summary(grads))
+
+    @jax.jit
+    def train_returning_grads(p, state):  # watch() on the returned arrays instead
+        return update(p, state)
+
     box = {"p": params, "s": opt.init(params)}
 
-    def step(cn=None) -> float:
-        box["p"], box["s"], loss, grads = train(box["p"], box["s"])
-        if cn is not None:
-            cn.watch(loss, "loss")
-            cn.watch(grads, "grads")
+    def step() -> float:
+        box["p"], box["s"], loss = train(box["p"], box["s"])
+        return float(loss)
+
+    def checked_step(cn) -> float:
+        box["p"], box["s"], loss, (loss_ok, grads_ok) = train_checked(box["p"], box["s"])
+        cn.watch(loss_ok, "loss")
+        cn.watch(grads_ok, "grads")
+        return float(loss)
+
+    def arrays_step(cn) -> float:
+        box["p"], box["s"], loss, grads = train_returning_grads(box["p"], box["s"])
+        cn.watch(loss, "loss")
+        cn.watch(grads, "grads")
         return float(loss)
 
     return {
-        "off": _plain(step),
-        "sentinel": _checked(step, "sentinel", "jax", pass_context=True),
-        "op": _checked(step, "op", "jax"),
+        "step": step,
+        "checked_step": checked_step,
+        "arrays_step": arrays_step,
+        "train_checked": train_checked,
+        "train_returning_grads": train_returning_grads,
+        "box": box,
     }
 
 
@@ -273,30 +356,36 @@ def tensorflow_step(args) -> dict[str, Callable[[], float]]:
 
 def _plain(step, context=contextlib.nullcontext):
     def run(n: int) -> list[float]:
-        times = []
         with context():
-            for _ in range(n):
-                t0, c0 = time.perf_counter(), time.process_time()
-                step()
-                times.append((time.perf_counter() - t0, time.process_time() - c0))
-        return times
+            return _timed(step, n)
 
     return run
 
 
 def _checked(step, mode, backend, pass_context=False):
+    def one(cn):
+        step(cn) if pass_context else step()
+        if mode == "sentinel":
+            cn.check()
+
     def run(n: int) -> list[float]:
-        times = []
         with check_numerics(mode=mode, backend=backend) as cn:
-            for _ in range(n):
-                t0, c0 = time.perf_counter(), time.process_time()
-                step(cn) if pass_context else step()
-                if mode == "sentinel":
-                    cn.check()
-                times.append((time.perf_counter() - t0, time.process_time() - c0))
-        return times
+            return _timed(lambda: one(cn), n)
 
     return run
+
+
+def _timed(step, n: int) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of ``n`` steps, after one untimed step: entering a context is not
+    timed (JAX's op mode clears JAX's caches on entry, so its first step compiles again, and
+    so does the first step of the configuration run after it)."""
+    step()
+    times = []
+    for _ in range(n):
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
+    return times
 
 
 def _limit_threads(n: int, backends: list[str]) -> None:
@@ -319,27 +408,41 @@ BUILDERS = {"torch": torch_step, "jax": jax_step, "tensorflow": tensorflow_step}
 
 def measure(name: str, args) -> None:
     configs = BUILDERS[name](args)
+    if args.configs:
+        wanted = {"off", *(c.strip() for c in args.configs.split(","))}
+        configs = {k: run for k, run in configs.items() if k in wanted}
     steps = {k: (max(1, args.steps // 4) if k == "op" and name != "torch" else args.steps)
              for k in configs}  # fmt: skip
     for run in configs.values():  # warmup: compiles, first hooks, first trace
         run(args.warmup)
-    samples: dict[str, list[float]] = {k: [] for k in configs}
+    rounds: dict[str, list[list[tuple[float, float]]]] = {k: [] for k in configs}
     gc.disable()
     try:
         for _ in range(args.rounds):
             for k, run in configs.items():
-                samples[k] += run(steps[k])
+                rounds[k].append(run(steps[k]))
     finally:
         gc.enable()
+    samples = {k: [t for r in per_round for t in r] for k, per_round in rounds.items()}
     base = [statistics.median(t[i] for t in samples["off"]) for i in (0, 1)]
     print(f"\n{name}: median step time over {args.rounds} interleaved rounds")
-    print(f"  {'config':16s} {'wall ms':>9s} {'ratio':>7s} {'cpu ms':>9s} {'ratio':>7s}  steps")
+    print(
+        f"  {'config':16s} {'wall ms':>9s} {'ratio':>7s} {'cpu ms':>9s} {'ratio':>7s}  steps"
+        "   cpu ratio per round: median [min, max]"
+    )
     for k, times in samples.items():
         wall, cpu = (statistics.median(t[i] for t in times) for i in (0, 1))
+        per_round = sorted(_cpu_ratio(r, o) for r, o in zip(rounds[k], rounds["off"], strict=True))
         print(
             f"  {k:16s} {wall * 1e3:9.2f} {wall / base[0]:7.3f} {cpu * 1e3:9.2f} "
-            f"{cpu / base[1]:7.3f}  {len(times)}"
+            f"{cpu / base[1]:7.3f}  {len(times):5d}   {statistics.median(per_round):.3f} "
+            f"[{per_round[0]:.3f}, {per_round[-1]:.3f}]"
         )
+
+
+def _cpu_ratio(times, off_times) -> float:
+    """Median CPU time of one round over the median of the ``off`` round next to it."""
+    return statistics.median(t[1] for t in times) / statistics.median(t[1] for t in off_times)
 
 
 def main() -> None:
@@ -355,6 +458,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per framework")
+    parser.add_argument("--configs", default="", help="e.g. sentinel,op (off always runs)")
+    parser.add_argument("--pieces", action="store_true", help="jax: time the sentinel's pieces")
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
     args = parser.parse_args()
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -367,6 +472,8 @@ def main() -> None:
     )
     for name in backends:
         measure(name, args)
+        if name == "jax" and args.pieces:
+            jax_pieces(args)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from numstab.locate import LocateReport, locate_nonfinite
 from numstab.loss_scale import LossScaler, LossScaleState
 from numstab.losses import cross_entropy, log_softmax, logsumexp, smooth_labels
 from numstab.nonfinite import NonFiniteRecord, assert_finite, find_nonfinite
-from numstab.numerics import CheckNumerics, check_numerics
+from numstab.numerics import CheckNumerics, FiniteSummary, check_numerics, finite_summary
 from numstab.schedules import WarmupCosineSchedule, warmup_cosine_schedule
 
 __version__ = "0.1.0"
@@ -52,6 +52,7 @@ __all__ = [
     "BackendMismatchError",
     "BackendUnavailableError",
     "CheckNumerics",
+    "FiniteSummary",
     "InvalidArgumentError",
     "LocateReport",
     "LossScaleState",
@@ -78,6 +79,7 @@ __all__ = [
     "clip_by_value",
     "cross_entropy",
     "find_nonfinite",
+    "finite_summary",
     "fused_linear_cross_entropy",
     "get_backend",
     "global_norm",

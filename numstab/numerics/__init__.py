@@ -27,8 +27,9 @@ from numstab._dispatch import detect
 from numstab._validate import check_choice
 from numstab.backends import canonical_name, load_backend
 from numstab.errors import InvalidArgumentError, NonFiniteError, NumstabError
+from numstab.numerics.summary import FiniteSummary, finite_summary
 
-__all__ = ["MODES", "CheckNumerics", "check_numerics"]
+__all__ = ["MODES", "CheckNumerics", "FiniteSummary", "check_numerics", "finite_summary"]
 
 #: "op": check every op as it runs (native switches); "sentinel": cheap device-side summaries
 MODES = ("op", "sentinel")
@@ -230,11 +231,15 @@ class CheckNumerics(contextlib.ContextDecorator):
     def watch(self, tree: Any, name: str = "value") -> Any:
         """Record a finiteness summary of every leaf of ``tree`` (no host sync); returns
         ``tree``. Checked at ``check()`` and at exit. Call it on concrete arrays (outside
-        jit / tf.function), e.g. on the loss and gradients a compiled step returns."""
+        jit / tf.function), e.g. on the loss and gradients a compiled step returns. A
+        ``FiniteSummary`` (``finite_summary`` inside a jitted step) is recorded as it is."""
         if not self._active:
             raise NumstabError("watch() needs an active check_numerics context.")
         if not isinstance(name, str):
             raise InvalidArgumentError(f"Expected name to be a string. Received: name={name!r}")
+        if isinstance(tree, FiniteSummary):
+            self._record(name, *_reduced(tree, name))
+            return tree
         from numstab.tree import flatten
 
         leaves = [x for x in flatten(tree)[0] if x is not None]
@@ -242,23 +247,21 @@ class CheckNumerics(contextlib.ContextDecorator):
             return tree
         framework = detect(*leaves) or "numpy"
         if framework != "numpy" and any(load_backend(framework).is_tracing(x) for x in leaves):
-            raise InvalidArgumentError(
-                "Expected concrete arrays in watch(), not values traced by jit / tf.function / "
-                f"torch.compile. Received: {name}={type(leaves[0]).__name__}. Watch what the "
-                "compiled function returns."
-            )
-        module = _arm_module(framework)
-        summary = module.summarize(leaves)
-        from numstab.numerics import _where
+            raise _traced_error(name, leaves[0])
+        self._record(name, framework, _arm_module(framework).summarize(leaves))
+        return tree
 
+    def _record(self, name: str, framework: str, summary: Any) -> None:
         key = ("watch", name)
-        slot = self._recorder.slot(key) if self._recorder.has(key) else None
-        if slot is None:
+        if self._recorder.has(key):
+            slot = self._recorder.slot(key)
+        else:  # the caller's line is looked up once per name
+            from numstab.numerics import _where
+
             slot = self._recorder.slot(
                 key, name=name, phase=None, framework=framework, where=_where.from_stack()
             )
         self._recorder.add(framework, slot, summary)
-        return tree
 
     def check(self) -> None:
         """Read every summary recorded so far (one host sync) and raise ``NonFiniteError``
@@ -269,6 +272,33 @@ class CheckNumerics(contextlib.ContextDecorator):
         self._recorder.clear()
         if error is not None:
             raise error
+
+
+def _traced_error(name: str, leaf: Any) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        "Expected concrete arrays in watch(), not values traced by jit / tf.function / "
+        f"torch.compile. Received: {name}={type(leaf).__name__}. Watch what the compiled "
+        "function returns; with JAX, return finite_summary(tree) from the jitted function and "
+        "watch that."
+    )
+
+
+def _reduced(summary: FiniteSummary, name: str) -> tuple[str, Any]:
+    """(framework, summary to record) for a FiniteSummary: a JAX array is recorded as it is;
+    host sums (after ``jax.device_get``) are checked at once, as any NumPy value."""
+    sums = summary.sums
+    framework = detect(sums) if sums is not None else None
+    kind = getattr(getattr(sums, "dtype", None), "kind", None)
+    if framework not in (None, "jax") or kind not in ("f", "c") or getattr(sums, "ndim", 0) != 1:
+        raise InvalidArgumentError(
+            "Expected FiniteSummary.sums to be a 1-D floating JAX or NumPy array made by "
+            f"finite_summary(). Received: {name}.sums={sums!r}"
+        )
+    if framework is None:  # fetched to the host already: checked at once, as NumPy values
+        return "numpy", _arm_module("numpy").summarize([sums])
+    if load_backend(framework).is_tracing(sums):
+        raise _traced_error(name, sums)
+    return framework, sums
 
 
 def check_numerics(

@@ -11,7 +11,8 @@
   filtering is turned off inside the context so that the phase and the user's line can be read
   from the traceback.
 - ``mode="sentinel"``: nothing is switched on; ``watch`` records a jitted per-leaf sum
-  (float32 or wider) without a host sync.
+  (float32 or wider) without a host sync, or records as it is a ``FiniteSummary`` that
+  ``finite_summary`` computed inside the user's jitted step (``leaf_sums`` here).
 """
 
 from __future__ import annotations
@@ -116,27 +117,45 @@ def _eqn_where(eqn: Any) -> str | None:
     return f"{frame.file_name}:{frame.start_line}"
 
 
+def _leaf_sum(x: jax.Array) -> jax.Array:
+    """The sum in float32 (float64 stays); complex: real part plus imaginary part."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        s = jnp.sum(x)
+        s = s.real + s.imag
+    else:
+        s = jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
+    return s if s.dtype == jnp.float64 else s.astype(jnp.float32)
+
+
 @jax.jit
 def _summary(leaves: list) -> jax.Array:
-    """Per-leaf sums, in float32 (float64 stays): NaN and inf propagate through a sum, which
-    is one fused pass (a finite leaf whose sum overflows reads as inf)."""
-    return jnp.stack(
-        [jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32)).astype(jnp.float32)
-         if x.dtype != jnp.float64 else jnp.sum(x) for x in leaves]
-    )  # fmt: skip
+    """Per-leaf sums: NaN and inf propagate through a sum, which is one fused pass (a finite
+    leaf whose sum overflows reads as inf)."""
+    return jnp.stack([_leaf_sum(x) for x in leaves])
+
+
+def _floating(leaves: list) -> list:
+    return [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
 
 
 def summarize(leaves: list) -> Any:
-    leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+    leaves = _floating(leaves)
     return _summary(leaves) if leaves else None
 
 
+def leaf_sums(leaves: list) -> jax.Array:
+    """``finite_summary``'s array, traceable: per-leaf sums, empty when no leaf is floating."""
+    leaves = _floating([jnp.asarray(x) for x in leaves])
+    return _summary(leaves) if leaves else jnp.zeros((0,), jnp.float32)
+
+
 def read_summaries(summaries: list) -> list[tuple[bool, bool]]:
+    """(has_nan, has_inf) per summary; all summaries are fetched in one ``device_get``."""
     out = []
-    for s in summaries:
-        sums = np.zeros(1) if s is None else np.asarray(s)
-        out.append((bool(np.isnan(sums).any()), bool(np.isinf(sums).any())))
-    return out
+    for s in jax.device_get([s for s in summaries if s is not None]):
+        out.append((bool(np.isnan(s).any()), bool(np.isinf(s).any())))
+    it = iter(out)
+    return [(False, False) if s is None else next(it) for s in summaries]
 
 
 def _set_checks(nan: bool, inf: bool) -> None:

@@ -1,0 +1,71 @@
+"""``finite_summary``: reduce a tree to a few numbers inside the user's compiled step.
+
+``check_numerics(mode="sentinel")`` reads finiteness summaries, not the values. With JAX the
+cheapest place to compute them is inside the ``jax.jit`` step itself: XLA schedules the
+reductions with the step (no second dispatch, no second executable), and the step returns a
+handful of floats instead of the whole gradient tree. ``watch`` records a ``FiniteSummary``
+as it is::
+
+    @jax.jit
+    def train(params, state):
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        ...
+        return params, state, loss, finite_summary(grads)
+
+    with check_numerics(mode="sentinel") as cn:
+        params, state, loss, grads_ok = train(params, state)
+        cn.watch(grads_ok, "grads")  # no reduction, no host sync here
+        cn.check()  # one host read
+
+Formula: one sum per floating, non-empty leaf, in float32 (float64 leaves in float64;
+complex leaves: real part plus imaginary part). NaN and inf propagate through a sum, so a
+leaf holds NaN or inf exactly when its sum does, except that a finite leaf whose sum
+overflows reads as inf and ``+inf`` next to ``-inf`` (or inf next to NaN) reads as NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from numstab._dispatch import detect
+from numstab.errors import InvalidArgumentError
+
+__all__ = ["FiniteSummary", "finite_summary"]
+
+
+class FiniteSummary(NamedTuple):
+    """Per-leaf sums of a tree's floating leaves, made by ``finite_summary``.
+
+    A NamedTuple, so a JAX pytree with one array leaf: it can be returned from ``jax.jit``
+    (and ``vmap``/``pmap``/``scan``) as any other output. ``CheckNumerics.watch`` records it
+    without reducing it again.
+    """
+
+    sums: Any
+
+
+def finite_summary(tree: Any) -> FiniteSummary:
+    """The finiteness summary of every floating leaf of ``tree`` (JAX arrays), traceable:
+    call it inside ``jax.jit`` and return it from the step, then ``watch`` it outside.
+
+    ``sums`` is a 1-D array with one entry per floating, non-empty leaf (integer and empty
+    leaves and ``None`` are skipped; a tree with none gives an empty array). Works eagerly too
+    (one compiled reduction), though there ``watch(tree)`` does the same.
+
+    Raises ``InvalidArgumentError`` when the tree holds no JAX array or arrays of another
+    framework (torch and TensorFlow values go to ``watch`` directly).
+    """
+    from numstab.tree import flatten
+
+    leaves = [x for x in flatten(tree)[0] if x is not None]
+    framework = detect(*leaves)
+    if framework != "jax":
+        kinds = sorted({type(x).__name__ for x in leaves}) or ["no leaves"]
+        raise InvalidArgumentError(
+            "Expected a tree of JAX arrays in finite_summary() (call it inside the jitted "
+            "step; for torch, TensorFlow and NumPy values pass them to watch() directly). "
+            f"Received: tree with {', '.join(kinds[:4])}"
+        )
+    from numstab.numerics import _jax
+
+    return FiniteSummary(_jax.leaf_sums(leaves))
