@@ -218,11 +218,14 @@ def _check_label_shape(label_shape: tuple, expected: tuple, logits_shape: tuple,
 def _hard_label_rows(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt):
     """Per-row losses for integer labels, and the "mean" denominator."""
     num_classes = be.shape(x)[-1]
-    ignored = y == ignore_index
-    out_of_range = ((y < 0) | (y >= num_classes)) & ~ignored
-    if not be.is_tracing(out_of_range) and be.any(out_of_range):  # concrete under jax.grad
-        _raise_out_of_range(be, labels, num_classes, ignore_index)
-    y = be.where(ignored | out_of_range, 0, y)  # a safe index; these rows are masked below
+    if be.can_read(x) and be.can_read(y):  # eager: one read of the labels (the range check
+        # needs it anyway); traced logits mean a trace, even where the labels are constants
+        ignored, out_of_range = _read_label_masks(be, y, labels, num_classes, ignore_index)
+    else:  # traced: masks on the device, out-of-range rows are NaN
+        ignored = y == ignore_index
+        out_of_range = ((y < 0) | (y >= num_classes)) & ~ignored
+    if ignored is not None:  # a safe index for ignored and out-of-range rows
+        y = be.where(ignored if out_of_range is None else ignored | out_of_range, 0, y)
     target_logit = be.take_rows(x, y)
     target_weight = be.gather(weight, y) if weight is not None else None
     if eps == 0.0:
@@ -240,13 +243,31 @@ def _hard_label_rows(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt):
         z_term = z_loss * lse * lse
         rows = rows + (z_term * target_weight if target_weight is not None else z_term)
     rows = be.where(target_logit == -INF, INF, rows)
-    rows = be.where(out_of_range, NAN, rows)
+    if ignored is None:  # eager, every row counted: no masking
+        denominator = be.shape(y)[0] if target_weight is None else be.sum(target_weight)
+        return rows, denominator
+    if out_of_range is not None:
+        rows = be.where(out_of_range, NAN, rows)
     rows = be.where(ignored, 0.0, rows)
     if target_weight is None:
         denominator = be.count(~ignored, axis=None, dtype=cdt)
     else:
         denominator = be.sum(be.where(ignored, 0.0, target_weight))
     return rows, denominator
+
+
+def _read_label_masks(be, y, labels, num_classes, ignore_index):
+    """Eager label check on the host: raises on out-of-range labels; returns the device mask
+    of ignored rows and None (no row is out of range), or (None, None) when every row counts:
+    the common case, which then skips three wheres and a count (dispatch dominates small
+    calls)."""
+    host = be.to_numpy(y)
+    ignored = host == ignore_index
+    if (((host < 0) | (host >= num_classes)) & ~ignored).any():
+        _raise_out_of_range(be, labels, num_classes, ignore_index)
+    if not ignored.any():
+        return None, None
+    return y == ignore_index, None
 
 
 def _masked_smoothed_rows(be, x, y, target_weight, eps, weight, cdt):
