@@ -126,30 +126,64 @@ class JaxBackend(Backend):
     def concat(self, arrays):
         return jnp.concatenate(arrays)
 
-    def add_at_rows(self, x, index, values):
-        rows = jnp.arange(x.shape[0])
-        return x.at[rows, index].add(values.astype(x.dtype))
+    # add_at_rows: the base's iota comparison, not a scatter: XLA then fuses the whole softmax
+    # gradient into one elementwise pass that overwrites the logits (a scatter kept a second
+    # chunk-sized buffer; measured with memory_analysis)
+
+    def matmul_accumulate(self, acc, a, b):
+        b = b.astype(a.dtype)
+        if acc is None:
+            return jnp.matmul(a.T, b)
+        # ``acc + a.T @ b`` in blocks of acc's rows, each written back in place: XLA:CPU cannot
+        # add a dot into its output, so one product would be a second acc-sized temporary
+        vocab = a.shape[1]
+        block = _ACCUMULATE_BLOCK_BYTES // (acc.dtype.itemsize * max(b.shape[1], 1))
+        block = min(max(block, 1), vocab)
+        full = vocab // block
+
+        def add_block(start, acc, size=block):
+            product = jnp.matmul(jax.lax.dynamic_slice_in_dim(a, start, size, axis=1).T, b)
+            total = jax.lax.dynamic_slice_in_dim(acc, start, size) + product.astype(acc.dtype)
+            return jax.lax.dynamic_update_slice_in_dim(acc, total, start, 0)
+
+        acc = jax.lax.fori_loop(0, full, lambda i, acc: add_block(i * block, acc), acc)
+        if full * block < vocab:
+            acc = add_block(full * block, acc, vocab - full * block)
+        return acc
 
     def scan_chunks(self, step, carry, inputs, chunk, rows):
-        # lax.scan holds one chunk's buffers at a time; an unrolled Python loop under jit let
-        # XLA:CPU keep every chunk's logits alive (measured: temporaries = all the logits)
+        # one lax.scan over every full chunk, with the carry and the outputs preallocated and
+        # updated in place (dynamic_update_slice) and the inputs sliced inside the body: XLA
+        # then holds one chunk's buffers, no copy of the inputs and no concatenation of the
+        # outputs (an unrolled Python loop under jit kept every chunk's logits alive)
         full = rows // chunk
-        if full < 3:
+        if full < 2:
             return super().scan_chunks(step, carry, inputs, chunk, rows)
         first = tuple(None if x is None else x[:chunk] for x in inputs)
-        carry, out_first = step(carry, first)  # turns None carries into arrays
-        middle = tuple(
-            None if x is None else x[chunk : full * chunk].reshape(full - 1, chunk, *x.shape[1:])
-            for x in inputs
+        carry_spec, out_spec = jax.eval_shape(step, carry, first)  # shapes only, no compute
+        carry = tuple(None if s is None else jnp.zeros(s.shape, s.dtype) for s in carry_spec)
+        outputs = tuple(
+            None if s is None else jnp.zeros((rows, *s.shape[1:]), s.dtype) for s in out_spec
         )
-        carry, out_middle = jax.lax.scan(step, carry, middle)
-        out_middle = tuple(None if o is None else o.reshape(-1, *o.shape[2:]) for o in out_middle)
-        outputs = [out_first, out_middle]
+
+        def run(carry, outputs, start, size):
+            part = tuple(
+                None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size) for x in inputs
+            )
+            carry, out = step(carry, part)
+            outputs = tuple(
+                None if o is None else jax.lax.dynamic_update_slice_in_dim(buf, o, start, 0)
+                for buf, o in zip(outputs, out, strict=True)
+            )
+            return carry, outputs
+
+        def body(state, i):
+            return run(*state, i * chunk, chunk), None
+
+        (carry, outputs), _ = jax.lax.scan(body, (carry, outputs), jnp.arange(full))
         if full * chunk < rows:
-            last = tuple(None if x is None else x[full * chunk :] for x in inputs)
-            carry, out_last = step(carry, last)
-            outputs.append(out_last)
-        return carry, self._concat_outputs(outputs)
+            carry, outputs = run(carry, outputs, full * chunk, rows - full * chunk)
+        return carry, outputs
 
     def custom_gradient(self, forward, backward, args):
         @jax.custom_vjp
@@ -173,3 +207,7 @@ class JaxBackend(Backend):
 
 
 BACKEND = JaxBackend()
+
+# -- fused cross-entropy --
+#: Rows of the weight gradient updated per block in ``matmul_accumulate`` (about this many bytes).
+_ACCUMULATE_BLOCK_BYTES = 4 * 2**20

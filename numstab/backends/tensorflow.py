@@ -178,6 +178,76 @@ class TensorflowBackend(Backend):
         with tf.control_dependencies(after):
             return tf.identity(x)
 
+    def matmul_accumulate(self, acc, a, b):
+        if acc is None or tf.executing_eagerly() or _in_xla_context():
+            return super().matmul_accumulate(acc, a, b)
+        # in a graph: ``acc + a.T @ b`` in blocks of acc's rows, each written back in place
+        # (TensorStridedSliceUpdate forwards acc's buffer), so no second acc-sized product
+        b = tf.cast(b, a.dtype)
+        vocab = a.shape[1]
+        block = _ACCUMULATE_BLOCK_BYTES // (acc.dtype.size * max(b.shape[1], 1))
+        block = min(max(block, 1), vocab)
+        full = vocab // block
+
+        def add_block(acc, start, size):
+            product = tf.linalg.matmul(tf.slice(a, [0, start], [-1, size]), b, transpose_a=True)
+            total = tf.slice(acc, [start, 0], [size, -1]) + tf.cast(product, acc.dtype)
+            return _update_rows(acc, start, total)
+
+        _, acc = tf.while_loop(
+            lambda i, _: i < full,
+            lambda i, acc: (i + 1, add_block(acc, i * block, block)),
+            (tf.constant(0), acc),
+            parallel_iterations=1,
+        )
+        if full * block < vocab:
+            acc = add_block(acc, tf.constant(full * block), vocab - full * block)
+        return acc
+
+    def scan_chunks(self, step, carry, inputs, chunk, rows):
+        full = rows // chunk
+        if tf.executing_eagerly() or full < 3 or _in_xla_context():
+            return super().scan_chunks(step, carry, inputs, chunk, rows)
+        # in a graph: one tf.while_loop over the chunks after the first (which fixes the
+        # carry's shapes), outputs written in place into preallocated buffers: a small graph
+        # (an unrolled loop's tracing and optimisation cost as much memory as a chunk's logits
+        # several times over) that holds one chunk's buffers at a time
+
+        def run(carry, outputs, start, size):
+            part = tuple(None if x is None else _rows(x, start, size) for x in inputs)
+            carry, out = step(carry, part)
+            outputs = [
+                None if o is None else _update_rows(buf, start, tf.cast(o, buf.dtype))
+                for buf, o in zip(outputs, out, strict=True)
+            ]
+            return carry, outputs
+
+        first = tuple(None if x is None else x[:chunk] for x in inputs)
+        carry, out = step(carry, first)  # turns None carries into tensors
+        outputs = [None if o is None else tf.zeros((rows, *o.shape[1:]), o.dtype) for o in out]
+        outputs = [
+            None if buf is None else _update_rows(buf, 0, o)
+            for buf, o in zip(outputs, out, strict=True)
+        ]
+        state = [x for x in (*carry, *outputs) if x is not None]  # loop variables: no None
+
+        def body(i, *state):
+            values = iter(state)
+            carry_i = tuple(None if c is None else next(values) for c in carry)
+            outputs_i = [None if o is None else next(values) for o in outputs]
+            carry_i, outputs_i = run(carry_i, outputs_i, i * chunk, chunk)
+            return (i + 1, *[x for x in (*carry_i, *outputs_i) if x is not None])
+
+        _, *state = tf.while_loop(
+            lambda i, *_: i < full, body, (tf.constant(1), *state), parallel_iterations=1
+        )
+        values = iter(state)
+        carry = tuple(None if c is None else next(values) for c in carry)
+        outputs = [None if o is None else next(values) for o in outputs]
+        if full * chunk < rows:
+            carry, outputs = run(carry, outputs, tf.constant(full * chunk), rows - full * chunk)
+        return carry, tuple(outputs)
+
     def custom_gradient(self, forward, backward, args):
         present = [i for i, a in enumerate(args) if a is not None]
         # a tf.Variable argument is read here, so its gradient flows through the read
@@ -216,3 +286,35 @@ def _tape_may_record() -> bool:
     except ImportError:  # a future layout: assume a tape
         return True
     return bool(record.could_possibly_record())
+
+
+def _in_xla_context() -> bool:
+    """True while tracing for XLA (``jit_compile=True``): TensorStridedSliceUpdate needs
+    constant offsets there, so the in-place loops fall back to the plain ones (XLA plans the
+    buffers itself)."""
+    try:
+        from tensorflow.python.framework import ops
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # a future layout: assume XLA, the choice that always compiles
+        return True
+    return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+
+
+#: Rows of the weight gradient updated per block in ``matmul_accumulate`` (about this many bytes).
+_ACCUMULATE_BLOCK_BYTES = 4 * 2**20
+
+
+def _rows(x: tf.Tensor, start, size: int) -> tf.Tensor:
+    """``x[start:start + size]`` for a (possibly traced) ``start``."""
+    return tf.slice(x, [start] + [0] * (x.shape.rank - 1), [size] + [-1] * (x.shape.rank - 1))
+
+
+def _update_rows(x: tf.Tensor, start, value: tf.Tensor) -> tf.Tensor:
+    """``x`` with rows ``start:start + len(value)`` replaced by ``value``; reuses ``x``'s buffer
+    when nothing else holds it (TensorStridedSliceUpdate forwards its input)."""
+    rank = x.shape.rank
+    begin = tf.stack([start] + [0] * (rank - 1))
+    end = tf.stack([start + value.shape[0], *x.shape[1:]])
+    return tf.raw_ops.TensorStridedSliceUpdate(
+        input=x, begin=begin, end=end, strides=[1] * rank, value=value
+    )
