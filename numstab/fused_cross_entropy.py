@@ -21,7 +21,7 @@ from typing import Any
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend
 from numstab._dispatch import to_backend as _to_backend
-from numstab.backends._base import Backend, native_op
+from numstab.backends._base import Backend, has_native, native_op
 from numstab.errors import InvalidArgumentError
 from numstab.losses import REDUCTIONS, _raise_out_of_range, _safe_divide
 
@@ -260,6 +260,9 @@ class _Plan:
                 rows = rows + z * lse * lse
         if scale is None:
             return rows, None
+        if not eps and not z and has_native(be, "softmax_nll_grad"):  # one fused kernel
+            nll, grad = native_op(be, "softmax_nll_grad")(x, y)
+            return (nll if want_rows else None), grad * be.reshape(scale, (-1, 1))
         coefficient = scale * (1.0 + 2.0 * z * lse) if z else scale
         shift = scale * (eps / vocab) if eps else None
         x = be.softmax_grad_owned(x, lse, coefficient, shift)  # reusing the name frees x

@@ -34,6 +34,11 @@ def native_op(backend: Backend, name: str) -> Callable[..., Array]:
     return getattr(backend, name)
 
 
+def has_native(backend: Backend, name: str) -> bool:
+    """True when ``native_op(backend, name)`` would return the backend's ``native_<name>``."""
+    return not generic_forced() and hasattr(backend, "native_" + name)
+
+
 class Backend:
     """Primitives over one framework's arrays. Subclasses implement every method below that
     raises NotImplementedError; the composites at the end are generic."""

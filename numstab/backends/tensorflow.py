@@ -178,6 +178,10 @@ class TensorflowBackend(Backend):
         with tf.control_dependencies(after):
             return tf.identity(x)
 
+    def native_softmax_nll_grad(self, x, labels):
+        # (lse - x[y], softmax(x) - onehot(y)) from the one kernel behind sparse softmax CE
+        return tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=x, labels=labels)
+
     def matmul_accumulate(self, acc, a, b):
         if acc is None or tf.executing_eagerly() or _in_xla_context():
             return super().matmul_accumulate(acc, a, b)
