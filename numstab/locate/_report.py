@@ -1,11 +1,11 @@
 """What locate_nonfinite found, and how the first bad layer is chosen (written once).
 
 Each framework adapter turns one forward (and backward) pass into ``LayerCall`` entries,
-one per call of a named layer, holding 0-d device arrays: the abs max of the layer's
-inputs, outputs and own parameters, and of the gradient it received (w.r.t. its outputs)
-and the gradients it produced (w.r.t. its inputs and its own parameters). A max propagates
-NaN and inf, so one number per group says both "finite?" and "how large?". ``summarise``
-reads all of them to the host in one transfer and picks the first bad layer.
+one per call of a named layer, holding 0-d device arrays (or host floats): the abs max of
+the layer's inputs, outputs and own parameters, and of the gradient it received (w.r.t. its
+outputs) and the gradients it produced (w.r.t. its inputs and its own parameters). A max
+propagates NaN and inf, so one number per group says both "finite?" and "how large?".
+``summarise`` reads all of them to the host in one transfer and picks the first bad layer.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ def summarise(
     counts: Any,
     param_paths: Any = None,
     framework: str | None = None,
+    fill: Any = None,
 ) -> LocateReport:
     """Read every call's maxima in one transfer and report the first bad layer.
 
@@ -145,17 +146,18 @@ def summarise(
     before its parent, so the innermost culprit wins). Backward (only if the forward was
     clean): the call earliest in the backward pass whose own gradients (w.r.t. its inputs or
     own parameters) are non-finite. ``counts(call, phase) -> (nan, inf)`` and
-    ``param_paths(call) -> names`` give the details of the chosen call only. The maxima may
-    already be on the host (NumPy, with ``be`` the numpy backend and ``framework`` set).
+    ``param_paths(call) -> names`` give the details of the chosen call only; so may
+    ``fill(call, phase)``, which sets maxima an adapter computes for the chosen call only
+    (its inputs, parameters, incoming gradient). The maxima may already be on the host
+    (Python floats or NumPy, with ``be`` the numpy backend and ``framework`` set).
     """
     host = _read_all(be, calls)
     fwd = [c for c, h in zip(calls, host, strict=True) if _bad(h["outputs"])]
     base = {"framework": framework or be.name, "layers_checked": len(calls)}
     if fwd:
         call = min(fwd, key=lambda c: c.end)
-        return _report(
-            call, host[calls.index(call)], "forward", base, backward_checked, counts, param_paths
-        )
+        h = _filled(be, call, host[calls.index(call)], "forward", fill)
+        return _report(call, h, "forward", base, backward_checked, counts, param_paths)
     bwd = [
         c
         for c, h in zip(calls, host, strict=True)
@@ -164,9 +166,15 @@ def summarise(
     if not bwd:
         return LocateReport(found=False, backward_checked=backward_checked, **base)
     call = min(bwd, key=lambda c: c.backward)
-    return _report(
-        call, host[calls.index(call)], "backward", base, backward_checked, counts, param_paths
-    )
+    h = _filled(be, call, host[calls.index(call)], "backward", fill)
+    return _report(call, h, "backward", base, backward_checked, counts, param_paths)
+
+
+def _filled(be: Backend, call: LayerCall, h: dict, phase: str, fill: Any) -> dict:
+    if fill is None:
+        return h
+    fill(call, phase)
+    return _read_all(be, [call])[0]
 
 
 def _bad(value: float | None) -> bool:
@@ -175,8 +183,13 @@ def _bad(value: float | None) -> bool:
 
 def _read_all(be: Backend, calls: list[LayerCall]) -> list[dict[str, float | None]]:
     slots = [(i, f, getattr(c, f)) for i, c in enumerate(calls) for f in _FIELDS]
-    present = [(i, f, x) for i, f, x in slots if x is not None]
     host: list[dict[str, float | None]] = [dict.fromkeys(_FIELDS) for _ in calls]
+    present = []
+    for i, f, x in slots:
+        if isinstance(x, float):  # already on the host
+            host[i][f] = x
+        elif x is not None:
+            present.append((i, f, x))
     if not present:
         return host
     wide = "float64" if any(be.dtype_name(x) == "float64" for _, _, x in present) else "float32"

@@ -1,14 +1,27 @@
-"""locate_nonfinite for torch.nn.Module: forward hooks and full backward hooks on every
-sub-module (``named_modules`` names), gradients by ``torch.autograd.grad`` (the user's
-``.grad`` fields are not touched)."""
+"""locate_nonfinite for torch.nn.Module (``named_modules`` names).
+
+Forward: a pre and a post hook on every sub-module record each call's input and output
+tensors; each distinct (tensor, version) is reduced once, when first seen, by one
+``torch.aminmax`` kernel (so a later in-place edit cannot hide a value; ``aminmax`` is one
+pass, unlike the slow ``inf``-norm kernels on CPU). Backward: one ``torch.autograd.grad``
+call (the user's ``.grad`` fields are not touched) returns the gradient of the loss w.r.t.
+every recorded tensor, taken as a ``GradientEdge`` at record time, and every parameter; no
+backward hooks run. A call's own input gradient (this call's vector-Jacobian product alone,
+on the retained graph) is computed only when its total input gradient is non-finite: own
+non-finite implies total non-finite (NaN and inf survive a sum). Every extremum is read to
+the host in one transfer; the reported layer's parameters and incoming gradient are reduced
+only once it is chosen.
+"""
 
 from __future__ import annotations
 
 import itertools
-import warnings
+import math
 from typing import Any
 
+import numpy as np
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from numstab.backends import load_backend
 from numstab.locate._report import LOSS, LayerCall, LocateReport, summarise
@@ -17,121 +30,170 @@ from numstab.tree import flatten
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if type(x) in (tuple, list) and all(isinstance(t, torch.Tensor) for t in x):
+        return list(x)
     return [t for t in flatten(x)[0] if isinstance(t, torch.Tensor)]
 
 
-class _Maxima:
-    """Per-tensor max |x| of every hook's tensors: one multi-tensor kernel per hook, taken
-    at once (later in-place edits cannot hide a value), read to the host once at the end."""
+class _Extrema:
+    """min and max of each distinct floating tensor (one ``aminmax`` kernel each, taken when
+    the tensor is first seen); ``read`` brings every new one to the host at once and
+    ``absmax(slots)`` is then max |x| over a group: NaN if any NaN, else inf if any inf."""
 
     def __init__(self) -> None:
-        self.parts: list[torch.Tensor] = []
-        self.slots: list[tuple[LayerCall, str, int, int]] = []
-        self.pending: list = []
-        self.size = 0
+        self.mins: list[torch.Tensor] = []
+        self.maxs: list[torch.Tensor] = []
+        self.seen: dict[tuple[int, int], int] = {}  # (id, version) -> slot
+        self.alive: list[torch.Tensor] = []  # keeps ids unique while locating
+        self.host = np.zeros(0)
 
-    def add(self, call: LayerCall, **groups: list) -> None:
-        self._take([(call, field, tensors) for field, tensors in groups.items()])
-
-    def defer(self, call: LayerCall, **groups: list) -> None:
-        """Like ``add`` for tensors that do not change before ``read`` (parameters, their
-        gradients): all deferred ones share one kernel."""
-        self.pending += [(call, field, tensors) for field, tensors in groups.items()]
-
-    def _take(self, groups: list) -> None:
-        flat: list[torch.Tensor] = []
-        for call, field, tensors in groups:
-            tensors = [t for t in tensors if t.is_floating_point() and t.numel()]
-            if tensors:
-                start = self.size + len(flat)
-                self.slots.append((call, field, start, start + len(tensors)))
-                flat += tensors
-        if not flat:
-            return
-        norms = torch._foreach_norm([t.detach() for t in flat], float("inf"))
-        wide = torch.float64 if any(t.dtype == torch.float64 for t in flat) else torch.float32
-        self.parts.append(torch.stack([n.to(norms[0].device, wide) for n in norms]))
-        self.size += len(flat)
+    def slots(self, tensors: list) -> list[int]:
+        out = []
+        for t in tensors:
+            if t is None or not t.is_floating_point() or t.numel() == 0:
+                continue
+            key = (id(t), _version(t))
+            slot = self.seen.get(key)
+            if slot is None:
+                low, high = torch.aminmax(t.detach())
+                slot = self.seen[key] = len(self.mins)
+                self.mins.append(low)
+                self.maxs.append(high)
+                self.alive.append(t)
+            out.append(slot)
+        return out
 
     def read(self) -> None:
-        """Set each call's fields to the max of its tensors' maxima (NaN wins, then inf)."""
-        self._take(self.pending)
-        self.pending = []
-        if not self.parts:
+        new = slice(len(self.host), len(self.mins))
+        if new.start == new.stop:
             return
-        device = self.parts[0].device
-        wide = torch.float64 if any(p.dtype == torch.float64 for p in self.parts) else None
-        host = torch.cat([p.to(device, wide or p.dtype) for p in self.parts]).cpu().numpy()
-        for call, field, start, stop in self.slots:
-            setattr(call, field, host[start:stop].max())
+        low, high = self.mins[new], self.maxs[new]
+        wide = torch.float64 if any(x.dtype == torch.float64 for x in low) else torch.float32
+        device = low[0].device
+        if any(x.device != device for x in low):
+            low, high = [x.to(device) for x in low], [x.to(device) for x in high]
+        # stack promotes float16 / bfloat16 to float32 (float64 stays), exactly
+        low, high = torch.stack(low).to(wide), torch.stack(high).to(wide)
+        values = torch.maximum(-low, high).cpu().numpy()
+        self.host = np.concatenate([self.host, values.astype(np.float64)])  # exact
+
+    def absmax(self, slots: list[int]) -> float | None:
+        return float(self.host[slots].max()) if slots else None
+
+
+def _version(t: torch.Tensor) -> int:
+    """How many in-place edits ``t`` has had; -1 for inference tensors (no counter)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+def _edge(t: torch.Tensor) -> GradientEdge:
+    """Where the gradient of ``t`` arrives, as of now (later in-place edits move ``t``)."""
+    if t.grad_fn is None:
+        return get_gradient_edge(t)  # a leaf: its gradient accumulator
+    return GradientEdge(t.grad_fn, t.output_nr)
+
+
+class _Call:
+    """One module call: its report entry and the tensors behind it."""
+
+    __slots__ = (
+        "call",
+        "in_edges",
+        "in_slots",
+        "inputs",
+        "module",
+        "out_edges",
+        "out_slots",
+        "outputs",
+    )
+
+    def __init__(self, call: LayerCall, module: Any, inputs: list, edges: list) -> None:
+        self.call, self.module, self.inputs, self.in_edges = call, module, inputs, edges
+        self.in_slots: list[int] = []
+        self.outputs: list[torch.Tensor] = []
+        self.out_slots: list[int] = []
+        self.out_edges: list[GradientEdge] = []
 
 
 def locate(model: torch.nn.Module, inputs: tuple, loss_fn, targets) -> LocateReport:
-    maxima = _Maxima()
-    calls: list[LayerCall] = []
-    kept: dict[int, dict[str, Any]] = {}  # id(call) -> the tensors behind its maxima
-    opened: dict[torch.nn.Module, list[LayerCall]] = {}
-    awaiting: dict[torch.nn.Module, list[LayerCall]] = {}
-    clock, bclock = itertools.count(), itertools.count()
+    """``locate_nonfinite`` for a torch module (arguments checked by the caller)."""
+    ext = _Extrema()
+    records: list[_Call] = []
+    opened: dict[Any, list[_Call]] = {}
+    clock = itertools.count()
     names = {m: n for n, m in model.named_modules()}
-
-    def own_params(mod: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-        prefix = names[mod] + "." if names[mod] else ""
-        return [(prefix + n, p) for n, p in mod.named_parameters(recurse=False)]
+    grad = loss_fn is not None and torch.is_grad_enabled()
 
     def pre(mod, args, kwargs):
-        call = LayerCall(names[mod], type(mod).__name__, start=next(clock))
-        opened.setdefault(mod, []).append(call)
+        ins = _tensors(args) + (_tensors(kwargs) if kwargs else [])
+        edges = [_edge(t) for t in ins if t.requires_grad] if grad else []
+        rec = _Call(LayerCall(names[mod], type(mod).__name__, start=next(clock)), mod, ins, edges)
+        rec.in_slots = ext.slots(ins)  # as received, before the module may edit them
+        opened.setdefault(mod, []).append(rec)
 
     def post(mod, args, kwargs, output):
-        call = opened[mod].pop()
-        call.end = next(clock)
-        ins, outs, params = _tensors((args, kwargs)), _tensors(output), own_params(mod)
-        maxima.add(call, inputs=ins, outputs=outs)
-        maxima.defer(call, params=[p for _, p in params])
-        kept[id(call)] = {"outputs": outs, "params": dict(params)}
-        calls.append(call)
-        awaiting.setdefault(mod, []).append(call)
-
-    def backward(mod, grad_input, grad_output):
-        if not awaiting.get(mod):
-            return
-        call = awaiting[mod].pop()
-        call.backward = next(bclock)
-        grads = [g for g in grad_input if g is not None]
-        maxima.add(call, grad_inputs=grads, grad_outputs=[g for g in grad_output if g is not None])
-        kept[id(call)]["grad_inputs"] = grads
+        rec = opened[mod].pop()
+        rec.call.end = next(clock)
+        rec.outputs = _tensors(output)
+        rec.out_slots = ext.slots(rec.outputs)
+        if grad:
+            rec.out_edges = [_edge(t) for t in rec.outputs if t.requires_grad]
+        records.append(rec)
 
     handles = []
     for mod in names:
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
-        if loss_fn is not None:
-            handles.append(mod.register_full_backward_hook(backward))
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            with torch.set_grad_enabled(loss_fn is not None and torch.is_grad_enabled()):
-                output = model(*inputs)
-            if loss_fn is not None:
-                _loss_and_backward(model, output, loss_fn, targets, calls, kept, clock, maxima)
+        with torch.set_grad_enabled(grad):
+            output = model(*inputs)
     finally:
         for h in handles:
             h.remove()
+    backward = None
+    if loss_fn is not None:
+        backward = _Backward(model, names, records, output, loss_fn, targets, clock, ext)
+    ext.read()
+    calls = [rec.call for rec in records]
+    for rec in records:
+        rec.call.outputs = ext.absmax(rec.out_slots)
+    if backward is not None and not any(_bad(c.outputs) for c in calls):
+        backward.find_first()
+    by_call = {id(rec.call): rec for rec in records}
+
+    def fill(call: LayerCall, phase: str) -> None:
+        """The reported call's inputs, parameters and incoming gradient maxima."""
+        rec = by_call[id(call)]
+        rec.call.inputs = ext.absmax(rec.in_slots)
+        param_slots = ext.slots(_own_params(rec.module))
+        backward_phase = backward is not None and phase == "backward"
+        grad_slots = backward.out_grad_slots(rec) if backward_phase else []
+        ext.read()
+        call.params = ext.absmax(param_slots)
+        call.grad_outputs = ext.absmax(grad_slots)
 
     def counts(call: LayerCall, phase: str) -> tuple[int, int]:
-        tensors = kept[id(call)]
-        key = "outputs" if phase == "forward" else "grad_inputs"
-        found = find_nonfinite(tensors.get(key, []))
-        if phase == "backward":
-            found += find_nonfinite(tensors.get("grad_params", {}))
+        rec = by_call[id(call)]
+        if phase == "forward":
+            found = find_nonfinite(rec.outputs)
+        else:
+            found = find_nonfinite(backward.own_input_grads(rec))
+            found += find_nonfinite(backward.named_param_grads(rec))
         return sum(r.nan_count for r in found), sum(r.inf_count for r in found)
 
     def param_paths(call: LayerCall, phase: str) -> list[str]:
-        key = "params" if phase == "forward" else "grad_params"
-        return [r.path for r in find_nonfinite(kept[id(call)].get(key, {}))]
+        rec = by_call[id(call)]
+        if phase == "forward":
+            named = _named_params(rec.module, names)
+        else:
+            named = backward.named_param_grads(rec)
+        return [r.path for r in find_nonfinite(named)]
 
-    maxima.read()
     return summarise(
         load_backend("numpy"),
         calls,
@@ -139,30 +201,132 @@ def locate(model: torch.nn.Module, inputs: tuple, loss_fn, targets) -> LocateRep
         counts=counts,
         param_paths=param_paths,
         framework="torch",
+        fill=fill,
     )
 
 
-def _loss_and_backward(model, output, loss_fn, targets, calls, kept, clock, maxima) -> None:
-    outs = _tensors(output)
-    loss_call = LayerCall(LOSS, "loss_fn", start=next(clock))
-    loss = loss_fn(output) if targets is None else loss_fn(output, targets)
-    loss_call.end = next(clock)
-    maxima.add(loss_call, inputs=outs, outputs=_tensors(loss))
-    kept[id(loss_call)] = {"outputs": _tensors(loss)}
-    calls.append(loss_call)
-    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-        return
-    differentiable = [t for t in outs if t.requires_grad]
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    scalar = loss if loss.dim() == 0 else loss.sum()
-    grads = torch.autograd.grad(scalar, differentiable + [p for _, p in params], allow_unused=True)
-    loss_call.backward = -1.0  # the loss's backward runs first
-    loss_grads = [g for g in grads[: len(differentiable)] if g is not None]
-    maxima.add(loss_call, grad_inputs=loss_grads)
-    kept[id(loss_call)]["grad_inputs"] = loss_grads
-    by_param = {id(p): g for (_, p), g in zip(params, grads[len(differentiable) :], strict=True)}
-    for call in calls:
-        own = kept[id(call)].get("params", {})
-        named = {n: by_param.get(id(p)) for n, p in own.items()}
-        maxima.defer(call, grad_params=[g for g in named.values() if g is not None])
-        kept[id(call)]["grad_params"] = {n: g for n, g in named.items() if g is not None}
+def _own_params(module: Any) -> list[torch.Tensor]:
+    """``module.parameters(recurse=False)``, without its generator machinery."""
+    if module is None:
+        return []
+    params = {id(p): p for p in module._parameters.values() if p is not None}
+    return list(params.values())
+
+
+def _named_params(module: Any, names: dict) -> dict[str, torch.Tensor]:
+    if module is None:
+        return {}
+    prefix = names[module] + "." if names[module] else ""
+    return {prefix + n: p for n, p in module.named_parameters(recurse=False)}
+
+
+def _bad(value: float | None) -> bool:
+    return value is not None and not math.isfinite(value)
+
+
+class _Backward:
+    """The loss call, one ``autograd.grad`` over every recorded edge and parameter, and the
+    walk in backward order (reverse start order; the loss first) to the first call whose
+    own input or own parameter gradient is non-finite."""
+
+    def __init__(self, model, names, records, output, loss_fn, targets, clock, ext) -> None:
+        self.ext, self.records, self.names = ext, records, names
+        self.grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.param_grads: dict[int, torch.Tensor | None] = {}
+        self.own: dict[int, list] = {}  # id(record) -> its own input gradients
+        self.in_slots: dict[int, list[int]] = {}
+        self.param_slots: dict[int, list[int]] = {}
+        outs = _tensors(output)
+        self.loss_rec = rec = _Call(LayerCall(LOSS, "loss_fn", start=next(clock)), None, outs, [])
+        rec.in_slots = ext.slots(outs)
+        loss = loss_fn(output) if targets is None else loss_fn(output, targets)
+        rec.call.end = next(clock)
+        rec.outputs = _tensors(loss)
+        rec.out_slots = ext.slots(rec.outputs)
+        records.append(rec)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            rec.in_edges = [_edge(t) for t in outs if t.requires_grad]
+            self._gradients(model, loss.sum() if loss.dim() else loss)
+
+    def _gradients(self, model, scalar) -> None:
+        """One ``autograd.grad`` (graph retained for the own-gradient products); then the
+        backward position of each reached call and the extrema of its input gradients and
+        own parameter gradients."""
+        edges: dict[tuple[int, int], GradientEdge] = {}
+        for rec in self.records:
+            for e in rec.in_edges + rec.out_edges:
+                edges.setdefault(_key(e), e)
+        params = [p for p in model.parameters() if p.requires_grad]
+        found = torch.autograd.grad(
+            scalar, list(edges.values()) + params, retain_graph=True, allow_unused=True
+        )
+        self.grads = dict(zip(edges, found[: len(edges)], strict=True))
+        self.param_grads = {id(p): g for p, g in zip(params, found[len(edges) :], strict=True)}
+        last = self.loss_rec.call.start
+        for rec in self.records:
+            param_grads = [g for g in self._own_param_grads(rec) if g is not None]
+            if rec is self.loss_rec:
+                rec.call.backward = -1.0  # the loss's backward runs first
+            elif param_grads or any(self.grads[_key(e)] is not None for e in rec.out_edges):
+                rec.call.backward = float(last - rec.call.start)  # reverse start order
+            else:
+                continue
+            grads = [self.grads[_key(e)] for e in rec.in_edges]
+            self.in_slots[id(rec)] = self.ext.slots(grads)
+            self.param_slots[id(rec)] = self.ext.slots(param_grads)
+
+    def _own_param_grads(self, rec: _Call) -> list:
+        return [self.param_grads.get(id(p)) for p in _own_params(rec.module)]
+
+    def find_first(self) -> None:
+        """Set grad_inputs / grad_params on calls in backward order up to the first bad one."""
+        ext = self.ext
+        order = sorted(
+            (r for r in self.records if r.call.backward is not None),
+            key=lambda r: r.call.backward,
+        )
+        for rec in order:
+            call = rec.call
+            call.grad_params = ext.absmax(self.param_slots[id(rec)])
+            call.grad_inputs = ext.absmax(self.in_slots[id(rec)])
+            if _bad(call.grad_inputs) and rec is not self.loss_rec:
+                own = self.own_input_grads(rec)
+                slots = ext.slots(own)
+                ext.read()
+                call.grad_inputs = ext.absmax(slots)
+            if _bad(call.grad_inputs) or _bad(call.grad_params):
+                return
+
+    def own_input_grads(self, rec: _Call) -> list:
+        """This call's vector-Jacobian product alone, given its incoming gradient (the
+        loss's: the gradient w.r.t. the model's outputs)."""
+        if rec is self.loss_rec:
+            return [self.grads[_key(e)] for e in rec.in_edges]
+        if id(rec) not in self.own:
+            pairs = [(e, self.grads.get(_key(e))) for e in rec.out_edges]
+            pairs = [(e, g) for e, g in pairs if g is not None]
+            own: list = []
+            if pairs and rec.in_edges:
+                own = list(
+                    torch.autograd.grad(
+                        [e for e, _ in pairs],
+                        rec.in_edges,
+                        grad_outputs=[g for _, g in pairs],
+                        retain_graph=True,
+                        allow_unused=True,
+                    )
+                )
+            self.own[id(rec)] = [g for g in own if g is not None]
+        return self.own[id(rec)]
+
+    def out_grad_slots(self, rec: _Call) -> list[int]:
+        return self.ext.slots([self.grads.get(_key(e)) for e in rec.out_edges])
+
+    def named_param_grads(self, rec: _Call) -> dict[str, torch.Tensor]:
+        named = _named_params(rec.module, self.names)
+        grads = {n: self.param_grads.get(id(p)) for n, p in named.items()}
+        return {n: g for n, g in grads.items() if g is not None}
+
+
+def _key(edge: GradientEdge) -> tuple[int, int]:
+    return id(edge.node), edge.output_nr
