@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -117,6 +119,8 @@ class TorchBackend(Backend):
         return F.log_softmax(x, dim=-1)
 
     def native_leaf_norms(self, leaves, ord, dtype):
+        if ord == math.inf and all(x.device.type == "cpu" for x in leaves):
+            return _cpu_absmax(leaves, getattr(torch, dtype))
         # one multi-tensor kernel per device and dtype; dtype= upcasts fp16 before squaring
         norms = torch._foreach_norm(leaves, ord, dtype=getattr(torch, dtype))
         device = norms[0].device
@@ -134,9 +138,9 @@ class TorchBackend(Backend):
         return super().scale_leaves(leaves, factor)
 
     def native_all_finite(self, leaves):
-        # max |x| per leaf in its own dtype (a max cannot overflow), one multi-tensor kernel
-        norms = torch._foreach_norm(leaves, float("inf"))
-        return torch.stack([torch.isfinite(n).to(norms[0].device) for n in norms]).all()
+        # max |x| per leaf (a max cannot overflow; float64 stays float64)
+        wide = "float64" if any(x.dtype == torch.float64 for x in leaves) else "float32"
+        return torch.isfinite(self.native_leaf_norms(leaves, math.inf, wide)).all()
 
     def native_softmax_nll(self, logits, labels):
         return F.cross_entropy(logits, labels.long(), reduction="none")
@@ -204,3 +208,13 @@ class _CustomGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, cotangent):
         return (None, None, *ctx.backward_fn(ctx.saved_tensors, cotangent))
+
+
+def _cpu_absmax(leaves: list, dtype: torch.dtype) -> torch.Tensor:
+    """max |x| of each leaf as one ``dtype`` vector, from one ``aminmax`` pass per leaf (NaN
+    propagates). On CPU the inf-norm kernels (``_foreach_norm(inf)``, ``vector_norm(inf)``)
+    measured ~6x slower than ``aminmax`` (200 tensors of 100k floats: 36 ms against 6 ms)."""
+    bounds = [torch.aminmax(x) for x in leaves]
+    low = torch.stack([b.min.to(dtype) for b in bounds])
+    high = torch.stack([b.max.to(dtype) for b in bounds])
+    return torch.maximum(high, -low)
