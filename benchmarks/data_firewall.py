@@ -14,6 +14,11 @@ What is measured
                        ``__getitem__`` + ``default_collate`` (the common torch setup)
    torch-batched       ``DataLoader(TensorDataset, sampler=BatchSampler(RandomSampler))``:
                        one fancy-index per batch (the fastest torch loader; the hardest case)
+   numpy-images        a realistic-size batch: 3x64x64 uint8 images (8192 of them, 4 with a
+                       NaN after decoding) gathered, converted to float32 and normalized,
+                       ``(x / 255 - mean) / std``; B of them are 12.6 MB of float32. It shows
+                       where the ratio lands for bigger batches (run with ``--loaders numpy``;
+                       no decoding or augmentation, so its loader cost is a lower bound)
    tf.data-eager       ``from_tensor_slices(...).batch(B)`` iterated eagerly, wrapped by guard
    tf.data-graph       the same pipeline with ``.map(TFDataGuard().drop_nonfinite)`` (graph
                        mode, no py_function) against ``.map(identity)``
@@ -160,10 +165,10 @@ def count(loader: Iterable, label_of: Callable) -> int:
     return total
 
 
-def check_dropped(loader, label_of, bad: np.ndarray, limit: int | None) -> None:
+def check_dropped(loader, label_of, bad: np.ndarray, limit: int | None, n=N_SAMPLES) -> None:
     """The guarded loader yields every good label and no bad one (within ``limit`` labels)."""
     labels = np.sort(np.concatenate([np.asarray(label_of(b)) for b in loader]))
-    universe = np.arange(limit if limit is not None else N_SAMPLES)
+    universe = np.arange(limit if limit is not None else n)
     seen_bad = np.intersect1d(labels, bad)
     assert seen_bad.size == 0, f"bad samples passed: {seen_bad[:5]}"
     if limit is None:
@@ -184,6 +189,37 @@ def numpy_rows(x, y, bad, batch, rounds):
     return [
         compare(
             "numpy-iterator",
+            lambda: count(source(), label),
+            lambda: count(guard(source()), label),
+            rounds,
+            source,
+        )
+    ]
+
+
+def numpy_image_rows(batch, rounds, n=8192, shape=(3, 64, 64)):
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 256, size=(n, *shape), dtype=np.uint8)
+    labels = np.arange(n)
+    bad = np.sort(rng.choice(n, size=4, replace=False))
+    perm = rng.permutation(n)
+    mean, std = np.float32(0.45), np.float32(0.25)
+
+    def source():
+        for i in range(0, n, batch):
+            idx = perm[i : i + batch]
+            x = images[idx].astype(np.float32)
+            x *= np.float32(1 / 255)
+            x -= mean
+            x /= std
+            x[np.isin(idx, bad), 0, 0, 0] = np.nan  # a corrupt decode
+            yield {"x": x, "y": labels[idx]}
+
+    label = lambda b: b["y"]
+    check_dropped(guard(source()), label, bad, None, n)
+    return [
+        compare(
+            "numpy-images",
             lambda: count(source(), label),
             lambda: count(guard(source()), label),
             rounds,
@@ -355,6 +391,7 @@ def main() -> None:
     rows = []
     if "numpy" in loaders:
         rows += numpy_rows(x, y, bad, args.batch, rounds)
+        rows += numpy_image_rows(args.batch, rounds)
     if "torch" in loaders:
         rows += torch_rows(x, y, bad, args.batch, rounds, torch_batches)
     if "tf" in loaders:

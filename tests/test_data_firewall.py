@@ -314,6 +314,109 @@ def test_tf_data_guard_and_graph_mode_functions():
     assert traced_eagerly and not any(traced_eagerly)  # graph mode: no py_function
 
 
+# -- fast path: host memory read in place ----------------------------------------------------
+def _spy_host_views(monkeypatch):
+    """Record the arrays the fast path reads with NumPy."""
+    from numstab.data import _fast
+
+    seen, host = [], _fast._host
+
+    def spy(a, axis, sizes):
+        seen.append(a)
+        return host(a, axis, sizes)
+
+    monkeypatch.setattr(_fast, "_host", spy)
+    return seen
+
+
+def _drop_check(make, x, y):
+    """Clean batches come back as the same object; a NaN/inf sample is dropped."""
+    fw = Firewall("drop")
+    clean = make(np.nan_to_num(x[:B], posinf=0.0, neginf=0.0), y[:B])
+    assert fw.process(clean) is clean
+    out = fw.process(make(x[B : 2 * B], y[B : 2 * B]))  # samples 64 (inf) and 65 (-inf)
+    assert fw.stats.dropped == (64, 65)
+    return out
+
+
+def test_fast_path_torch_tensors_keep_the_fused_sum(monkeypatch):
+    """torch CPU tensors (contiguous or not, float32, bfloat16, requiring grad) are proved
+    clean by the torch sum, not a NumPy read; a NaN/inf sample is still dropped."""
+    torch = pytest.importorskip("torch")
+
+    x, y = _data()
+    seen = _spy_host_views(monkeypatch)
+    make = lambda bx, by: (torch.from_numpy(bx), torch.from_numpy(by))
+    out = _drop_check(make, x, y)
+    np.testing.assert_array_equal(out[1].numpy(), [i for i in range(B, 2 * B) if i not in BAD])
+
+    def strided(bx, by):  # same values, transposed storage
+        t = torch.from_numpy(np.ascontiguousarray(bx.T)).T
+        assert not t.is_contiguous()
+        return t, torch.from_numpy(by)
+
+    out = _drop_check(strided, x, y)
+    np.testing.assert_array_equal(out[0].numpy(), np.delete(x[B : 2 * B], [0, 1], axis=0))
+
+    for t in (torch.from_numpy(x[:4]).bfloat16(), torch.from_numpy(x[:4]).requires_grad_()):
+        bad = t.detach().clone()
+        bad[2, 0] = float("nan")
+        bad.requires_grad_(t.requires_grad)
+        fw = Firewall("drop")
+        clean = (t, torch.arange(4))
+        assert fw.process(clean) is clean and fw.stats.samples_passed == 4
+        out = fw.process((bad, torch.arange(4)))
+        assert out[0].dtype == t.dtype and out[0].requires_grad == t.requires_grad
+        assert out[1].tolist() == [0, 1, 3] and fw.stats.dropped == (6,)
+    assert seen == []  # no NumPy read of a torch tensor
+
+
+def test_fast_path_reads_cpu_tf_eager_tensors_in_place(monkeypatch):
+    tf = pytest.importorskip("tensorflow")
+    from numstab.backends import load_backend
+    from numstab.data._fast import _on_host, _tf_eager, _tf_view
+
+    x, y = _data()
+    seen = _spy_host_views(monkeypatch)
+    be = load_backend("tensorflow")
+    sums = []
+    sum_ = be.sum
+    monkeypatch.setattr(be, "sum", lambda *a, **k: sums.append(1) or sum_(*a, **k))
+
+    make = lambda bx, by: {"x": tf.constant(bx), "y": tf.constant(by)}
+    clean = make(x[:4], y[:4])
+    assert Firewall().process(clean) is clean and sums == []  # no TF op for a clean batch
+    assert [a.dtype.kind for a in seen] == ["f"] and not seen[0].flags.owndata
+    out = _drop_check(make, x, y)
+    assert isinstance(out["x"], tf.Tensor)
+    np.testing.assert_array_equal(out["x"].numpy(), np.delete(x[B : 2 * B], [0, 1], axis=0))
+    t = tf.constant(x[:4])
+    assert np.shares_memory(_tf_view(t), np.asarray(t))  # a view of the tensor's buffer
+
+    # bfloat16 (no NumPy dtype) keeps the on-device sum, and still finds the NaN
+    seen.clear()
+    make16 = lambda bx, by: {"x": tf.cast(tf.constant(bx), tf.bfloat16), "y": by}
+    clean = make16(x[:4], y[:4])
+    assert Firewall().process(clean) is clean and sums and [a.dtype.kind for a in seen] == ["i"]
+    out = _drop_check(make16, x, y)
+    assert out["x"].dtype == tf.bfloat16
+    for other in (tf.constant(["a", "b"]), tf.Variable(x[:4]), tf.constant(x[:4], tf.bfloat16)):
+        assert not _tf_eager(other, 0, [])  # strings, variables, bfloat16: the backend path
+    assert _on_host("/job:localhost/replica:0/task:0/device:CPU:0")
+    assert not _on_host("/job:localhost/replica:0/task:0/device:GPU:0")
+    assert not _on_host("/job:worker/replica:0/task:0/device:TPU:0")
+
+    # a tensor off the host (faked: no GPU here) is summed on its device, never read here
+    from numstab.data import _fast
+
+    monkeypatch.setattr(_fast, "_on_host", lambda device: False)
+    seen.clear()
+    sums.clear()
+    clean = make(x[:4], y[:4])
+    assert Firewall().process(clean) is clean and sums and seen == []
+    _drop_check(make, x, y)
+
+
 # -- outlier filters --------------------------------------------------------------------------
 def test_zscore_state_is_welford_over_accepted_samples():
     rng = np.random.default_rng(2)
