@@ -57,6 +57,7 @@ from keras.src.utils import tracking  # what Keras' own LossScaleOptimizer.build
 import numstab
 from numstab import _validate as v
 from numstab.errors import InvalidArgumentError, NumstabError
+from numstab.integrations._keras_wrapping import built_variables
 from numstab.loss_scale import LossScaler, LossScaleState
 
 __all__ = ["LossScaleOptimizer"]
@@ -191,18 +192,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         grads = list(grads)
         if not grads:
             return
-        if not self.built:
-            if trainable_variables is None:
-                raise InvalidArgumentError(
-                    "Expected trainable_variables on the first call (the optimizer is not "
-                    "built). Received: trainable_variables=None"
-                )
-            with keras.name_scope(self.name, caller=self):
-                self.build(list(trainable_variables))
-            self.built = True
-        if trainable_variables is None:
-            trainable_variables = self._trainable_variables
-        trainable_variables = list(trainable_variables)
+        trainable_variables = built_variables(self, trainable_variables)
         if len(grads) != len(trainable_variables):
             raise InvalidArgumentError(
                 f"Expected one gradient per variable. Received: {len(grads)} gradients for "

@@ -40,6 +40,7 @@ from numstab._dispatch import resolve_backend
 from numstab.adaptive_clipping import AGC, ZClip, ZClipState
 from numstab.clipping import global_norm, scale_leaves
 from numstab.errors import InvalidArgumentError
+from numstab.integrations._keras_wrapping import built_variables
 
 __all__ = ["AGCOptimizer", "ZClipOptimizer"]
 
@@ -103,18 +104,7 @@ class _ClipOptimizer(keras.optimizers.Optimizer):
         grads = list(grads)
         if not grads:
             return
-        if not self.built:
-            if trainable_variables is None:
-                raise InvalidArgumentError(
-                    "Expected trainable_variables on the first call (the optimizer is not "
-                    "built). Received: trainable_variables=None"
-                )
-            with keras.name_scope(self.name, caller=self):
-                self.build(list(trainable_variables))
-            self.built = True
-        variables = list(
-            self._trainable_variables if trainable_variables is None else trainable_variables
-        )
+        variables = built_variables(self, trainable_variables)
         if len(grads) != len(variables):
             raise InvalidArgumentError(
                 f"Expected one gradient per variable. Received: {len(grads)} gradients for "
