@@ -27,20 +27,20 @@ def _numeric_leaves(
     """(backend, all leaves, treedef, the non-None, non-empty floating leaves)."""
     leaves, treedef = flatten(tree)
     present = [leaf for leaf in leaves if leaf is not None]
-    be = resolve_backend(*present, *extra, backend=backend)
-    if any(framework_of(leaf) == HOST for leaf in present):
+    # one leaf per Python type: the framework of an array is a function of its type
+    kinds = list({type(leaf): leaf for leaf in present}.values())
+    be = resolve_backend(*kinds, *extra, backend=backend)
+    if any(framework_of(leaf) == HOST for leaf in kinds):
         like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
         leaves = [to_backend(be, leaf, like=like) for leaf in leaves]
         present = [leaf for leaf in leaves if leaf is not None]
-    numeric = []
-    for i, leaf in enumerate(present):
-        dtype = be.dtype_name(leaf)
-        if not v.is_floating(dtype):
-            raise InvalidArgumentError(
-                f"Expected floating-point leaves. Received: leaf {i} with dtype={dtype}"
-            )
-        if be.size(leaf, dtype) != 0:
-            numeric.append(leaf)
+    dtypes = [be.dtype_name(leaf) for leaf in present]
+    if not all(map(v.is_floating, set(dtypes))):
+        i, dtype = next((i, d) for i, d in enumerate(dtypes) if not v.is_floating(d))
+        raise InvalidArgumentError(
+            f"Expected floating-point leaves. Received: leaf {i} with dtype={dtype}"
+        )
+    numeric = [x for x, dtype in zip(present, dtypes, strict=True) if be.size(x, dtype) != 0]
     return be, leaves, treedef, numeric
 
 

@@ -1,11 +1,12 @@
 """Which leaves of a tree hold NaN or inf, where, and how many: ``find_nonfinite``,
 ``assert_finite``.
 
-Two passes: one fused per-leaf ``max |x|`` on the device (NaN and inf propagate through a
-max, so a leaf is finite exactly when its max is), read to the host once; then counts and
-the finite range for the offending leaves only. Both functions read values on the host:
-they are eager-only and raise ``InvalidArgumentError`` under jit / tf.function /
-torch.compile (use ``numstab.all_finite`` there).
+Two passes: one finiteness flag per leaf on the device (``Backend.leaf_finite``: the same
+work as the per-leaf ``isfinite(x).all()`` a user writes, without a host read per leaf),
+read to the host once; then counts and the finite range for the offending leaves only.
+Both functions read values on the host: they are eager-only and raise
+``InvalidArgumentError`` under jit / tf.function / torch.compile (use ``numstab.all_finite``
+there).
 """
 
 from __future__ import annotations
@@ -157,11 +158,10 @@ def _floating_leaves(tree: Tree, backend: str | None) -> tuple[Backend, list[tup
 
 
 def _nonfinite_indices(be: Backend, leaves: list) -> list[int]:
-    """Indices of the leaves holding NaN or inf: one fused max |x| per leaf, one host read."""
-    dtype = "float64" if any(be.dtype_name(x) == "float64" for x in leaves) else "float32"
+    """Indices of the leaves holding NaN or inf: one finiteness flag per leaf, computed on
+    the device (the backend's cheapest pass), read to the host once."""
     with be.float_errors_ignored():
-        absmax = native_op(be, "leaf_norms")(leaves, math.inf, dtype)
-        flags = be.to_numpy(be.isfinite(absmax))
+        flags = be.to_numpy(native_op(be, "leaf_finite")(leaves))
     return [i for i, ok in enumerate(flags.reshape(-1).tolist()) if not ok]
 
 

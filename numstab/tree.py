@@ -70,6 +70,12 @@ def flatten(tree: Any) -> tuple[list[Leaf], TreeDef]:
 
 
 def _flatten(node: Any, leaves: list) -> TreeDef:
+    if type(node) in (list, tuple) and all(hasattr(c, "dtype") or c is None for c in node):
+        # the common gradient list (every child a leaf by _children's first test): what the
+        # generic path below builds, without two calls per leaf
+        leaves.extend(node)
+        cls = type(node)
+        return TreeDef(lambda vs: cls(vs), (LEAF,) * len(node))
     split = _children(node)
     if split is None:
         leaves.append(node)

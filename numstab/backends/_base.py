@@ -187,9 +187,14 @@ class Backend:
                 out.append(self.cast(self.cast(leaf, "float32") * factor, dtype))
         return out
 
+    def leaf_finite(self, leaves: list[Array]) -> Array:
+        """A boolean vector, one entry per (non-empty) leaf: every element of that leaf is
+        finite. Stays on the device: the first pass of ``find_nonfinite`` and ``all_finite``."""
+        return self.stack([self.all(self.isfinite(leaf)) for leaf in leaves])
+
     def all_finite(self, leaves: list[Array]) -> Array:
         """One 0-d boolean: every element of every leaf is finite."""
-        return self.all(self.stack([self.all(self.isfinite(leaf)) for leaf in leaves]))
+        return self.all(native_op(self, "leaf_finite")(leaves))
 
     def count(self, mask: Array, axis: int | None, dtype: str, keepdims: bool = False) -> Array:
         """Number of true entries along ``axis``, as ``dtype``."""

@@ -52,6 +52,8 @@ class TensorflowBackend(Backend):
         return tuple(x.shape.as_list()) if x.shape.rank is not None else ()
 
     def reshape(self, x, shape):
+        if _has_shape(x, shape):  # eager tf.reshape costs ~100 us even when it has no work
+            return x
         return tf.reshape(x, shape)
 
     def moveaxis(self, x, source, destination):
@@ -101,22 +103,30 @@ class TensorflowBackend(Backend):
         return tf.clip_by_value(x, _as_operand(low, x), _as_operand(high, x))
 
     def all(self, x):
-        return tf.reduce_all(x)
+        axes = _all_axes(x)
+        return tf.reduce_all(x) if axes is None else tf.raw_ops.All(input=x, axis=axes)
 
     def stack(self, arrays):
         return tf.stack(arrays)
 
     def sum(self, x, axis=None, keepdims=False):
-        return tf.reduce_sum(x, axis=axis, keepdims=keepdims)
+        axes = None if axis is not None or keepdims else _all_axes(x)
+        if axes is None:
+            return tf.reduce_sum(x, axis=axis, keepdims=keepdims)
+        return tf.raw_ops.Sum(input=x, axis=axes)
 
     def max(self, x, axis=None, keepdims=False):
-        return tf.reduce_max(x, axis=axis, keepdims=keepdims)
+        axes = None if axis is not None or keepdims else _all_axes(x)
+        if axes is None:
+            return tf.reduce_max(x, axis=axis, keepdims=keepdims)
+        return tf.raw_ops.Max(input=x, axis=axes)
 
     def any(self, x):
         return bool(tf.reduce_any(x))
 
     def take_rows(self, x, index):
-        return tf.gather(x, index, batch_dims=1)
+        # tf.gather(x, index, batch_dims=1)'s op, without its Python wrapper (~45 us eagerly)
+        return tf.raw_ops.GatherV2(params=x, indices=index, axis=1, batch_dims=1)
 
     def gather(self, vector, index):
         return tf.gather(vector, index)
@@ -126,15 +136,14 @@ class TensorflowBackend(Backend):
         if ord != 2.0:
             return super().leaf_norms(leaves, ord, dtype)
         # l2_loss = sum(x**2) / 2 in one fused pass, as tf.clip_by_global_norm does
-        return tf.sqrt(2.0 * tf.stack([tf.nn.l2_loss(tf.cast(x, dtype)) for x in leaves]))
+        return tf.sqrt(2.0 * tf.stack(_half_squares(leaves, dtype)))
 
     def native_global_norm(self, leaves, ord, dtype):
         if ord != 2.0:
             return super().global_norm(leaves, ord, dtype)
         # tf.linalg.global_norm's ops (one l2_loss per leaf, eager ops cost ~10 us each),
         # with 16-bit leaves cast first: their squares would overflow
-        squares = tf.add_n([tf.nn.l2_loss(tf.cast(x, dtype)) for x in leaves])
-        return tf.sqrt(2.0 * squares)
+        return tf.sqrt(2.0 * tf.add_n(_half_squares(leaves, dtype)))
 
     def native_logsumexp(self, x, axis=-1, keepdims=False):
         return tf.reduce_logsumexp(x, axis=axis, keepdims=keepdims)
@@ -287,6 +296,48 @@ class TensorflowBackend(Backend):
 
 
 BACKEND = TensorflowBackend()
+
+
+def _half_squares(leaves: list, dtype: str) -> list:
+    """``tf.nn.l2_loss(tf.cast(x, dtype))`` (sum(x**2) / 2) of each leaf, through the raw
+    ops: eagerly the Python wrappers cost more per leaf than a small leaf's kernel."""
+    want = tf.as_dtype(dtype)
+    return [
+        tf.raw_ops.L2Loss(t=x if x.dtype == want else tf.raw_ops.Cast(x=x, DstT=want))
+        for x in leaves
+    ]
+
+
+def _has_shape(x, shape) -> bool:
+    """True when ``x`` statically has ``shape`` (a tuple or list; one -1 allowed)."""
+    if not isinstance(shape, tuple | list) or x.shape.rank != len(shape):
+        return False
+    static = x.shape.as_list()
+    return (
+        None not in static
+        and sum(d == -1 for d in shape) <= 1
+        and all(d in (-1, s) for d, s in zip(shape, static, strict=True))
+    )
+
+
+#: rank -> the int32 tensor [0, 1, ..., rank - 1]: reduction axes of a full eager reduction
+_AXES: dict[int, tf.Tensor] = {}
+
+
+def _all_axes(x) -> tf.Tensor | None:
+    """Every axis of ``x``, as a cached host int32 tensor, for a full reduction executed
+    eagerly; None in a graph or for an unknown rank (tf.reduce_* then build the axes).
+
+    Same op, same kernel as ``tf.reduce_*(x)``: only the conversion of the axes from NumPy,
+    which costs more than a small reduction itself, is done once per rank."""
+    rank = x.shape.rank
+    if rank is None or not tf.executing_eagerly():
+        return None
+    axes = _AXES.get(rank)
+    if axes is None:
+        with tf.device("/CPU:0"):
+            axes = _AXES[rank] = tf.constant(list(range(rank)), tf.int32)
+    return axes
 
 
 # -- fused cross-entropy --

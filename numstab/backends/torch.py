@@ -137,10 +137,13 @@ class TorchBackend(Backend):
             return list(torch._foreach_mul(leaves, factor))  # one multi-tensor kernel
         return super().scale_leaves(leaves, factor)
 
-    def native_all_finite(self, leaves):
+    def native_leaf_finite(self, leaves):
         # max |x| per leaf (a max cannot overflow; float64 stays float64)
         wide = "float64" if any(x.dtype == torch.float64 for x in leaves) else "float32"
-        return torch.isfinite(self.native_leaf_norms(leaves, math.inf, wide)).all()
+        return torch.isfinite(self.native_leaf_norms(leaves, math.inf, wide))
+
+    def native_all_finite(self, leaves):
+        return self.native_leaf_finite(leaves).all()
 
     def native_softmax_nll(self, logits, labels):
         return F.cross_entropy(logits, labels.long(), reduction="none")
