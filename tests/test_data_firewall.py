@@ -417,6 +417,133 @@ def test_fast_path_reads_cpu_tf_eager_tensors_in_place(monkeypatch):
     _drop_check(make, x, y)
 
 
+# -- NumPy arrays: per-sample sums, exact counts on the suspects ----------------------------
+def _summed_batch(dtype=np.float32, shape=(40, 3, 32, 32)):
+    """A batch big enough for the per-sample sums (_host.SUM_MIN_SIZE), with every kind of
+    trouble: finite values whose sum overflows, NaN, +inf, -inf, inf + -inf (sum NaN)."""
+    x = np.random.default_rng(5).normal(size=shape).astype(dtype)
+    big = np.finfo(dtype).max / 4
+    x[2] = big  # finite, but its sum overflows: clean
+    x[3] = -big
+    x[5, 0, 0, 0] = np.nan
+    x[7, 1, 2, 3] = np.inf
+    x[8, 2, 15, 15] = -np.inf
+    x[9, 0, 0, 0], x[9, 2, 1, 1] = np.inf, -np.inf
+    x[11] = big  # overflow and a NaN in one sample
+    x[11, 1, 1, 1] = np.nan
+    x[12, :, 0, 0] = np.nan  # several per sample
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "axis1"])
+def test_numpy_counts_match_the_oracle(dtype, layout):
+    from numstab.data import _host
+
+    x = _summed_batch(dtype)
+    axis = 0
+    if layout == "strided":  # same values, non-contiguous
+        x = np.asfortranarray(x)
+    elif layout == "axis1":  # samples along axis 1 of a C-contiguous array
+        x, axis = np.ascontiguousarray(np.swapaxes(x, 0, 1)), 1
+    summed = _host._rows(x, axis) is not None
+    assert summed == (dtype != np.float16 and layout != "strided")
+    nan, inf = _oracle(np.moveaxis(x, axis, 0))
+    report = check_batch({"x": x, "y": np.arange(40)}, batch_axis=axis)
+    (field,) = report.fields
+    assert field.bad_samples == (5, 7, 8, 9, 11, 12) == tuple(np.flatnonzero(nan + inf))
+    assert (field.nan_count, field.inf_count) == (nan.sum(), inf.sum()) == (5, 4)
+    np.testing.assert_array_equal(field.per_sample[0], nan + inf)
+    np.testing.assert_array_equal(field.per_sample[1], nan)
+    fw = Firewall("drop", batch_axis=axis)
+    out = fw.process({"x": x, "y": np.arange(40)})
+    assert fw.stats.dropped == (5, 7, 8, 9, 11, 12)
+    rec = {r.position: (r.nan_count, r.inf_count) for r in fw.stats.records}
+    assert rec == {5: (1, 0), 7: (0, 1), 8: (0, 1), 9: (0, 2), 11: (1, 0), 12: (3, 0)}
+    np.testing.assert_array_equal(out["x"], np.delete(x, list(rec), axis=axis))
+
+
+def test_overflowing_finite_batch_passes_as_clean():
+    """A finite sample whose per-sample sum overflows (values 3e38) is a suspect checked
+    exactly, never dropped; the batch passes as the same object."""
+    from numstab.data import _fast, _host
+
+    x = np.full((8, 3, 64, 64), 3e38, np.float32)
+    with np.errstate(over="ignore"):
+        assert _host._rows(x, 0) is not None and not np.isfinite(x.sum(axis=(1, 2, 3))).any()
+    batch = {"x": x, "y": np.arange(8)}
+    fw = Firewall("drop")
+    assert fw.process(batch) is batch and fw.stats.samples_passed == 8
+    assert _fast.clean_batch_size(batch, 0) == 8
+    assert check_batch(batch).ok
+    for value in (np.nan, np.inf, -np.inf):
+        bad = x.copy()
+        bad[6, 2, 63, 63] = value
+        assert _fast.clean_batch_size({"x": bad}, 0) == _fast.SUSPECT
+        assert check_batch({"x": bad}).bad_samples == (6,)
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        np.array([1.0, np.nan, 2.0, np.inf, -np.inf], np.float64),  # rank 1
+        np.arange(5 * 70000, dtype=np.float32).reshape(5, -1),  # summed, wide rows
+        np.ones((70000, 2), np.float32),  # big but narrow rows: isfinite
+    ],
+    ids=["rank1", "wide", "narrow"],
+)
+def test_numpy_fast_and_general_paths_agree_on_shapes(x):
+    x = x.copy()
+    if x.ndim == 2:
+        x[1, -1], x[3, 0], x[4, 1] = np.nan, np.inf, -np.inf
+    pair = collections.namedtuple("Pair", "x")  # the general path only
+    via_dict, via_tuple = Firewall("drop"), Firewall("drop")
+    out_d, out_t = via_dict.process({"x": x}), via_tuple.process(pair(x))
+    np.testing.assert_array_equal(out_d["x"], out_t.x)
+    counts = lambda fw: [(r.index, r.action, r.nan_count, r.inf_count) for r in fw.stats.records]
+    assert (
+        counts(via_dict)
+        == counts(via_tuple)
+        == [(1, "dropped", 1, 0)] + [(i, "dropped", 0, 1) for i in (3, 4)]
+    )
+    assert via_dict.stats.dropped == (1, 3, 4)
+
+
+def test_cpu_torch_counts_read_in_place_match_the_oracle():
+    """A dirty CPU torch batch is counted through its NumPy view (any float16/32/64,
+    strided or requiring grad); bfloat16 keeps torch's own count. Same reports."""
+    torch = pytest.importorskip("torch")
+    from numstab.data._fields import _readable
+
+    t = {d: torch.from_numpy(_summed_batch(d)) for d in (np.float16, np.float32, np.float64)}
+    t32 = t[np.float32]
+    cases = [*t.values(), t32.clone().requires_grad_(), t32.transpose(2, 3), t32.bfloat16()]
+    for value in cases:
+        assert (_readable(value) is None) == (value.dtype == torch.bfloat16)
+        nan, inf = _oracle(value.detach().double().numpy())
+        report = check_batch((value, torch.arange(40)))
+        (field,) = report.fields
+        assert field.bad_samples == tuple(np.flatnonzero(nan + inf)) == (5, 7, 8, 9, 11, 12)
+        assert (field.nan_count, field.inf_count) == (nan.sum(), inf.sum())
+        fw = Firewall("drop")
+        out = fw.process((value, torch.arange(40)))
+        assert out[0].dtype == value.dtype and out[0].requires_grad == value.requires_grad
+        assert fw.stats.dropped == field.bad_samples
+    assert _readable(np.arange(3)) is None and _readable(torch.arange(3)) is None
+
+
+def test_a_batch_found_dirty_is_counted_without_a_second_clean_check(monkeypatch):
+    from numstab.data import firewall
+
+    def never(*args):
+        raise AssertionError("surely_finite called after the fast path found a NaN")
+
+    monkeypatch.setattr(firewall, "surely_finite", never)
+    x, y = _data()
+    out = list(guard(_batches(x, y), "drop"))
+    assert sum(len(b["y"]) for b in out) == N - len(BAD)
+
+
 # -- outlier filters --------------------------------------------------------------------------
 def test_zscore_state_is_welford_over_accepted_samples():
     rng = np.random.default_rng(2)

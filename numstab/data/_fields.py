@@ -9,14 +9,19 @@ are checked, integer and bool ones are finite by definition.
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from numstab import _validate as v
 from numstab import tree
 from numstab._dispatch import framework_of
 from numstab.backends import load_backend
 from numstab.backends._base import Backend
+from numstab.data import _host
 from numstab.errors import InvalidArgumentError
 
 Array = Any
@@ -55,6 +60,8 @@ class Field:
     backend: Backend | None  # None for host values that are not arrays
     batched: bool
     dtype: str | None = None
+    #: per-sample (non-finite, NaN) counts once computed (``sample_nonfinite``)
+    counts: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def label(self) -> str:
@@ -118,10 +125,16 @@ def _classify(path: str, leaf: Any, batch_axis: int) -> Field:
     if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
         return Field(path, leaf, "static", None, False)
     be = backend_of(leaf)
-    dtype = be.dtype_name(leaf)
+    dtype = _numpy_name(leaf.dtype) if type(leaf) is np.ndarray else be.dtype_name(leaf)
     batched = len(be.shape(leaf)) > batch_axis
     kind = "float" if v.is_floating(dtype) else "exact"
     return Field(path, leaf, kind, be, batched, dtype)
+
+
+@functools.cache
+def _numpy_name(dtype: np.dtype) -> str:
+    """``dtype.name``, cached: NumPy computes it in Python on every access (~2.7 us)."""
+    return dtype.name
 
 
 # -- per-sample counts: one reduction per field, written once over backend primitives ------
@@ -144,16 +157,62 @@ def nan_counts(be: Backend, x: Array, batch_axis: int) -> Array:
     return sample_counts(be, x, batch_axis, x != x)
 
 
-def surely_finite(fields: list[Field]) -> bool:
+def sample_nonfinite(field: Field, batch_axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample (non-finite, NaN) counts of a batched floating field, as NumPy int32
+    vectors; computed once per field and kept in ``field.counts``. Values readable in host
+    memory (``_readable``) go through ``_host.sample_counts``: one read, the exact count only
+    on suspect samples (measured 14 vs 82 us on a 256 x 32 float32 CPU torch tensor with a
+    NaN). Others count with ``nonfinite_counts`` and ``nan_counts`` on their device."""
+    if field.counts is None:
+        be, x = field.backend, field.value
+        view = _readable(x)
+        if view is not None:
+            field.counts = _host.sample_counts(view, batch_axis)
+        else:
+            bad, nan = nonfinite_counts(be, x, batch_axis), nan_counts(be, x, batch_axis)
+            field.counts = be.to_numpy(bad), be.to_numpy(nan)
+    return field.counts
+
+
+def _readable(x: Any) -> np.ndarray | None:
+    """``x`` as a NumPy float16/32/64 array read in place: a NumPy array itself, or the
+    zero-copy ``.numpy()`` view of a strided CPU torch tensor (detached: only read here);
+    None for anything else (bfloat16, other devices and frameworks)."""
+    if type(x) is np.ndarray:
+        return x if x.dtype.kind == "f" else None
+    torch = sys.modules.get("torch")
+    if (
+        torch is not None
+        and isinstance(x, torch.Tensor)
+        and x.dtype in (torch.float32, torch.float64, torch.float16)
+        and x.device.type == "cpu"
+        and x.layout == torch.strided
+        and not x.is_neg()
+    ):
+        return x.detach().numpy()
+    return None
+
+
+def _is_host_float(x: Any) -> bool:
+    return type(x) is np.ndarray and x.dtype.kind == "f"
+
+
+def surely_finite(fields: list[Field], batch_axis: int) -> bool:
     """Eager fast path: True proves every element of every field finite.
 
     A sum is finite only if every term is (NaN and inf propagate; inf - inf is NaN), so one
     fused sum per field decides the common, clean case. A finite sum that overflows makes it
     return False, and the caller then counts exactly; it never returns a false True.
+    Batched NumPy fields are counted exactly instead (``sample_nonfinite``: as cheap as a sum
+    when clean, and the counts are kept for the report).
     """
     by_backend: dict[str, tuple[Backend, list]] = {}
     for field in fields:
         be, x = field.backend, field.value
+        if field.batched and _is_host_float(x):
+            if sample_nonfinite(field, batch_axis)[0].any():
+                return False
+            continue
         with be.float_errors_ignored():
             acc = "float64" if field.dtype == "float64" else "float32"
             total = be.sum(x if field.dtype == acc else be.cast(x, acc))

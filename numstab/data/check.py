@@ -15,9 +15,9 @@ from numstab.data._fields import (
     Batch,
     Field,
     check_batch_axis,
-    nan_counts,
     nonfinite_counts,
     sample_counts,
+    sample_nonfinite,
     split_batch,
     surely_finite,
 )
@@ -117,7 +117,7 @@ def report_of(parts: Batch, batch_axis: int, clean: bool | None = None) -> Batch
     """The BatchReport of a split batch; ``clean=True`` skips the counting."""
     floats = parts.float_fields
     if clean is None:
-        clean = surely_finite(floats)
+        clean = surely_finite(floats, batch_axis)
     skipped = tuple(f.label for f in parts.fields if f.kind != "float")
     reports = tuple(_field_report(f, parts.size, batch_axis, clean) for f in floats)
     return BatchReport(parts.size, reports, skipped)
@@ -134,10 +134,9 @@ def _field_report(field: Field, size: int | None, batch_axis: int, clean: bool) 
         nan = int(np.sum(np.isnan(be.to_numpy(x))))
         samples = tuple(range(size)) if bad and size else ()
         return FieldReport(field.path, field.dtype, shape, nan, bad - nan, samples)
-    bad = be.to_numpy(nonfinite_counts(be, x, axis))
-    nan = be.to_numpy(nan_counts(be, x, axis))
+    bad, nan = sample_nonfinite(field, axis)
     total, nans = int(bad.sum()), int(nan.sum())
-    samples = tuple(int(i) for i in np.flatnonzero(bad))
+    samples = tuple(np.flatnonzero(bad).tolist())
     return FieldReport(field.path, field.dtype, shape, nans, total - nans, samples, (bad, nan))
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from numstab import _validate as v
 from numstab.data import quarantine
-from numstab.data._fast import clean_batch_size
+from numstab.data._fast import SUSPECT, clean_batch_size
 from numstab.data._fields import (
     Batch,
     Field,
@@ -101,14 +101,13 @@ class Firewall:
         """The batch with its flagged samples handled; None when all were dropped (and
         ``keep_empty`` is False). A clean batch comes back as the same object."""
         stats = self.stats
-        if self.outliers is None:
-            n = clean_batch_size(batch, self.batch_axis)
-            if n is not None:  # the fast path: provably clean
-                stats.samples_seen += n
-                stats.samples_passed += n
-                stats.batches_seen += 1
-                self._batch_in_epoch += 1
-                return batch
+        size = clean_batch_size(batch, self.batch_axis) if self.outliers is None else None
+        if size is not None and size != SUSPECT:  # the fast path: provably clean
+            stats.samples_seen += size
+            stats.samples_passed += size
+            stats.batches_seen += 1
+            self._batch_in_epoch += 1
+            return batch
         parts = split_batch(batch, self.batch_axis)
         if parts.size is None:
             raise InvalidArgumentError(
@@ -121,7 +120,8 @@ class Firewall:
         stats.batches_seen += 1
         self._batch_in_epoch += 1
         floats = parts.float_fields
-        clean = not floats or surely_finite(floats)
+        # SUSPECT: the fast path already found a leaf it could not prove finite
+        clean = size != SUSPECT and (not floats or surely_finite(floats, self.batch_axis))
         if clean and self.outliers is None:
             stats.samples_passed += n
             return batch
@@ -243,7 +243,7 @@ class Firewall:
             keep = ~drop
             pairs = zip(parts.fields, values, strict=True)
             values = [_compress(f, x, keep, self.batch_axis) for f, x in pairs]
-        kept = int(len(drop) - drop.sum())
+        kept = len(drop) - int(np.count_nonzero(drop))  # a bool sum casts: ~5 us
         self.stats.samples_passed += kept
         if kept == 0 and not self.keep_empty:
             self.stats.batches_skipped += 1

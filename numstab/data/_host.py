@@ -1,0 +1,77 @@
+"""NumPy float arrays: which samples hold NaN or inf, exactly, reading each value once.
+
+``count_nonzero(isfinite(x))`` writes a boolean temporary as large as ``x`` and reads it
+back. A per-sample sum, ``np.einsum("ij->i", rows)`` (NumPy's own vectorised loop: no BLAS,
+whose thread pool measured up to 30x slower between other work on a 2-core machine, and no
+floating-point error flags), reads ``x`` once and writes one value per row. A sum is finite
+only when every term is: NaN and inf propagate through addition (inf - inf is NaN), and no
+IEEE addition turns them finite. So a finite row sum proves its row finite, and a
+non-finite one marks a *suspect* row (a NaN/inf, or finite values whose sum overflows), which
+alone is checked exactly with ``isfinite``. Both answers here are exact: overflow only costs
+time, never a false "clean".
+
+The sums pay off for C-contiguous float32/float64 arrays of at least ``SUM_MIN_SIZE`` values
+in rows (the values after the batch axis) of at least ``SUM_MIN_ROW``: ``einsum`` has a
+fixed cost of ~4 us and a per-row one. Measured with timeit on a 2-core AMD EPYC (numpy 2.4,
+2026-12-03), float32 rows of 12288 values: 2.7 vs 5.1 us at 12288 values, break-even at
+~60000, 662 vs 313 us at 4.2M; rows of 32 values: ``isfinite`` faster at every size up to 1M.
+Smaller arrays, float16 (its sums overflow at 65504), other layouts and dtypes take the
+plain ``isfinite`` route.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+SUM_MIN_SIZE = 1 << 16
+SUM_MIN_ROW = 256
+_SUMMED = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _rows(a: np.ndarray, axis: int) -> np.ndarray | None:
+    """A 2-D view of ``a`` whose row ``r`` holds values of sample ``r % a.shape[axis]``
+    only (C order: the rows are the values after ``axis``), or None where per-row sums do
+    not pay off (see the module docstring). ``axis < a.ndim``."""
+    if a.dtype not in _SUMMED or a.size < SUM_MIN_SIZE or not a.flags.c_contiguous:
+        return None
+    width = math.prod(a.shape[axis + 1 :])
+    return a.reshape(-1, width) if width >= SUM_MIN_ROW else None
+
+
+def _suspects(rows: np.ndarray) -> np.ndarray:
+    """Indices of the rows whose sum is not finite: every row holding a NaN or inf, and
+    finite rows whose sum overflows."""
+    return np.flatnonzero(~np.isfinite(np.einsum("ij->i", rows)))
+
+
+def all_finite(a: np.ndarray, axis: int) -> bool:
+    """True iff every value of the float array ``a`` is finite (exact). ``axis`` only picks
+    the rows summed; any ``axis`` gives the same answer."""
+    if a.size < SUM_MIN_SIZE:  # the common small batch: no further test
+        return np.count_nonzero(np.isfinite(a)) == a.size
+    rows = _rows(a, axis) if a.ndim > axis else None
+    if rows is None:
+        return np.count_nonzero(np.isfinite(a)) == a.size
+    suspects = _suspects(rows)
+    return suspects.size == 0 or bool(np.isfinite(rows[suspects]).all())
+
+
+def sample_counts(a: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample (non-finite, NaN) counts along ``axis < a.ndim``, as int32 vectors: the
+    values of ``_fields.nonfinite_counts`` and ``_fields.nan_counts``. Only the non-finite
+    values are located (``flatnonzero``) and attributed to their samples (``bincount``): no
+    reduction over every sample, whose per-row loops cost ~10 us even at 256 x 32."""
+    n = a.shape[axis]
+    rows = _rows(a, axis)
+    if rows is None:
+        part, owner = a, None
+    else:  # the summed route: the suspect rows only; row r belongs to sample r % n
+        owner = _suspects(rows)
+        part = rows[owner]
+    where = np.unravel_index(np.flatnonzero(~np.isfinite(part)), part.shape)
+    samples = where[axis] if owner is None else owner[where[0]] % n
+    nan = np.isnan(part[where])
+    bad_counts = np.bincount(samples, minlength=n).astype(np.int32)
+    return bad_counts, np.bincount(samples[nan], minlength=n).astype(np.int32)
