@@ -10,6 +10,7 @@ variable ``NUMSTAB_FORCE_GENERIC=1`` asks for the generic path (the test suite r
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -37,6 +38,13 @@ def native_op(backend: Backend, name: str) -> Callable[..., Array]:
 def has_native(backend: Backend, name: str) -> bool:
     """True when ``native_op(backend, name)`` would return the backend's ``native_<name>``."""
     return not generic_forced() and hasattr(backend, "native_" + name)
+
+
+@functools.cache
+def numpy_dtype_name(dtype: Any) -> str:
+    """``dtype.name`` of a NumPy dtype (JAX arrays have them too), cached: NumPy builds the
+    name in Python on every access (~3 us), and tree and data functions ask per leaf."""
+    return dtype.name
 
 
 class Backend:

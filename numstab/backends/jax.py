@@ -7,10 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax  # noqa: F401  (the jax extra ships optax; its absence disables the backend)
 
-from numstab.backends._base import Backend
-
-#: dtype -> its name, filled on first use
-_DTYPE_NAMES: dict = {}
+from numstab.backends._base import Backend, numpy_dtype_name
 
 
 @jax.jit
@@ -40,11 +37,7 @@ class JaxBackend(Backend):
         return x.astype(np.float32) if x.dtype.name == "bfloat16" else x
 
     def dtype_name(self, x):
-        dtype = (x if hasattr(x, "dtype") else jnp.asarray(x)).dtype
-        name = _DTYPE_NAMES.get(dtype)
-        if name is None:  # np.dtype.name costs ~3 us, and tree functions ask per leaf
-            name = _DTYPE_NAMES[dtype] = dtype.name
-        return name
+        return numpy_dtype_name((x if hasattr(x, "dtype") else jnp.asarray(x)).dtype)
 
     def cast(self, x, dtype):
         x = x if hasattr(x, "dtype") else jnp.asarray(x)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from numstab.backends._base import Backend
+from numstab.backends._base import Backend, numpy_dtype_name
 
 
 def _dtype(name: str | None):
@@ -26,7 +26,7 @@ class NumpyBackend(Backend):
         return x.astype(np.float32) if x.dtype.name == "bfloat16" else x
 
     def dtype_name(self, x):
-        return np.asarray(x).dtype.name
+        return numpy_dtype_name(np.asarray(x).dtype)
 
     def cast(self, x, dtype):
         return np.asarray(x).astype(_dtype(dtype), copy=False)

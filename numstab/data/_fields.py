@@ -9,7 +9,6 @@ are checked, integer and bool ones are finite by definition.
 
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -125,16 +124,10 @@ def _classify(path: str, leaf: Any, batch_axis: int) -> Field:
     if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
         return Field(path, leaf, "static", None, False)
     be = backend_of(leaf)
-    dtype = _numpy_name(leaf.dtype) if type(leaf) is np.ndarray else be.dtype_name(leaf)
+    dtype = be.dtype_name(leaf)
     batched = len(be.shape(leaf)) > batch_axis
     kind = "float" if v.is_floating(dtype) else "exact"
     return Field(path, leaf, kind, be, batched, dtype)
-
-
-@functools.cache
-def _numpy_name(dtype: np.dtype) -> str:
-    """``dtype.name``, cached: NumPy computes it in Python on every access (~2.7 us)."""
-    return dtype.name
 
 
 # -- per-sample counts: one reduction per field, written once over backend primitives ------
