@@ -113,6 +113,40 @@ def test_out_of_range_label_names_value_and_position(eager_target):
         ns.cross_entropy(logits, labels)
 
 
+# (labels, ignore_index, the bad label named or None): the eager check settles labels within
+# [0, K) that do not span ignore_index from their min and max alone; every other case reads
+# them all. Both ways must reach the same verdict and the same loss.
+LABEL_SETS = [
+    ([0, 3, 1, 2], -100, None),  # the bounds alone settle it
+    ([0, 3, 1, 3], 3, None),  # ignore_index inside the bounds: rows 1 and 3 ignored
+    ([0, 3, 1, 2], 1, None),  # ignore_index inside the bounds, one row ignored
+    ([0, 2, 1, 2], 3, None),  # ignore_index between the bounds' max and K: nothing ignored
+    ([-100, 3, 1, -100], -100, None),  # padding rows, the common LM case
+    ([-100, -1, 1, 2], -100, "-1"),  # a negative label that is not ignore_index
+    ([0, 4, 1, 2], -100, "4"),  # one past the last class
+    ([0, 4, 1, 4], 4, None),  # ignore_index == K: allowed, and ignored
+]
+
+
+@pytest.mark.parametrize("labels, ignore_index, bad", LABEL_SETS)
+def test_label_range_check_and_ignored_rows(eager_target, labels, ignore_index, bad):
+    h = eager_target.h
+    logits = np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32)
+    y = np.array(labels)
+    if bad is not None:
+        with pytest.raises(ns.InvalidArgumentError, match=rf"=({bad}) \(1 label"):
+            ns.cross_entropy(h.asarray(logits, "float32"), h.asarray(y), ignore_index=ignore_index)
+        return
+    counted = y != ignore_index
+    lse = np.log(np.exp(logits).sum(-1))
+    rows = np.where(counted, lse - logits[np.arange(4), np.where(counted, y, 0)], 0.0)
+    expected = {"none": rows, "sum": rows.sum(), "mean": rows.sum() / max(counted.sum(), 1)}
+    x, t = h.asarray(logits, "float32"), h.asarray(y)
+    for reduction, want in expected.items():
+        got = ns.cross_entropy(x, t, ignore_index=ignore_index, reduction=reduction)
+        np.testing.assert_allclose(h.numpy(got), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "int32", "int64"])
 def test_any_integer_label_dtype_works(eager_target, dtype):
     h = eager_target.h

@@ -30,7 +30,8 @@ def _prepare(be: Backend, x: Array, name: str, axis: int) -> tuple[Array, int, s
         raise InvalidArgumentError(f"Expected {name} of rank >= 1. Received: {name}.shape=()")
     axis = v.normalize_axis(axis, rank)
     cdt = v.compute_dtype(dtype)
-    x = be.cast(x, cdt)
+    if dtype != cdt:
+        x = be.cast(x, cdt)
     if axis != rank - 1:
         x = be.moveaxis(x, axis, -1)
     return x, axis, cdt
@@ -157,30 +158,27 @@ def cross_entropy(
     label_dtype = be.dtype_name(labels)
     label_shape = be.shape(labels)
     with be.float_errors_ignored():
-        x2 = be.reshape(x, (-1, num_classes))
+        x2 = x if len(shape) == 2 else be.reshape(x, (-1, num_classes))
         if v.is_integer(label_dtype):
             _check_label_shape(label_shape, batch_shape, shape, "labels of shape")
-            y = be.reshape(be.cast(labels, be.index_dtype), (-1,))
-            rows, denominator = _hard_label_rows(
-                be, x2, y, labels, eps, ignore_index, weight, z_loss, cdt
+            y = labels if label_dtype == be.index_dtype else be.cast(labels, be.index_dtype)
+            y = y if len(label_shape) == 1 else be.reshape(y, (-1,))
+            loss = _hard_label_loss(
+                be, x2, y, labels, eps, ignore_index, weight, z_loss, cdt, reduction
             )
+            return be.unflatten_rows(loss, x) if reduction == "none" else loss
         elif v.is_floating(label_dtype):
             _check_label_shape(label_shape, shape, shape, "probability labels of shape")
             t = be.cast(_prepare(be, labels, "labels", axis)[0], cdt)
             t = be.reshape(t, (-1, num_classes))
             rows = _probability_rows(be, x2, t, eps, weight, z_loss, cdt)
-            denominator = be.size(rows, cdt)
-        else:
-            raise InvalidArgumentError(
-                f"Expected labels of an integer dtype (class ids) or a floating dtype "
-                f"(probabilities). Received: labels.dtype={label_dtype}"
-            )
-        if reduction == "none":
-            return be.unflatten_rows(rows, x)
-        total = be.sum(rows)
-        if reduction == "sum":
-            return total
-        return _safe_divide(be, total, denominator)
+            if reduction == "none":
+                return be.unflatten_rows(rows, x)
+            return _reduce_rows(be, rows, be.size(rows, cdt), reduction)
+        raise InvalidArgumentError(
+            f"Expected labels of an integer dtype (class ids) or a floating dtype "
+            f"(probabilities). Received: labels.dtype={label_dtype}"
+        )
 
 
 def _class_count(be: Backend, x: Array, name: str, axis: int, shape: tuple) -> int:
@@ -215,14 +213,36 @@ def _check_label_shape(label_shape: tuple, expected: tuple, logits_shape: tuple,
         )
 
 
-def _hard_label_rows(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt):
-    """Per-row losses for integer labels, and the "mean" denominator."""
+def _hard_label_loss(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt, reduction):
+    """The loss of integer labels: per-row losses for "none", else their sum or mean.
+
+    Eagerly the labels are read once on the host (the range check needs them anyway) and the
+    device work is one ``be.compiled_eager`` kernel; traced logits mean a trace, even where
+    the labels are constants, and the masks are computed on the device."""
+    if be.can_read(x) and be.can_read(y):
+        rows_counted = _read_label_masks(be, y, labels, be.shape(x)[-1], ignore_index)
+        kernel = be.compiled_eager(_hard_label_kernel, _HARD_LABEL_STATIC)
+    else:
+        rows_counted, kernel = TRACED, _hard_label_kernel
+    return kernel(be, x, y, weight, eps, ignore_index, z_loss, cdt, reduction, rows_counted)
+
+
+# How the rows to count are known, a static argument of _hard_label_kernel:
+EVERY_ROW = "every row"  # read eagerly: no label ignored, none out of range
+SOME_IGNORED = "some ignored"  # read eagerly: some labels equal ignore_index, none out of range
+TRACED = "traced"  # unread: ignored and out-of-range rows found on the device
+_HARD_LABEL_STATIC = ("be", "eps", "ignore_index", "z_loss", "cdt", "reduction", "rows_counted")
+
+
+def _hard_label_kernel(be, x, y, weight, eps, ignore_index, z_loss, cdt, reduction, rows_counted):
+    """Per-row losses for integer labels (out-of-range rows NaN when traced, ignored rows
+    0), reduced by ``reduction``: written once, compiled as one kernel where eager ops are
+    expensive (``Backend.compiled_eager``)."""
     num_classes = be.shape(x)[-1]
-    if be.can_read(x) and be.can_read(y):  # eager: one read of the labels (the range check
-        # needs it anyway); traced logits mean a trace, even where the labels are constants
-        ignored, out_of_range = _read_label_masks(be, y, labels, num_classes, ignore_index)
-    else:  # traced: masks on the device, out-of-range rows are NaN
+    ignored = out_of_range = None
+    if rows_counted != EVERY_ROW:
         ignored = y == ignore_index
+    if rows_counted == TRACED:
         out_of_range = ((y < 0) | (y >= num_classes)) & ~ignored
     if ignored is not None:  # a safe index for ignored and out-of-range rows
         y = be.where(ignored if out_of_range is None else ignored | out_of_range, 0, y)
@@ -243,31 +263,40 @@ def _hard_label_rows(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt):
         z_term = z_loss * lse * lse
         rows = rows + (z_term * target_weight if target_weight is not None else z_term)
     rows = be.where(target_logit == -INF, INF, rows)
-    if ignored is None:  # eager, every row counted: no masking
+    if ignored is None:  # every row counted: no masking
         denominator = be.shape(y)[0] if target_weight is None else be.sum(target_weight)
-        return rows, denominator
-    if out_of_range is not None:
-        rows = be.where(out_of_range, NAN, rows)
-    rows = be.where(ignored, 0.0, rows)
-    if target_weight is None:
-        denominator = be.count(~ignored, axis=None, dtype=cdt)
     else:
-        denominator = be.sum(be.where(ignored, 0.0, target_weight))
-    return rows, denominator
+        if out_of_range is not None:
+            rows = be.where(out_of_range, NAN, rows)
+        rows = be.where(ignored, 0.0, rows)
+        if target_weight is None:
+            denominator = be.count(~ignored, axis=None, dtype=cdt)
+        else:
+            denominator = be.sum(be.where(ignored, 0.0, target_weight))
+    return _reduce_rows(be, rows, denominator, reduction)
 
 
-def _read_label_masks(be, y, labels, num_classes, ignore_index):
-    """Eager label check on the host: raises on out-of-range labels; returns the device mask
-    of ignored rows and None (no row is out of range), or (None, None) when every row counts:
-    the common case, which then skips three wheres and a count (dispatch dominates small
-    calls)."""
+def _reduce_rows(be: Backend, rows: Array, denominator: Array | int, reduction: str) -> Array:
+    """``rows`` ("none"), their sum, or their sum over ``denominator`` ("mean")."""
+    if reduction == "none":
+        return rows
+    total = be.sum(rows)
+    return total if reduction == "sum" else _safe_divide(be, total, denominator)
+
+
+def _read_label_masks(be, y, labels, num_classes, ignore_index) -> str:
+    """Eager label check on the host: raises on out-of-range labels; returns EVERY_ROW (the
+    common case, which then skips three wheres and a count) or SOME_IGNORED. Labels within
+    [0, num_classes) and not spanning ignore_index are settled by their min and max alone."""
+    if be.size(y, "int64"):
+        low, high = be.label_bounds(y)
+        if low >= 0 and high < num_classes and not low <= ignore_index <= high:
+            return EVERY_ROW
     host = be.to_numpy(y)
     ignored = host == ignore_index
     if (((host < 0) | (host >= num_classes)) & ~ignored).any():
         _raise_out_of_range(be, labels, num_classes, ignore_index)
-    if not ignored.any():
-        return None, None
-    return y == ignore_index, None
+    return SOME_IGNORED if ignored.any() else EVERY_ROW
 
 
 def _masked_smoothed_rows(be, x, y, target_weight, eps, weight, cdt):

@@ -101,6 +101,18 @@ class Backend:
         """True when ``x``'s values can be read on the host now (not traced)."""
         return not self.is_tracing(x)
 
+    def compiled_eager(self, fn: Callable[..., Array], static: tuple[str, ...]) -> Callable:
+        """``fn`` for eager calls on readable arrays, its ``static`` arguments (names) being
+        hashable settings: ``fn`` itself here. A backend whose eager ops each cost a dispatch
+        compiles it once per settings and shapes (JAX: ``jax.jit``), so that a whole loss is
+        one dispatch; the result must equal ``fn``'s to rounding."""
+        return fn
+
+    def label_bounds(self, labels: Array) -> tuple[int, int]:
+        """(min, max) of a non-empty integer array, read on the host."""
+        host = self.to_numpy(labels)
+        return int(host.min()), int(host.max())
+
     def float_errors_ignored(self) -> contextlib.AbstractContextManager:
         """A context in which IEEE warnings (log(0), inf - inf) are not reported."""
         return contextlib.nullcontext()

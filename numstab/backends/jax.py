@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax  # noqa: F401  (the jax extra ships optax; its absence disables the backend)
 
-from numstab.backends._base import Backend, numpy_dtype_name
+from numstab.backends._base import Backend, generic_forced, numpy_dtype_name
 
 
 @jax.jit
@@ -23,6 +25,14 @@ def _stack(scalars):
     """``jnp.stack`` of 0-d arrays as one dispatch (compiled once per count): eagerly,
     jnp.stack dispatches one expand_dims per array (~10 us each)."""
     return jnp.stack(scalars)
+
+
+@functools.cache
+def _jitted(fn, static: tuple[str, ...], generic: bool):
+    """One ``jax.jit`` of ``fn`` per (static names, NUMSTAB_FORCE_GENERIC): the generic and
+    native paths trace differently, and JAX caches traces by function and arguments only, so
+    each mode jits its own ``partial`` of ``fn``."""
+    return jax.jit(functools.partial(fn), static_argnames=static)
 
 
 class JaxBackend(Backend):
@@ -60,6 +70,10 @@ class JaxBackend(Backend):
 
     def is_tracing(self, x):
         return isinstance(x, jax.core.Tracer)
+
+    def compiled_eager(self, fn, static):
+        # eager jnp ops cost ~10-50 us of dispatch each on CPU: a tiny loss is one dispatch
+        return _jitted(fn, static, generic_forced())
 
     def can_read(self, x):
         return jax.core.is_concrete(x)  # also under jax.grad without jit, unlike is_tracing
