@@ -544,6 +544,50 @@ def test_a_batch_found_dirty_is_counted_without_a_second_clean_check(monkeypatch
     assert sum(len(b["y"]) for b in out) == N - len(BAD)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "axis1", "small"])
+def test_screen_is_none_when_clean_else_the_sample_counts(dtype, layout):
+    """``_host.screen`` (the fast path's check) answers None exactly when every value is
+    finite, and otherwise the same counts as ``sample_counts``; finite values whose sums
+    overflow alone (samples 2 and 3) leave a batch clean."""
+    from numstab.data import _host
+
+    x, axis = _summed_batch(dtype), 0
+    if layout == "strided":
+        x = np.asfortranarray(x)
+    elif layout == "axis1":
+        x, axis = np.ascontiguousarray(np.swapaxes(x, 0, 1)), 1
+    elif layout == "small":  # under SUM_MIN_SIZE: the isfinite route
+        x = np.ascontiguousarray(x[:, :, :4, :4])
+    got = _host.screen(x, axis)
+    want = _host.sample_counts(x, axis)
+    assert got is not None and len(got) == 2
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == np.int32
+        np.testing.assert_array_equal(g, w)
+    overflow_only = np.take(x, [0, 1, 2, 3], axis=axis)
+    assert _host.screen(overflow_only, axis) is None
+    assert not _host.sample_counts(overflow_only, axis)[0].any()
+
+
+def test_a_dirty_numpy_batch_is_read_once(monkeypatch):
+    """The suspect rows the fast path finds are the ones counted: one per-sample sum per
+    dirty summed batch, not a second one in the counting step; the records are unchanged."""
+    from numstab.data import _host
+
+    calls = []
+    suspects = _host._suspects
+    monkeypatch.setattr(_host, "_suspects", lambda rows: calls.append(1) or suspects(rows))
+    x = _summed_batch()
+    fw = Firewall("drop")
+    out = fw.process({"x": x, "y": np.arange(40), "z": x[:, :1].copy()})
+    assert len(calls) == 1  # "z" is too small for the sums: isfinite
+    assert fw.stats.dropped == (5, 7, 8, 9, 11, 12)
+    rec = {r.position: (r.nan_count, r.inf_count, r.fields) for r in fw.stats.records}
+    assert rec[5] == (2, 0, ("['x']", "['z']")) and rec[7] == (0, 1, ("['x']",))
+    np.testing.assert_array_equal(out["y"], np.delete(np.arange(40), list(rec)))
+
+
 # -- outlier filters --------------------------------------------------------------------------
 def test_zscore_state_is_welford_over_accepted_samples():
     rng = np.random.default_rng(2)

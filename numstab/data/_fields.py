@@ -80,6 +80,15 @@ class Batch:
     def float_fields(self) -> list[Field]:
         return [f for f in self.fields if f.kind == "float"]
 
+    def keep_counts(self, counted: list) -> None:
+        """Per-sample counts computed already (``_fast.clean_batch_size``'s ``counted``:
+        ``(leaf, counts)`` pairs) become ``counts`` of the batched floating field holding
+        that very leaf (``is``), so ``sample_nonfinite`` does not count it again."""
+        for leaf, counts in counted:
+            for f in self.fields:
+                if f.value is leaf and f.batched and f.kind == "float":
+                    f.counts = counts
+
 
 def check_batch_axis(batch_axis: Any) -> int:
     batch_axis = v.check_int("batch_axis", batch_axis)

@@ -101,7 +101,8 @@ class Firewall:
         """The batch with its flagged samples handled; None when all were dropped (and
         ``keep_empty`` is False). A clean batch comes back as the same object."""
         stats = self.stats
-        size = clean_batch_size(batch, self.batch_axis) if self.outliers is None else None
+        counted: list = []  # counts the fast path computed on a dirty NumPy leaf
+        size = clean_batch_size(batch, self.batch_axis, counted) if self.outliers is None else None
         if size is not None and size != SUSPECT:  # the fast path: provably clean
             stats.samples_seen += size
             stats.samples_passed += size
@@ -119,6 +120,7 @@ class Firewall:
         stats.samples_seen += n
         stats.batches_seen += 1
         self._batch_in_epoch += 1
+        parts.keep_counts(counted)
         floats = parts.float_fields
         # SUSPECT: the fast path already found a leaf it could not prove finite
         clean = size != SUSPECT and (not floats or surely_finite(floats, self.batch_axis))
@@ -126,13 +128,17 @@ class Firewall:
             stats.samples_passed += n
             return batch
         report = report_of(parts, self.batch_axis, clean=clean)
+        flagged = np.array(report.bad_samples, dtype=np.intp)  # sorted
         bad = np.zeros(n, dtype=bool)
-        bad[list(report.bad_samples)] = True
-        outlier = self._outlier_flags(batch, parts, bad) if self.outliers else np.zeros_like(bad)
-        if not (bad.any() or outlier.any()):
+        bad[flagged] = True
+        if self.outliers:
+            outlier = self._outlier_flags(batch, parts, bad)
+            flagged = np.flatnonzero(bad | outlier)
+        else:
+            outlier = np.zeros_like(bad)
+        if flagged.size == 0:
             stats.samples_passed += n
             return batch
-        flagged = np.flatnonzero(bad | outlier)
         self._record(report, bad, flagged, first_index, number)
         if self.quarantine_dir is not None:
             reasons = ["nonfinite" if bad[i] else "outlier" for i in flagged]
@@ -170,16 +176,15 @@ class Firewall:
 
     def _record(self, report, bad, flagged, first_index, number) -> None:
         stats = self.stats
+        bad_fields = report.bad_fields
         per_sample: dict[int, list] = {}
-        for f in report.bad_fields:
+        for f in bad_fields:
             for i in f.bad_samples:
                 per_sample.setdefault(i, []).append(f.path or "<batch>")
-        counts = self._value_counts(report, bad)
-        for i in flagged:
-            i = int(i)
-            is_bad = bool(bad[i])
-            fields = tuple(per_sample.get(i, ())) if is_bad else (self.outliers.name,)
-            nan, inf = counts.get(i, (0, 0))
+        for i in flagged.tolist():
+            is_bad = i in per_sample
+            fields = tuple(per_sample[i]) if is_bad else (self.outliers.name,)
+            nan, inf = _value_counts(bad_fields, i) if is_bad else (0, 0)
             stats.records.append(
                 SampleRecord(
                     first_index + i,
@@ -196,18 +201,8 @@ class Firewall:
         stats.nan_values += report.nan_count
         stats.inf_values += report.inf_count
 
-    def _value_counts(self, report, bad) -> dict[int, tuple[int, int]]:
-        """NaN and inf counts per bad sample (batched fields only)."""
-        nan = np.zeros(len(bad), dtype=np.int64)
-        total = np.zeros(len(bad), dtype=np.int64)
-        for f in report.bad_fields:
-            if f.per_sample is not None:
-                total += f.per_sample[0]
-                nan += f.per_sample[1]
-        return {int(i): (int(nan[i]), int(total[i] - nan[i])) for i in np.flatnonzero(bad)}
-
     def _maybe_raise(self, report, bad, outlier, first_index, number) -> None:
-        if bad.any() and self.policy == "raise":
+        if self.policy == "raise" and bad.any():
             i = int(np.flatnonzero(bad)[0])
             fields = [f for f in report.bad_fields if i in f.bad_samples]
             names = ", ".join(f.path or "<batch>" for f in fields)
@@ -221,7 +216,7 @@ class Firewall:
                 inf_count=report.inf_count,
                 paths=tuple(f.path for f in report.bad_fields),
             )
-        if outlier.any() and self.outlier_policy == "raise":
+        if self.outlier_policy == "raise" and outlier.any():
             positions = np.flatnonzero(outlier)
             indices = tuple(int(first_index + i) for i in positions)
             raise OutlierError(
@@ -233,17 +228,18 @@ class Firewall:
             )
 
     def _apply(self, batch, parts: Batch, report, bad, outlier) -> Any:
-        drop = outlier.copy() if self.outlier_policy == "drop" else np.zeros_like(outlier)
+        drop = outlier if self.outlier_policy == "drop" else np.zeros_like(outlier)
         values = [f.value for f in parts.fields]
         if self.policy == "drop":
-            drop |= bad
+            drop = drop | bad
         elif self.policy == "replace" and bad.any():
             values = self._replaced(parts, report, values)
-        if drop.any():
+        dropped = int(np.count_nonzero(drop))  # not .any() / .sum(): ~1 / ~5 us more
+        if dropped:
             keep = ~drop
             pairs = zip(parts.fields, values, strict=True)
             values = [_compress(f, x, keep, self.batch_axis) for f, x in pairs]
-        kept = len(drop) - int(np.count_nonzero(drop))  # a bool sum casts: ~5 us
+        kept = len(drop) - dropped
         self.stats.samples_passed += kept
         if kept == 0 and not self.keep_empty:
             self.stats.batches_skipped += 1
@@ -286,6 +282,17 @@ class Firewall:
                 self.keep_empty = saved
 
         return collate_and_guard
+
+
+def _value_counts(bad_fields: tuple, i: int) -> tuple[int, int]:
+    """(NaN, inf) values of sample ``i`` over the batched fields (unbatched ones are counted
+    in the batch totals only)."""
+    nan = total = 0
+    for f in bad_fields:
+        if f.per_sample is not None:
+            total += int(f.per_sample[0][i])
+            nan += int(f.per_sample[1][i])
+    return nan, total - nan
 
 
 def _compress(field: Field, x: Any, keep: np.ndarray, batch_axis: int) -> Any:
