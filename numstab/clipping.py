@@ -25,6 +25,20 @@ def _numeric_leaves(
     tree: Tree, backend: str | None, *extra: Array
 ) -> tuple[Backend, list, Any, list]:
     """(backend, all leaves, treedef, the non-None, non-empty floating leaves)."""
+    be, leaves, treedef, numeric, _ = _float_leaves(tree, backend, *extra)
+    return be, leaves, treedef, numeric
+
+
+def _float_leaves(
+    tree: Tree, backend: str | None, *extra: Array
+) -> tuple[Backend, list, Any, list, str]:
+    """``_numeric_leaves`` and the accumulation dtype of its non-empty floating leaves.
+
+    One pass per question, none of them a Python call per leaf where it can be avoided: the
+    dtype names are asked once per distinct dtype, and ``Backend.nonempty`` drops the empty
+    leaves. Raises InvalidArgumentError naming the first (non-None) leaf of a non-floating
+    dtype, counted among the non-None leaves.
+    """
     leaves, treedef = flatten(tree)
     present = [leaf for leaf in leaves if leaf is not None]
     # one leaf per Python type: the framework of an array is a function of its type
@@ -34,18 +48,37 @@ def _numeric_leaves(
         like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
         leaves = [to_backend(be, leaf, like=like) for leaf in leaves]
         present = [leaf for leaf in leaves if leaf is not None]
-    dtypes = [be.dtype_name(leaf) for leaf in present]
-    if not all(map(v.is_floating, set(dtypes))):
-        i, dtype = next((i, d) for i, d in enumerate(dtypes) if not v.is_floating(d))
-        raise InvalidArgumentError(
-            f"Expected floating-point leaves. Received: leaf {i} with dtype={dtype}"
-        )
-    numeric = [x for x, dtype in zip(present, dtypes, strict=True) if be.size(x, dtype) != 0]
-    return be, leaves, treedef, numeric
+    dtypes = _dtype_names(be, present)
+    if not all(map(v.is_floating, dtypes)):
+        raise _not_floating_error(be, present)
+    numeric = be.nonempty(present)
+    if len(numeric) != len(present):  # an empty leaf does not choose the accumulation dtype
+        dtypes = _dtype_names(be, numeric)
+    return be, leaves, treedef, numeric, _accumulation_dtype(dtypes)
 
 
-def _accumulation_dtype(be: Backend, leaves: list) -> str:
-    return "float64" if any(be.dtype_name(x) == "float64" for x in leaves) else "float32"
+def _dtype_names(be: Backend, arrays: list) -> set[str]:
+    """The set of ``be.dtype_name`` over ``arrays``, asked once per distinct ``.dtype`` (the
+    name is a function of it); one by one when an array has no hashable ``.dtype``."""
+    try:
+        one_per_dtype = {x.dtype: x for x in arrays}.values()
+    except (AttributeError, TypeError):
+        one_per_dtype = arrays
+    return {be.dtype_name(x) for x in one_per_dtype}
+
+
+def _not_floating_error(be: Backend, present: list) -> InvalidArgumentError:
+    i, dtype = next(
+        (i, d) for i, d in enumerate(map(be.dtype_name, present)) if not v.is_floating(d)
+    )
+    return InvalidArgumentError(
+        f"Expected floating-point leaves. Received: leaf {i} with dtype={dtype}"
+    )
+
+
+def _accumulation_dtype(dtypes: set[str]) -> str:
+    """float64 when any leaf is float64, else float32 (16-bit leaves accumulate in float32)."""
+    return "float64" if "float64" in dtypes else "float32"
 
 
 def _check_norm_type(norm_type: Any) -> float:
@@ -77,12 +110,15 @@ def global_norm(tree: Tree, norm_type: float = 2.0, *, backend: str | None = Non
     A NaN anywhere gives NaN, an inf (and no NaN) gives inf; an empty tree gives 0.
     """
     norm_type = _check_norm_type(norm_type)
-    be, _, _, leaves = _numeric_leaves(tree, backend)
-    return _global_norm(be, leaves, float(norm_type))
+    be, _, _, leaves, dtype = _float_leaves(tree, backend)
+    return _global_norm(be, leaves, float(norm_type), dtype)
 
 
-def _global_norm(be: Backend, leaves: list, norm_type: float) -> Array:
-    dtype = _accumulation_dtype(be, leaves)
+def _global_norm(be: Backend, leaves: list, norm_type: float, dtype: str | None = None) -> Array:
+    """The norm of floating, non-empty ``leaves``, accumulated in ``dtype`` (by default the
+    accumulation dtype of the leaves)."""
+    if dtype is None:
+        dtype = _accumulation_dtype(_dtype_names(be, leaves))
     if not leaves:
         return be.asarray(0.0, dtype=dtype)
     with be.float_errors_ignored():
@@ -106,9 +142,9 @@ def clip_by_global_norm(
     """
     max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
     norm_type = _check_norm_type(norm_type)
-    be, leaves, treedef, numeric = _numeric_leaves(tree, backend, norm)
+    be, leaves, treedef, numeric, dtype = _float_leaves(tree, backend, norm)
     if norm is None:
-        norm = _global_norm(be, numeric, float(norm_type))
+        norm = _global_norm(be, numeric, float(norm_type), dtype)
     else:
         norm = to_backend(be, norm, like=numeric[0] if numeric else None)
     factor = _coefficient(be, norm, max_norm)
@@ -123,14 +159,31 @@ def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None
 
 
 def _coefficient(be: Backend, norm: Array, max_norm: float) -> Array:
-    return be.where(be.isfinite(norm), max_norm / be.maximum(norm, max_norm), 1.0)
+    """``max_norm / max(norm, max_norm)`` for a finite ``norm``, else 1, in ``norm``'s dtype
+    (float32 for a non-float ``norm``).
+
+    ``max_norm`` becomes an array first, so the division is IEEE's on every backend: at
+    ``norm <= max_norm`` it is ``max_norm / max_norm``, exactly 1. (torch computes ``scalar /
+    tensor`` as ``reciprocal(tensor) * scalar``: one ulp below 1 for ~14% of float32
+    ``max_norm``, which perturbed leaves that must stay unchanged.) ``norm < inf`` is
+    ``isfinite`` in one comparison: -inf passes it and gives ``max_norm / max_norm``.
+    """
+    dtype = be.dtype_name(norm)
+    dtype = dtype if v.is_floating(dtype) else "float32"
+    limit = be.asarray(float(max_norm), dtype, like=norm)
+    return be.where(norm < math.inf, limit / be.maximum(norm, limit), 1.0)
 
 
 def scale_leaves(be: Backend, leaves: list, factor: Array) -> list:
     """Every (non-None) leaf times a 0-d float32/64 ``factor``, in the leaf's dtype."""
     present = [leaf for leaf in leaves if leaf is not None]
-    scaled = iter(native_op(be, "scale_leaves")(present, factor) if present else [])
-    return [None if leaf is None else next(scaled) for leaf in leaves]
+    if not present:
+        return list(leaves)
+    scaled = native_op(be, "scale_leaves")(present, factor)
+    if len(present) == len(leaves):
+        return list(scaled)
+    it = iter(scaled)
+    return [None if leaf is None else next(it) for leaf in leaves]
 
 
 def clip_by_value(

@@ -74,8 +74,7 @@ def _flatten(node: Any, leaves: list) -> TreeDef:
         # the common gradient list (every child a leaf by _children's first test): what the
         # generic path below builds, without two calls per leaf
         leaves.extend(node)
-        cls = type(node)
-        return TreeDef(lambda vs: cls(vs), (LEAF,) * len(node))
+        return TreeDef(type(node), (LEAF,) * len(node))  # rebuild: list(vs) or tuple(vs)
     split = _children(node)
     if split is None:
         leaves.append(node)
@@ -86,6 +85,9 @@ def _flatten(node: Any, leaves: list) -> TreeDef:
 
 def unflatten(treedef: TreeDef, leaves: list[Leaf]) -> Any:
     """Rebuild the tree that ``flatten`` described, with new leaves."""
+    flat = treedef.rebuild in _FLAT and isinstance(leaves, (list, tuple))
+    if flat and len(leaves) == len(treedef.children):
+        return treedef.rebuild(leaves)  # flatten's flat list or tuple: no call per leaf
     it = iter(leaves)
     out = _unflatten(treedef, it)
     if next(it, _END) is not _END:
@@ -94,6 +96,9 @@ def unflatten(treedef: TreeDef, leaves: list[Leaf]) -> Any:
 
 
 _END = object()
+#: the ``rebuild`` of flatten's flat lists and tuples (every child a leaf); nothing else uses
+#: a bare type as ``rebuild``
+_FLAT = (list, tuple)
 
 
 def _unflatten(treedef: TreeDef, it: Iterator) -> Any:

@@ -113,3 +113,115 @@ def test_tensorflow_reshape_skips_only_true_no_ops():
         be.reshape(x, (-1, -1))
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
         be.reshape(x, (5, 5))
+
+
+BACKENDS = ["numpy", "torch", "jax", "tensorflow"]
+
+
+def _backend(name):
+    if name != "numpy":
+        pytest.importorskip(name)
+    return load_backend(name)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_clip_below_max_norm_is_exact_for_awkward_max_norms(name):
+    """The factor 1 is chosen, not computed: torch's ``scalar / tensor`` is ``reciprocal *
+    scalar``, one ulp below 1 at ``max_norm / max_norm`` for these float32 ``max_norm``."""
+    be = _backend(name)
+    awkward = [54.36295700073242, 48.584049224853516, 35.7801628112793, 59.4304084777832]
+    leaves = [be.asarray(np.array([0.5, -0.25, 3.0], np.float32)), be.asarray(np.zeros(2))]
+    for max_norm in awkward:
+        for norm in (0.0, 1.0, max_norm, np.inf, -np.inf, np.nan):
+            got = be.to_numpy(ns.clipping.clip_coefficient(be.asarray(norm, "float32"), max_norm))
+            assert got == 1.0, (max_norm, norm)
+        clipped, _ = ns.clip_by_global_norm(leaves, max_norm)
+        for got, seen in zip(clipped, leaves, strict=True):
+            np.testing.assert_array_equal(be.to_numpy(got), be.to_numpy(seen))
+    ratio = ns.clipping.clip_coefficient(be.asarray(4.0, "float32"), 1.0)
+    assert be.to_numpy(ratio) == np.float32(0.25)
+    if name == "jax" and not pytest.importorskip("jax").config.jax_enable_x64:
+        return  # no float64 arrays
+    # float64: TensorFlow used to round a Python max_norm to float32 first (0.1 -> 0.1000000015)
+    leaves64 = [be.asarray(np.array([0.01, -0.02]), "float64")]
+    for max_norm in [0.1, 0.3, *awkward]:
+        norm = be.asarray(np.float64(max_norm), "float64")
+        assert be.to_numpy(ns.clipping.clip_coefficient(norm, max_norm)) == 1.0, max_norm
+        clipped, _ = ns.clip_by_global_norm(leaves64, max_norm)
+        np.testing.assert_array_equal(be.to_numpy(clipped[0]), be.to_numpy(leaves64[0]))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_dtype_checks_name_the_first_bad_leaf_and_empty_leaves_do_not_widen(name):
+    be = _backend(name)
+    f32 = be.asarray(np.ones(2, np.float32))
+    i32 = be.asarray(np.ones(2, np.int32))
+    with pytest.raises(ns.InvalidArgumentError, match=r"leaf 3 with dtype=int32"):
+        ns.global_norm([f32, None, f32, f32, i32, f32, i32])
+    with pytest.raises(ns.InvalidArgumentError, match=r"leaf 0 with dtype=int32"):
+        ns.clip_by_global_norm({"a": i32, "b": [f32]}, 1.0)
+    if name == "jax" and not pytest.importorskip("jax").config.jax_enable_x64:
+        return  # no float64 arrays
+    empty64 = be.asarray(np.zeros((0, 3)), "float64")
+    assert be.dtype_name(ns.global_norm([f32, empty64, f32])) == "float32"
+    assert be.dtype_name(ns.global_norm([f32, be.asarray(np.ones(1), "float64")])) == "float64"
+    assert be.dtype_name(ns.global_norm([empty64, None])) == "float32"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_nonempty_keeps_order_and_drops_only_empty_leaves(name):
+    be = _backend(name)
+    shapes = [(2,), (0,), (), (3, 0), (1, 1), (0,)]
+    arrays = [be.asarray(np.ones(s, np.float32)) for s in shapes]
+    for kept in (be.nonempty(arrays), Backend.nonempty(be, arrays)):
+        assert [tuple(be.shape(x)) for x in kept] == [(2,), (), (1, 1)]
+        assert all(k is a for k, a in zip(kept, [arrays[0], arrays[2], arrays[4]], strict=True))
+    full = [arrays[0], arrays[2]]
+    assert be.nonempty(full) == full and be.nonempty(full) is not full
+
+
+def test_flat_unflatten_fast_path_keeps_types_and_checks_lengths():
+    a = np.ones(2, np.float32)
+    for tree in ([a, a, None], (a, None, a)):
+        leaves, treedef = flatten(tree)
+        rebuilt = unflatten(treedef, leaves)
+        assert type(rebuilt) is type(tree) and rebuilt is not leaves
+        assert list(rebuilt) == list(tree)
+        with pytest.raises(ValueError, match="more leaves"):
+            unflatten(treedef, [a, a, a, a])
+        with pytest.raises((StopIteration, RuntimeError)):
+            unflatten(treedef, [a])
+    nested = [[a, a], (a,)]
+    leaves, treedef = flatten(nested)
+    rebuilt = unflatten(treedef, [np.full(2, i, np.float32) for i in range(3)])
+    assert type(rebuilt[0]) is list and type(rebuilt[1]) is tuple and rebuilt[1][0][0] == 2.0
+
+
+def test_torch_scale_and_norms_take_the_generic_path_for_mixed_dtypes():
+    torch = pytest.importorskip("torch")
+    be = load_backend("torch")
+    leaves = [torch.tensor([1.5, -2.0]), torch.tensor([3.0], dtype=torch.float16)]
+    factor = torch.tensor(0.1)
+    got = be.native_scale_leaves(leaves, factor)
+    want = Backend.scale_leaves(be, leaves, factor)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    same = be.native_scale_leaves(leaves[:1], factor)
+    assert torch.equal(same[0], leaves[0] * factor)
+    for ord in (2.0, 1.0, float("inf")):
+        np.testing.assert_allclose(
+            be.native_leaf_norms(leaves, ord, "float32").numpy(),
+            Backend.leaf_norms(be, leaves, ord, "float32").numpy(),
+            rtol=1e-6,
+        )
+
+
+def test_torch_on_device_checks_every_tensor():
+    torch = pytest.importorskip("torch")
+    from numstab.backends.torch import _on_device
+
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    a, b = torch.ones(2), torch.ones(2, device="meta")
+    assert _on_device([a, a], cpu) and _on_device([], cpu) and _on_device([b, b], meta)
+    assert not _on_device([a, b], cpu) and not _on_device([b, a], meta)
+    assert not _on_device([a, a], meta) and not _on_device([b], cpu)

@@ -85,6 +85,11 @@ class Backend:
         """Number of elements: a Python int when static, else a scalar array of ``dtype``."""
         return int(math.prod(self.shape(x)))
 
+    def nonempty(self, arrays: list[Array]) -> list[Array]:
+        """The arrays with at least one element (``size != 0``), in order: the leaves the
+        tree functions compute on. Static shapes only (a traced size cannot be tested)."""
+        return [x for x in arrays if self.size(x, "float32") != 0]
+
     def unflatten_rows(self, rows: Array, like: Array) -> Array:
         """Reshape a vector of per-row values to ``like.shape[:-1]`` (dynamic shapes too)."""
         raise NotImplementedError

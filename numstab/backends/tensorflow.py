@@ -34,6 +34,8 @@ class TensorflowBackend(Backend):
     name = "tensorflow"
 
     def asarray(self, x, dtype=None, like=None):
+        if dtype and isinstance(x, float):  # straight to dtype: converting first rounds a
+            return tf.constant(x, dtype=dtype)  # Python float to float32 (0.1 -> 0.1000000015)
         x = tf.convert_to_tensor(x)
         return tf.cast(x, dtype) if dtype else x
 

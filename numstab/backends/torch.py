@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,12 @@ class TorchBackend(Backend):
 
     def size(self, x, dtype):
         return x.numel()
+
+    def nonempty(self, arrays):
+        # numel through map: no Python frame per tensor (~3 us for 50 against ~9)
+        if all(map(torch.Tensor.numel, arrays)):
+            return list(arrays)
+        return [x for x in arrays if x.numel() != 0]
 
     def unflatten_rows(self, rows, like):
         return rows.reshape(like.shape[:-1])
@@ -119,13 +126,14 @@ class TorchBackend(Backend):
         return F.log_softmax(x, dim=-1)
 
     def native_leaf_norms(self, leaves, ord, dtype):
-        if ord == math.inf and all(x.device.type == "cpu" for x in leaves):
+        first = leaves[0].device if leaves else _CPU
+        together = _on_device(leaves, first)
+        if ord == math.inf and together and first.type == "cpu":
             return _cpu_absmax(leaves, getattr(torch, dtype))
         # one multi-tensor kernel per device and dtype; dtype= upcasts fp16 before squaring
         norms = torch._foreach_norm(leaves, ord, dtype=getattr(torch, dtype))
-        device = norms[0].device
-        if any(n.device != device for n in norms):
-            norms = [n.to(device) for n in norms]
+        if not together:  # each norm is on its leaf's device: gather them on the first's
+            norms = [n.to(first) for n in norms]
         return torch.stack(norms)
 
     def native_global_norm(self, leaves, ord, dtype):
@@ -133,7 +141,7 @@ class TorchBackend(Backend):
         return torch.linalg.vector_norm(self.native_leaf_norms(leaves, ord, dtype), ord)
 
     def native_scale_leaves(self, leaves, factor):
-        if all(x.dtype == factor.dtype and x.device == factor.device for x in leaves):
+        if {x.dtype for x in leaves} == {factor.dtype} and _on_device(leaves, factor.device):
             return list(torch._foreach_mul(leaves, factor))  # one multi-tensor kernel
         return super().scale_leaves(leaves, factor)
 
@@ -199,6 +207,17 @@ class TorchBackend(Backend):
 
 
 BACKEND = TorchBackend()
+_CPU = torch.device("cpu")
+_IS_CPU = attrgetter("is_cpu")
+
+
+def _on_device(tensors: list, device: torch.device) -> bool:
+    """True when every tensor is on ``device``. On CPU one pass of ``is_cpu`` through
+    ``map``: ``x.device`` builds a torch.device per tensor (50 tensors: ~4 us against ~7 for
+    a set of devices and ~10 for a comparison per tensor). Dynamo cannot trace attrgetter."""
+    if device.type == "cpu" and not torch.compiler.is_compiling():
+        return all(map(_IS_CPU, tensors))
+    return {x.device for x in tensors} <= {device}
 
 
 # -- fused cross-entropy --
