@@ -171,10 +171,11 @@ def cross_entropy(
             _check_label_shape(label_shape, shape, shape, "probability labels of shape")
             t = be.cast(_prepare(be, labels, "labels", axis)[0], cdt)
             t = be.reshape(t, (-1, num_classes))
-            rows = _probability_rows(be, x2, t, eps, weight, z_loss, cdt)
-            if reduction == "none":
-                return be.unflatten_rows(rows, x)
-            return _reduce_rows(be, rows, be.size(rows, cdt), reduction)
+            kernel = _probability_kernel
+            if be.can_read(x2) and be.can_read(t):
+                kernel = be.compiled_eager(kernel, _PROBABILITY_STATIC)
+            loss = kernel(be, x2, t, eps, weight, z_loss, cdt, reduction)
+            return be.unflatten_rows(loss, x) if reduction == "none" else loss
         raise InvalidArgumentError(
             f"Expected labels of an integer dtype (class ids) or a floating dtype "
             f"(probabilities). Received: labels.dtype={label_dtype}"
@@ -323,6 +324,16 @@ def _masked_smoothed_rows(be, x, y, target_weight, eps, weight, cdt):
         valid_weight = be.sum(be.where(valid, weight, 0.0), axis=-1)
         smooth = (be.where(valid_count > 0, lse, 0.0) * valid_weight - total) / divisor
     return nll * (1.0 - eps) + smooth * eps
+
+
+_PROBABILITY_STATIC = ("be", "eps", "z_loss", "cdt", "reduction")
+
+
+def _probability_kernel(be, x, t, eps, weight, z_loss, cdt, reduction):
+    """The loss of probability labels, reduced ("mean": over every row); one compiled
+    kernel eagerly where eager ops are expensive (``Backend.compiled_eager``)."""
+    rows = _probability_rows(be, x, t, eps, weight, z_loss, cdt)
+    return _reduce_rows(be, rows, be.size(rows, cdt), reduction)
 
 
 def _probability_rows(be, x, t, eps, weight, z_loss, cdt):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -50,3 +52,24 @@ def test_eager_loss_is_one_compiled_call_and_differentiable():
     grad = jax.grad(lambda a: ns.cross_entropy(a, y, label_smoothing=0.1, z_loss=1e-3))(x)
     np.testing.assert_allclose(grad, jax.grad(compiled)(x), rtol=1e-5, atol=1e-7)
     assert np.all(np.asarray(grad)[[2, 5]] == 0.0)  # ignored rows get no gradient
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_probability_labels_take_the_compiled_kernel_eagerly(monkeypatch, reduction):
+    from numstab import losses
+
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(2, 3, 5)), jnp.float32).at[0, 1, 4].set(-jnp.inf)
+    t = jax.nn.softmax(jnp.asarray(rng.normal(size=(2, 3, 5)), jnp.float32))
+    kwargs = dict(label_smoothing=0.2, z_loss=1e-3, reduction=reduction)
+    traced = jax.jit(lambda a: ns.cross_entropy(a, t, **kwargs))(x)
+    seen = []
+    kernel = losses._probability_kernel
+    spy = functools.wraps(kernel)(lambda *a: seen.append(1) or kernel(*a))  # keeps argnames
+    monkeypatch.setattr(losses, "_probability_kernel", spy)
+    eager = ns.cross_entropy(x, t, **kwargs)
+    assert eager.shape == traced.shape
+    np.testing.assert_allclose(eager, traced, rtol=1e-6)
+    assert seen == [1]  # traced once, inside the compiled kernel
+    ns.cross_entropy(x, t, **kwargs)
+    assert seen == [1]  # the second call reuses the compiled kernel: no Python re-run
