@@ -34,8 +34,10 @@ class TensorflowBackend(Backend):
     name = "tensorflow"
 
     def asarray(self, x, dtype=None, like=None):
-        if dtype and isinstance(x, float):  # straight to dtype: converting first rounds a
-            return tf.constant(x, dtype=dtype)  # Python float to float32 (0.1 -> 0.1000000015)
+        if isinstance(x, float) and dtype in ("float64", "float16", "bfloat16"):
+            # straight to dtype: converting first rounds a Python float to float32
+            # (0.1 -> 0.1000000015 in float64)
+            return tf.constant(x, dtype=dtype)
         x = tf.convert_to_tensor(x)
         return tf.cast(x, dtype) if dtype else x
 
