@@ -40,6 +40,12 @@ class TorchBackend(Backend):
         x = x.detach().cpu()
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
+    def label_bounds(self, labels):
+        low, high = torch.aminmax(labels)
+        if labels.device.type == "cpu":  # tiny CE 112 -> 93 us against .numpy() + min + max
+            return low.item(), high.item()
+        return torch.stack((low, high)).tolist()  # one device-to-host transfer
+
     def dtype_name(self, x):
         return _DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
 
