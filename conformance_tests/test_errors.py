@@ -113,9 +113,9 @@ def test_out_of_range_label_names_value_and_position(eager_target):
         ns.cross_entropy(logits, labels)
 
 
-# (labels, ignore_index, the bad label named or None): the eager check settles labels within
-# [0, K) that do not span ignore_index from their min and max alone; every other case reads
-# them all. Both ways must reach the same verdict and the same loss.
+# (labels, ignore_index, the bad label named or None): the eager check reads the min and max
+# of the counted labels and whether any is ignored (on CPU torch, min and max first, which
+# settle labels not spanning ignore_index). Every way must reach the same verdict and loss.
 LABEL_SETS = [
     ([0, 3, 1, 2], -100, None),  # the bounds alone settle it
     ([0, 3, 1, 3], 3, None),  # ignore_index inside the bounds: rows 1 and 3 ignored

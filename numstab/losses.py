@@ -286,18 +286,12 @@ def _reduce_rows(be: Backend, rows: Array, denominator: Array | int, reduction: 
 
 
 def _read_label_masks(be, y, labels, num_classes, ignore_index) -> str:
-    """Eager label check on the host: raises on out-of-range labels; returns EVERY_ROW (the
-    common case, which then skips three wheres and a count) or SOME_IGNORED. Labels within
-    [0, num_classes) and not spanning ignore_index are settled by their min and max alone."""
-    if be.size(y, "int64"):
-        low, high = be.label_bounds(y)
-        if low >= 0 and high < num_classes and not low <= ignore_index <= high:
-            return EVERY_ROW
-    host = be.to_numpy(y)
-    ignored = host == ignore_index
-    if (((host < 0) | (host >= num_classes)) & ~ignored).any():
+    """Eager label check on the host (one read): raises on out-of-range labels; returns
+    EVERY_ROW (the common case, which then skips three wheres and a count) or SOME_IGNORED."""
+    low, high, some_ignored = be.label_summary(y, ignore_index)
+    if low < 0 or high >= num_classes:
         _raise_out_of_range(be, labels, num_classes, ignore_index)
-    return SOME_IGNORED if ignored.any() else EVERY_ROW
+    return SOME_IGNORED if some_ignored else EVERY_ROW
 
 
 def _masked_smoothed_rows(be, x, y, target_weight, eps, weight, cdt):

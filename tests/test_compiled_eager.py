@@ -73,3 +73,31 @@ def test_probability_labels_take_the_compiled_kernel_eagerly(monkeypatch, reduct
     assert seen == [1]  # traced once, inside the compiled kernel
     ns.cross_entropy(x, t, **kwargs)
     assert seen == [1]  # the second call reuses the compiled kernel: no Python re-run
+
+
+LABEL_CASES = [
+    ([0, 3, 1, 2], -100),
+    ([-100, 3, 1, -100], -100),
+    ([-100, -100], -100),
+    ([0, 3, 1, 3], 3),
+    ([-100, -1, 7], -100),
+    ([], -100),
+]
+
+
+@pytest.mark.parametrize("labels, ignore_index", LABEL_CASES)
+def test_label_summaries_agree_with_the_numpy_reference(labels, ignore_index):
+    """Every ``label_summary`` (the generic NumPy read, JAX through it, torch on CPU, and
+    torch's on-device form that GPUs take, run here on CPU) gives the same three numbers."""
+    from numstab.backends.numpy import BACKEND as reference
+
+    y = np.array(labels, dtype=np.int64)
+    want = reference.label_summary(y, ignore_index)
+    assert ns.backends.load_backend("jax").label_summary(jnp.asarray(y), ignore_index) == want
+    torch = pytest.importorskip("torch")
+    from numstab.backends import torch as torch_backend
+
+    t = torch.as_tensor(y)
+    assert torch_backend.BACKEND.label_summary(t, ignore_index) == want
+    if y.size:
+        assert torch_backend._label_summary_on_device(t, ignore_index) == want

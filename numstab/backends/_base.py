@@ -113,10 +113,15 @@ class Backend:
         one dispatch; the result must equal ``fn``'s to rounding."""
         return fn
 
-    def label_bounds(self, labels: Array) -> tuple[int, int]:
-        """(min, max) of a non-empty integer array, read on the host."""
+    def label_summary(self, labels: Array, ignore_index: int) -> tuple[int, int, bool]:
+        """(min, max, any ignored) of an integer array, read on the host in one transfer;
+        labels equal to ``ignore_index`` count as 0 in min and max ((0, 0, False) if empty)."""
         host = self.to_numpy(labels)
-        return int(host.min()), int(host.max())
+        if host.size == 0:
+            return 0, 0, False
+        ignored = host == ignore_index
+        counted = host * ~ignored  # no NumPy import here: importing numstab imports none
+        return int(counted.min()), int(counted.max()), bool(ignored.any())
 
     def float_errors_ignored(self) -> contextlib.AbstractContextManager:
         """A context in which IEEE warnings (log(0), inf - inf) are not reported."""

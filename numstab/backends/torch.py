@@ -40,11 +40,16 @@ class TorchBackend(Backend):
         x = x.detach().cpu()
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
-    def label_bounds(self, labels):
-        low, high = torch.aminmax(labels)
-        if labels.device.type == "cpu":  # tiny CE 112 -> 93 us against .numpy() + min + max
-            return low.item(), high.item()
-        return torch.stack((low, high)).tolist()  # one device-to-host transfer
+    def label_summary(self, labels, ignore_index):
+        if labels.numel() == 0:
+            return 0, 0, False
+        if labels.device.type == "cpu":  # host memory: a read costs no sync
+            low, high = torch.aminmax(labels)  # tiny CE 112 -> 93 us against the NumPy way
+            low, high = low.item(), high.item()
+            if not low <= ignore_index <= high:  # settled: nothing is ignored
+                return low, high, False
+            return super().label_summary(labels, ignore_index)
+        return _label_summary_on_device(labels, ignore_index)
 
     def dtype_name(self, x):
         return _DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
@@ -215,6 +220,14 @@ class TorchBackend(Backend):
 BACKEND = TorchBackend()
 _CPU = torch.device("cpu")
 _IS_CPU = attrgetter("is_cpu")
+
+
+def _label_summary_on_device(labels: torch.Tensor, ignore_index: int) -> tuple[int, int, bool]:
+    """``Backend.label_summary`` computed where ``labels`` live: one transfer, one sync."""
+    ignored = labels == ignore_index
+    low, high = torch.aminmax(torch.where(ignored, 0, labels))
+    low, high, some_ignored = torch.stack((low, high, ignored.any().to(low.dtype))).tolist()
+    return low, high, bool(some_ignored)
 
 
 def _on_device(tensors: list, device: torch.device) -> bool:
