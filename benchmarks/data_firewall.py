@@ -4,7 +4,7 @@ What is measured
 ----------------
 1. Throughput on a synthetic dataset of 1M samples (32 float32 features, int64 labels, 0.01%
    of the samples holding a NaN or inf), guard ``policy="drop"``, no outlier filter, against
-   the same loader without the guard, in one process:
+   the same loader without the guard, in one process per loader family (numpy, torch, tf):
 
    ==================  ========================================================================
    loader              what one batch costs without the guard
@@ -366,38 +366,73 @@ def detection_rows(n: int) -> list[dict]:
     return rows
 
 
+FAMILIES = ("numpy", "torch", "tf")
+
+
+def run_family_in_subprocess(family: str, args: argparse.Namespace) -> list[dict]:
+    """One loader family in a fresh process, so that one framework's threads and allocations
+    (torch's thread settings, TF's pools) cannot colour another's ratios."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        command = [sys.executable, __file__, "--loaders", family, "--no-detection",
+                   "--batch", str(args.batch), "--json", out, "--no-header"]  # fmt: skip
+        command += ["--quick"] if args.quick else []
+        command += ["--rounds", str(args.rounds)] if args.rounds else []
+        command += ["--torch-batches", str(args.torch_batches)] if args.torch_batches else []
+        subprocess.run(command, check=True)
+        with open(out) as f:
+            return json.load(f)["throughput"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds, smaller detection runs")
-    parser.add_argument("--loaders", default="numpy,torch,tf")
+    parser.add_argument("--loaders", default=",".join(FAMILIES))
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--torch-batches", type=int, default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-detection", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 5)
     torch_batches = args.torch_batches or (100 if args.quick else 400)
     loaders = [s.strip() for s in args.loaders.split(",") if s.strip()]
+    unknown = sorted(set(loaders) - set(FAMILIES))
+    if unknown:
+        parser.error(f"unknown loaders {unknown}; choose from {', '.join(FAMILIES)}")
 
-    print(
-        f"numstab data firewall benchmark: python {platform.python_version()}, "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, rounds {rounds}"
-    )
-    x, y, bad = make_dataset(N_SAMPLES)
-    print(
-        f"throughput: {N_SAMPLES} samples x {N_FEATURES} float32, {len(bad)} non-finite, "
-        f"batch {args.batch}, policy='drop'"
-    )
+    if not args.no_header:
+        print(
+            f"numstab data firewall benchmark: python {platform.python_version()}, "
+            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, rounds {rounds}"
+        )
+        print(
+            f"throughput: {N_SAMPLES} samples x {N_FEATURES} float32, "
+            f"{int(N_SAMPLES * BAD_FRACTION)} non-finite, batch {args.batch}, policy='drop'"
+            + ("; each loader family in its own process" if len(loaders) > 1 else "")
+        )
+        sys.stdout.flush()
     rows = []
-    if "numpy" in loaders:
-        rows += numpy_rows(x, y, bad, args.batch, rounds)
-        rows += numpy_image_rows(args.batch, rounds)
-    if "torch" in loaders:
-        rows += torch_rows(x, y, bad, args.batch, rounds, torch_batches)
-    if "tf" in loaders:
-        rows += tf_rows(x, y, bad, args.batch, rounds)
-    print("detection (1% 10-sigma outliers, 0.1% NaN/inf, batches of 1000):")
-    detection = detection_rows(30_000 if args.quick else 200_000)
+    if len(loaders) > 1:
+        for family in loaders:
+            rows += run_family_in_subprocess(family, args)
+    else:
+        x, y, bad = make_dataset(N_SAMPLES)
+        if "numpy" in loaders:
+            rows += numpy_rows(x, y, bad, args.batch, rounds)
+            rows += numpy_image_rows(args.batch, rounds)
+        if "torch" in loaders:
+            rows += torch_rows(x, y, bad, args.batch, rounds, torch_batches)
+        if "tf" in loaders:
+            rows += tf_rows(x, y, bad, args.batch, rounds)
+    detection = []
+    if not args.no_detection:
+        print("detection (1% 10-sigma outliers, 0.1% NaN/inf, batches of 1000):")
+        detection = detection_rows(30_000 if args.quick else 200_000)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"throughput": rows, "detection": detection}, f, indent=1)

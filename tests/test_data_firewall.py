@@ -374,7 +374,8 @@ def test_fast_path_torch_tensors_keep_the_fused_sum(monkeypatch):
 def test_fast_path_reads_cpu_tf_eager_tensors_in_place(monkeypatch):
     tf = pytest.importorskip("tensorflow")
     from numstab.backends import load_backend
-    from numstab.data._fast import _on_host, _tf_eager, _tf_view
+    from numstab.data._fast import _tf_eager
+    from numstab.data._host import _on_host, tf_view
 
     x, y = _data()
     seen = _spy_host_views(monkeypatch)
@@ -387,11 +388,22 @@ def test_fast_path_reads_cpu_tf_eager_tensors_in_place(monkeypatch):
     clean = make(x[:4], y[:4])
     assert Firewall().process(clean) is clean and sums == []  # no TF op for a clean batch
     assert [a.dtype.kind for a in seen] == ["f"] and not seen[0].flags.owndata
+    # a dirty batch is counted from the fast path's read of the view (no TF reduction) and
+    # dropped by one gather per field (eager tf.boolean_mask cost ~3 ms: ~10 Python-level ops)
+    gathers = []
+    gather = tf.gather
+    monkeypatch.setattr(tf, "gather", lambda *a, **k: gathers.append(1) or gather(*a, **k))
+    monkeypatch.setattr(tf, "boolean_mask", None)
     out = _drop_check(make, x, y)
-    assert isinstance(out["x"], tf.Tensor)
+    assert sums == [] and len(gathers) == 2
+    assert isinstance(out["x"], tf.Tensor) and out["y"].dtype == tf.int64
     np.testing.assert_array_equal(out["x"].numpy(), np.delete(x[B : 2 * B], [0, 1], axis=0))
+    np.testing.assert_array_equal(out["y"].numpy(), np.delete(y[B : 2 * B], [0, 1]))
+    monkeypatch.undo()
+    seen = _spy_host_views(monkeypatch)
+    monkeypatch.setattr(be, "sum", lambda *a, **k: sums.append(1) or sum_(*a, **k))
     t = tf.constant(x[:4])
-    assert np.shares_memory(_tf_view(t), np.asarray(t))  # a view of the tensor's buffer
+    assert np.shares_memory(tf_view(t), np.asarray(t))  # a view of the tensor's buffer
 
     # bfloat16 (no NumPy dtype) keeps the on-device sum, and still finds the NaN
     seen.clear()
@@ -407,9 +419,9 @@ def test_fast_path_reads_cpu_tf_eager_tensors_in_place(monkeypatch):
     assert not _on_host("/job:worker/replica:0/task:0/device:TPU:0")
 
     # a tensor off the host (faked: no GPU here) is summed on its device, never read here
-    from numstab.data import _fast
+    from numstab.data import _host
 
-    monkeypatch.setattr(_fast, "_on_host", lambda device: False)
+    monkeypatch.setattr(_host, "_on_host", lambda device: False)
     seen.clear()
     sums.clear()
     clean = make(x[:4], y[:4])

@@ -371,5 +371,6 @@ class Backend:
 
     # -- data firewall --
     def compress(self, x: Array, keep: Array, axis: int) -> Array:
-        """The slices of ``x`` along ``axis`` where the 1-D boolean ``keep`` is true."""
+        """The slices of ``x`` along ``axis`` where ``keep`` is true; ``keep`` is a host (NumPy)
+        1-D boolean array. Eager only: the result's size depends on ``keep``."""
         raise NotImplementedError

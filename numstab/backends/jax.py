@@ -235,7 +235,7 @@ class JaxBackend(Backend):
 
     # -- data firewall --
     def compress(self, x, keep, axis):
-        return jnp.compress(keep, x, axis=axis)  # eager only: the result's size depends on keep
+        return jnp.compress(keep, x, axis=axis)
 
 
 BACKEND = JaxBackend()

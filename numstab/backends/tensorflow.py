@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import tensorflow as tf
 
 from numstab.backends._base import Backend
@@ -296,7 +297,8 @@ class TensorflowBackend(Backend):
 
     # -- data firewall --
     def compress(self, x, keep, axis):
-        return tf.boolean_mask(x, keep, axis=axis)
+        # one gather of host indices: eager tf.boolean_mask is ~10 Python-level ops, ~3 ms
+        return tf.gather(x, np.flatnonzero(keep), axis=axis)
 
 
 BACKEND = TensorflowBackend()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from operator import attrgetter
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -214,7 +215,7 @@ class TorchBackend(Backend):
 
     # -- data firewall --
     def compress(self, x, keep, axis):
-        return torch.index_select(x, axis, torch.nonzero(keep).reshape(-1).to(x.device))
+        return torch.index_select(x, axis, torch.from_numpy(np.flatnonzero(keep)).to(x.device))
 
 
 BACKEND = TorchBackend()

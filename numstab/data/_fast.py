@@ -35,7 +35,6 @@ average 1.4-1.7: numpy-iterator 1.31-1.33 -> 1.28-1.31, numpy-images 1.25-1.31 -
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 from typing import Any
@@ -45,7 +44,7 @@ import numpy as np
 from numstab._dispatch import framework_of
 from numstab._validate import is_floating, is_integer
 from numstab.backends import load_backend
-from numstab.data._host import all_finite, screen
+from numstab.data._host import all_finite, screen, tf_types, tf_view
 
 
 class _Unknown(Exception):
@@ -67,7 +66,8 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
     is not provably finite; None for anything else ("look closer"). With ``SUSPECT``,
     ``counted`` (if given) receives ``(array, counts)`` for the NumPy array found dirty, when
     it has a batch axis: its ``_host.sample_counts``, already computed, for the caller to
-    reuse (its ``is`` identity tells which leaf; a TensorFlow view matches no leaf)."""
+    reuse (its ``is`` identity tells which leaf; a TensorFlow tensor read through its view
+    is handed on as the tensor)."""
     torch = sys.modules.get("torch")
     sums: list = []
     sizes: list = []
@@ -169,8 +169,9 @@ def _other_framework(node: Any, axis: int, sums: list, sizes: list) -> None:
 
 def _tf_eager(node: Any, axis: int, sizes: list) -> bool:
     """Handle an eager tensor without a TF op when possible (True): integer and bool ones
-    only give their size, float16/32/64 ones in host memory are read in place."""
-    eager, floats, exact = _tf_types()
+    only give their size, float16/32/64 ones in host memory are read in place
+    (``_host.tf_view``). A dirty one's counts are handed on under the tensor itself."""
+    eager, floats, exact = tf_types()
     if type(node) is not eager:
         return False
     dtype = node._datatype_enum()  # an int; ``.dtype`` costs a Python DType hash
@@ -179,42 +180,11 @@ def _tf_eager(node: Any, axis: int, sizes: list) -> bool:
         if len(shape) > axis:
             sizes.append(shape[axis])
         return True
-    view = _tf_view(node) if dtype in floats else None
+    view = tf_view(node) if dtype in floats else None
     if view is None:
         return False
-    _host(view, axis, sizes)
-    return True
-
-
-def _tf_view(node: Any) -> np.ndarray | None:
-    """A zero-copy NumPy view of an eager tensor held in host memory, else None.
-    ``np.asarray`` reads the tensor's buffer in place (``EagerTensor.__array__``;
-    ``.numpy()`` would copy it). Tensors on a GPU or another device keep the backend path
-    (a sum on their device, no copy to the host)."""
-    if _on_host(node.backing_device):  # where its memory is, whichever device made it
-        return np.asarray(node)
-    return None
-
-
-def _on_host(device: str) -> bool:
-    """True for a TensorFlow device name of the host CPU (``.../device:CPU:0``)."""
-    return ":CPU:" in device
-
-
-@functools.cache
-def _tf_types() -> tuple[type, frozenset, frozenset]:
-    """EagerTensor, and the dtype enums read in place (float16/32/64) or never read
-    (integers, bool). bfloat16, strings, complex: neither, the backend path."""
-    import tensorflow as tf
-
     try:
-        from tensorflow.python.framework.ops import EagerTensor
-    except ImportError:  # moved in some release: every tensor keeps the backend path
-        return type(None), frozenset(), frozenset()
-    floats = (tf.float16, tf.float32, tf.float64)
-    exact = (tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64)
-    return (
-        EagerTensor,
-        frozenset(d.as_datatype_enum for d in floats),
-        frozenset(d.as_datatype_enum for d in (*exact, tf.bool)),
-    )
+        _host(view, axis, sizes)
+    except _Suspect as found:
+        raise (_Suspect(node, found.args[1]) if found.args else found) from None
+    return True

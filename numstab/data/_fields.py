@@ -177,21 +177,24 @@ def sample_nonfinite(field: Field, batch_axis: int) -> tuple[np.ndarray, np.ndar
 
 
 def _readable(x: Any) -> np.ndarray | None:
-    """``x`` as a NumPy float16/32/64 array read in place: a NumPy array itself, or the
-    zero-copy ``.numpy()`` view of a strided CPU torch tensor (detached: only read here);
-    None for anything else (bfloat16, other devices and frameworks)."""
+    """``x`` as a NumPy float16/32/64 array read in place: a NumPy array itself, the
+    zero-copy ``.numpy()`` view of a strided CPU torch tensor (detached: only read here), or
+    of a TensorFlow eager tensor in host memory (``_host.tf_view``); None for anything else
+    (bfloat16, other devices and frameworks)."""
     if type(x) is np.ndarray:
         return x if x.dtype.kind == "f" else None
     torch = sys.modules.get("torch")
-    if (
-        torch is not None
-        and isinstance(x, torch.Tensor)
-        and x.dtype in (torch.float32, torch.float64, torch.float16)
-        and x.device.type == "cpu"
-        and x.layout == torch.strided
-        and not x.is_neg()
-    ):
-        return x.detach().numpy()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if (
+            x.dtype in (torch.float32, torch.float64, torch.float16)
+            and x.device.type == "cpu"
+            and x.layout == torch.strided
+            and not x.is_neg()
+        ):
+            return x.detach().numpy()
+        return None
+    if "tensorflow" in sys.modules:
+        return _host.tf_view(x)
     return None
 
 

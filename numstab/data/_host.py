@@ -24,7 +24,9 @@ plain ``isfinite`` route.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import numpy as np
 
@@ -104,3 +106,41 @@ def _count(
     nan = np.isnan(part[where])
     bad_counts = np.bincount(samples, minlength=n).astype(np.int32)
     return bad_counts, np.bincount(samples[nan], minlength=n).astype(np.int32)
+
+
+# -- TensorFlow eager tensors in host memory --------------------------------------------------
+def tf_view(node: Any) -> np.ndarray | None:
+    """A zero-copy NumPy view of a float16/32/64 TensorFlow eager tensor held in host memory,
+    else None. ``np.asarray`` reads the tensor's buffer in place (``EagerTensor.__array__``;
+    ``.numpy()`` would copy it). Tensors on a GPU or another device, variables, bfloat16 and
+    graph tensors keep their backend's path (a sum on their device, no copy to the host)."""
+    eager, floats, _ = tf_types()
+    if type(node) is not eager or node._datatype_enum() not in floats:
+        return None
+    if _on_host(node.backing_device):  # where its memory is, whichever device made it
+        return np.asarray(node)
+    return None
+
+
+def _on_host(device: str) -> bool:
+    """True for a TensorFlow device name of the host CPU (``.../device:CPU:0``)."""
+    return ":CPU:" in device
+
+
+@functools.cache
+def tf_types() -> tuple[type, frozenset, frozenset]:
+    """EagerTensor, and the dtype enums read in place (float16/32/64) or never read
+    (integers, bool). bfloat16, strings, complex: neither, the backend path."""
+    import tensorflow as tf
+
+    try:
+        from tensorflow.python.framework.ops import EagerTensor
+    except ImportError:  # moved in some release: every tensor keeps the backend path
+        return type(None), frozenset(), frozenset()
+    floats = (tf.float16, tf.float32, tf.float64)
+    exact = (tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64)
+    return (
+        EagerTensor,
+        frozenset(d.as_datatype_enum for d in floats),
+        frozenset(d.as_datatype_enum for d in (*exact, tf.bool)),
+    )

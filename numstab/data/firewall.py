@@ -300,9 +300,7 @@ def _compress(field: Field, x: Any, keep: np.ndarray, batch_axis: int) -> Any:
         return x
     if field.backend is None:  # per-sample strings
         return type(x)(item for item, k in zip(x, keep, strict=True) if k)
-    be = field.backend
-    mask = keep if be.name == "numpy" else be.asarray(keep, like=x)
-    return be.compress(x, mask, batch_axis)
+    return field.backend.compress(x, keep, batch_axis)
 
 
 def _check_outlier_fields(spec: Features) -> Features:
