@@ -258,9 +258,10 @@ class AGC:
 
     def clip(self, grads: Tree, params: Tree, *, backend: str | None = None) -> Tree:
         """The clipped gradient tree (same structure, ``None`` leaves kept, dtypes kept)."""
-        g_leaves, treedef = flatten(grads)
+        # a unit's norm spans every row: sparse gradients (tf.IndexedSlices) are made dense
+        g_leaves, treedef = flatten(grads, sparse_as_dense=True)
         # pair leaves by path, not by position: jax.jit hands dicts back with sorted keys
-        paths = [path for path, _ in leaves_with_paths(grads)]
+        paths = [path for path, _ in leaves_with_paths(grads, sparse_as_dense=True)]
         p_by_path = dict(leaves_with_paths(params))
         missing = [path for path in paths if path not in p_by_path]
         if missing or len(p_by_path) != len(paths):

@@ -202,7 +202,7 @@ class LossScaler:
         leaves = [to_backend(be, g, like=state.scale) for g in leaves]
         inv_scale = 1.0 / state.scale  # scales are powers of two in practice: exact
         unscaled = scale_leaves(be, leaves, inv_scale)
-        numeric = [g for g in unscaled if g is not None and be.size(g, "float32") != 0]
+        numeric = be.nonempty([g for g in unscaled if g is not None])
         finite = native_op(be, "all_finite")(numeric) if numeric else be.asarray(True)
         return unflatten(treedef, unscaled), finite
 

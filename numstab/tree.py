@@ -32,10 +32,12 @@ def _is_namedtuple(node: Any) -> bool:
     return isinstance(node, tuple) and hasattr(type(node), "_fields")
 
 
-def _children(node: Any) -> tuple[list[tuple[str, Any]], Callable[[list], Any]] | None:
+def _children(
+    node: Any, sparse_as_dense: bool = False
+) -> tuple[list[tuple[str, Any]], Callable[[list], Any]] | None:
     """(path suffix, child) pairs and a rebuild function, or None for a leaf."""
     if hasattr(node, "dtype") or node is None:  # an array of any framework, or a scalar
-        return None
+        return _sparse_children(node, sparse_as_dense)
     if isinstance(node, Mapping):
         keys = list(node)
         cls = type(node)
@@ -53,6 +55,34 @@ def _children(node: Any) -> tuple[list[tuple[str, Any]], Callable[[list], Any]] 
     return _jax_children(node)
 
 
+def _sparse_children(node: Any, dense: bool):
+    """A sparse gradient (``tf.IndexedSlices``: an embedding's) as a node with one dense child,
+    its rows with repeated indices summed, so that norms, finiteness and clipping are the
+    dense gradient's and the rebuilt gradient stays sparse; with ``dense``, the dense
+    gradient itself (``tensorflow.indexed_slices_children``). None for anything else."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or type(node) is not tf.IndexedSlices:
+        return None
+    from numstab.backends.tensorflow import indexed_slices_children
+
+    return indexed_slices_children(node, dense)
+
+
+def _all_plain_leaves(nodes: list | tuple) -> bool:
+    """True when every child is a leaf by ``_children``'s first test and none is sparse:
+    asked once per distinct type (``set(map(type, ...))``: 5 us for 200 tensors, against 17
+    for ``hasattr`` on each)."""
+    tf = sys.modules.get("tensorflow")
+    sparse = tf.IndexedSlices if tf is not None else None
+    return all(
+        kind is _NONE or (hasattr(kind, "dtype") and kind is not sparse)
+        for kind in set(map(type, nodes))
+    )
+
+
+_NONE = type(None)
+
+
 def _jax_children(node: Any):
     tree_util = sys.modules.get("jax.tree_util")
     if tree_util is None:
@@ -63,24 +93,26 @@ def _jax_children(node: Any):
     return [(f"[{i}]", c) for i, c in enumerate(children)], treedef.unflatten
 
 
-def flatten(tree: Any) -> tuple[list[Leaf], TreeDef]:
-    """Leaves in a deterministic order (containers' own order), and how to rebuild."""
+def flatten(tree: Any, *, sparse_as_dense: bool = False) -> tuple[list[Leaf], TreeDef]:
+    """Leaves in a deterministic order (containers' own order), and how to rebuild.
+    ``tf.IndexedSlices`` give one leaf, their deduplicated rows (rebuilt sparse), or with
+    ``sparse_as_dense`` the dense gradient (rebuilt dense)."""
     leaves: list[Leaf] = []
-    return leaves, _flatten(tree, leaves)
+    return leaves, _flatten(tree, leaves, sparse_as_dense)
 
 
-def _flatten(node: Any, leaves: list) -> TreeDef:
-    if type(node) in (list, tuple) and all(hasattr(c, "dtype") or c is None for c in node):
+def _flatten(node: Any, leaves: list, dense: bool) -> TreeDef:
+    if type(node) in (list, tuple) and _all_plain_leaves(node):
         # the common gradient list (every child a leaf by _children's first test): what the
         # generic path below builds, without two calls per leaf
         leaves.extend(node)
         return TreeDef(type(node), (LEAF,) * len(node))  # rebuild: list(vs) or tuple(vs)
-    split = _children(node)
+    split = _children(node, dense)
     if split is None:
         leaves.append(node)
         return LEAF
     pairs, rebuild = split
-    return TreeDef(rebuild, tuple(_flatten(child, leaves) for _, child in pairs))
+    return TreeDef(rebuild, tuple(_flatten(child, leaves, dense) for _, child in pairs))
 
 
 def unflatten(treedef: TreeDef, leaves: list[Leaf]) -> Any:
@@ -107,11 +139,14 @@ def _unflatten(treedef: TreeDef, it: Iterator) -> Any:
     return treedef.rebuild([_unflatten(child, it) for child in treedef.children])
 
 
-def leaves_with_paths(tree: Any, prefix: str = "") -> Iterator[tuple[str, Leaf]]:
-    """(path, leaf) for every leaf, paths spelled like jax.tree_util.keystr."""
-    split = _children(tree)
+def leaves_with_paths(
+    tree: Any, prefix: str = "", *, sparse_as_dense: bool = False
+) -> Iterator[tuple[str, Leaf]]:
+    """(path, leaf) for every leaf, paths spelled like jax.tree_util.keystr; a
+    ``tf.IndexedSlices`` keeps its own path (see ``flatten``)."""
+    split = _children(tree, sparse_as_dense)
     if split is None:
         yield prefix, tree
         return
     for suffix, child in split[0]:
-        yield from leaves_with_paths(child, prefix + suffix)
+        yield from leaves_with_paths(child, prefix + suffix, sparse_as_dense=sparse_as_dense)

@@ -87,8 +87,9 @@ class Backend:
 
     def nonempty(self, arrays: list[Array]) -> list[Array]:
         """The arrays with at least one element (``size != 0``), in order: the leaves the
-        tree functions compute on. Static shapes only (a traced size cannot be tested)."""
-        return [x for x in arrays if self.size(x, "float32") != 0]
+        tree functions compute on. An array of unknown size (a traced dynamic shape) is
+        kept: an empty one adds nothing to a sum and scaling it is a no-op."""
+        return [x for x in arrays if _maybe_nonempty(self.size(x, "float32"))]
 
     def unflatten_rows(self, rows: Array, like: Array) -> Array:
         """Reshape a vector of per-row values to ``like.shape[:-1]`` (dynamic shapes too)."""
@@ -374,3 +375,8 @@ class Backend:
         """The slices of ``x`` along ``axis`` where ``keep`` is true; ``keep`` is a host (NumPy)
         1-D boolean array. Eager only: the result's size depends on ``keep``."""
         raise NotImplementedError
+
+
+def _maybe_nonempty(size: Any) -> bool:
+    """False only for a size known to be 0 (a Python int; a traced size is unknown)."""
+    return not isinstance(size, int) or size != 0

@@ -307,8 +307,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return cls(inner, scaler, **config)
 
 
-# workaround: numstab's core treats tf.IndexedSlices as one opaque leaf and cannot multiply it;
-# like TF's own clip_by_global_norm and tf-keras, only its values are unscaled, checked, clipped.
+# tf.IndexedSlices: like TF's own clip_by_global_norm and tf-keras, only the raw values are
+# unscaled, checked and clipped (numstab's core would sum repeated rows first: numstab.tree).
 def _dense_or_values(g: Any) -> Any:
     return g.values if isinstance(g, tf.IndexedSlices) else g
 

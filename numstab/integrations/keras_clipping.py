@@ -18,8 +18,8 @@ class' ``stateless_apply``). Other Keras backends raise ``InvalidArgumentError``
 Edge cases: ``None`` gradients stay None and are left out of the norm. Gradients of variables
 with ``overwrite_with_gradient`` (Keras' float8 layers) pass through untouched, as in Keras.
 TensorFlow ``IndexedSlices`` (embedding gradients): ZClip takes their norm after summing
-repeated indices (the dense gradient's norm) and scales the values, keeping them sparse; AGC
-needs whole units and densifies them. The inner optimizer may not use
+repeated indices (the dense gradient's norm; ``numstab.tree``) and scales those rows, keeping
+them sparse; AGC needs whole units and densifies them. The inner optimizer may not use
 ``loss_scale_factor`` or ``gradient_accumulation_steps`` (the clipper would see scaled or
 per-micro-batch gradients); wrap the clipping optimizer in a ``LossScaleOptimizer`` instead
 (``model.compile`` does so itself under the ``mixed_float16`` policy). Under a TensorFlow
@@ -41,6 +41,7 @@ from numstab.adaptive_clipping import AGC, ZClip, ZClipState
 from numstab.clipping import global_norm, scale_leaves
 from numstab.errors import InvalidArgumentError
 from numstab.integrations._keras_wrapping import built_variables
+from numstab.tree import flatten, unflatten
 
 __all__ = ["AGCOptimizer", "ZClipOptimizer"]
 
@@ -201,12 +202,12 @@ class ZClipOptimizer(_ClipOptimizer):
 
     def _clip(self, grads: list, variables: list) -> list:
         be = resolve_backend(backend=self._backend_name)
-        norm = global_norm([_deduplicated(g) for g in grads], backend=be.name)
+        leaves, treedef = flatten(grads)  # tf.IndexedSlices: their summed rows, kept sparse
+        norm = global_norm(leaves, backend=be.name)
         coef, state = self.policy.coefficient(norm, self.zclip_state, backend=be.name)
         for variable, value in zip(self._state_variables, state, strict=True):
             variable.assign(value)
-        scaled = scale_leaves(be, [_values(g) for g in grads], coef)
-        return [_with_values(g, s) for g, s in zip(grads, scaled, strict=True)]
+        return unflatten(treedef, scale_leaves(be, leaves, coef))
 
     def _policy_config(self) -> dict[str, Any]:
         return {name: getattr(self.policy, name) for name in _arguments(ZClip)}
@@ -244,7 +245,7 @@ class AGCOptimizer(_ClipOptimizer):
 
     def _clip(self, grads: list, variables: list) -> list:
         params = [_value(var) for var in variables]
-        return self.policy.clip([_dense(g) for g in grads], params, backend=self._backend_name)
+        return self.policy.clip(grads, params, backend=self._backend_name)  # sparse: dense
 
     def _policy_config(self) -> dict[str, Any]:
         axis = self.policy.axis
@@ -318,39 +319,3 @@ def _value(variable: Any) -> Any:
     if hasattr(value, "read_value"):  # TensorFlow: a tf.Variable
         return value.read_value()
     return value.detach() if hasattr(value, "detach") else value  # torch: no autograd graph
-
-
-# workaround: numstab's core treats tf.IndexedSlices as one opaque leaf.
-def _is_slices(g: Any) -> bool:
-    return type(g).__name__ == "IndexedSlices"
-
-
-def _deduplicated(g: Any) -> Any:
-    """IndexedSlices: the values with repeated indices summed (the dense gradient's nonzero
-    rows, so the same norm); anything else as is."""
-    if not _is_slices(g):
-        return g
-    import tensorflow as tf
-
-    unique, position = tf.unique(g.indices)
-    return tf.math.unsorted_segment_sum(g.values, position, tf.shape(unique)[0])
-
-
-def _values(g: Any) -> Any:
-    return g.values if _is_slices(g) else g
-
-
-def _with_values(g: Any, values: Any) -> Any:
-    if not _is_slices(g):
-        return values
-    import tensorflow as tf
-
-    return tf.IndexedSlices(values, g.indices, g.dense_shape)
-
-
-def _dense(g: Any) -> Any:
-    if not _is_slices(g):
-        return g
-    import tensorflow as tf
-
-    return tf.convert_to_tensor(g)
