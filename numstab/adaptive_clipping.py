@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend, to_backend
+from numstab._layouts import dense_only
 from numstab.backends._base import Backend
 from numstab.clipping import _global_norm, _numeric_leaves, scale_leaves
 from numstab.errors import InvalidArgumentError
@@ -137,6 +138,7 @@ class ZClip:
             zero((), "int32"), zero((self.buffer_size,), "float32"), zeros, zeros, zeros
         )
 
+    @dense_only
     def update(
         self, grads: Tree, state: ZClipState, *, backend: str | None = None
     ) -> tuple[Tree, ZClipState]:
@@ -256,6 +258,7 @@ class AGC:
     ) -> tuple[Tree, tuple]:
         return self.clip(grads, params, backend=backend), state
 
+    @dense_only
     def clip(self, grads: Tree, params: Tree, *, backend: str | None = None) -> Tree:
         """The clipped gradient tree (same structure, ``None`` leaves kept, dtypes kept)."""
         # a unit's norm spans every row: sparse gradients (tf.IndexedSlices) are made dense

@@ -13,6 +13,7 @@ from typing import Any
 
 from numstab import _validate as v
 from numstab._dispatch import HOST, framework_of, resolve_backend, to_backend
+from numstab._layouts import dense_only
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, unflatten
@@ -93,6 +94,7 @@ def _check_norm_type(norm_type: Any) -> float:
     )
 
 
+@dense_only
 def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
     """A 0-d boolean array: True when every element of every leaf is finite.
 
@@ -104,6 +106,7 @@ def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
     return native_op(be, "all_finite")(leaves)
 
 
+@dense_only
 def global_norm(tree: Tree, norm_type: float = 2.0, *, backend: str | None = None) -> Array:
     """``(sum_leaves sum |g|**p) ** (1/p)`` (``max |g|`` for p = inf), in float32 at least.
 
@@ -125,6 +128,7 @@ def _global_norm(be: Backend, leaves: list, norm_type: float, dtype: str | None 
         return native_op(be, "global_norm")(leaves, norm_type, dtype)
 
 
+@dense_only
 def clip_by_global_norm(
     tree: Tree,
     max_norm: float,
@@ -186,6 +190,7 @@ def scale_leaves(be: Backend, leaves: list, factor: Array) -> list:
     return [None if leaf is None else next(it) for leaf in leaves]
 
 
+@dense_only
 def clip_by_value(
     tree: Tree, min_value: float, max_value: float, *, backend: str | None = None
 ) -> Tree:

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend, to_backend
+from numstab._layouts import dense_only
 from numstab.backends._base import native_op
 from numstab.clipping import scale_leaves
 from numstab.errors import InvalidArgumentError
@@ -185,6 +186,7 @@ class LossScaler:
             return loss * be.cast(state.scale, dtype)
         return be.cast(be.cast(loss, "float32") * state.scale, dtype)
 
+    @dense_only
     def unscale(
         self, grads: Any, state: LossScaleState, *, backend: str | None = None
     ) -> tuple[Any, Array]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from numstab import _validate as v
 from numstab._dispatch import framework_of, resolve_backend, to_backend
+from numstab._layouts import dense_only
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError, NonFiniteError
 from numstab.tree import leaves_with_paths
@@ -95,6 +96,7 @@ def _unwrap(leaf: Any) -> Any:
     return leaf
 
 
+@dense_only
 def find_nonfinite(tree: Tree, *, backend: str | None = None) -> list[NonFiniteRecord]:
     """One ``NonFiniteRecord`` per leaf holding NaN or +-inf, in leaf order; ``[]`` if none.
 

@@ -1,15 +1,20 @@
-"""TensorFlow sparse gradients (``tf.IndexedSlices``, an embedding's) through the tree
-functions: norms, finiteness and clipping are the dense gradient's (repeated rows summed),
-results stay sparse, and the same holds under ``tf.function``."""
+"""Sparse gradients through the tree functions. TensorFlow's ``tf.IndexedSlices`` (an
+embedding's): norms, finiteness and clipping are the dense gradient's (repeated rows summed),
+results stay sparse, also under ``tf.function``. torch's sparse COO gradients: a typed
+error naming the leaf, on every tree function."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
+import numstab as ns
 
-import numstab as ns  # noqa: E402
+try:
+    import tensorflow as tf
+except ImportError:  # the torch test below still runs
+    tf = None
+needs_tf = pytest.mark.skipif(tf is None, reason="tensorflow is not installed")
 
 VALUES = np.array([[3.0, 0.0], [1.0, -2.0], [0.5, 4.0]], np.float32)
 INDICES = np.array([1, 3, 1], np.int64)  # row 1 twice: the dense gradient sums them
@@ -33,6 +38,7 @@ def _check_sparse(out, want_dense):
         np.testing.assert_allclose(tf.convert_to_tensor(out[k]).numpy(), want, rtol=1e-6)
 
 
+@needs_tf
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf.function"])
 def test_clip_by_global_norm_uses_the_dense_norm_and_stays_sparse(compiled):
     dense = _dense(_grads())
@@ -49,6 +55,7 @@ def test_clip_by_global_norm_uses_the_dense_norm_and_stays_sparse(compiled):
     )
 
 
+@needs_tf
 def test_clip_by_value_and_unscale_keep_the_gradient_sparse():
     dense = _dense(_grads())
     _check_sparse(
@@ -63,6 +70,7 @@ def test_clip_by_value_and_unscale_keep_the_gradient_sparse():
         _check_sparse(out, dense)
 
 
+@needs_tf
 def test_non_finite_values_are_found_at_the_gradient_path():
     values = VALUES.copy()
     values[2, 1] = np.nan
@@ -75,6 +83,7 @@ def test_non_finite_values_are_found_at_the_gradient_path():
         ns.assert_finite(grads)
 
 
+@needs_tf
 def test_agc_makes_sparse_gradients_dense():
     params = {"embedding": tf.ones([5, 2]), "bias": tf.ones([2])}
     out = ns.AGC(0.1).clip(_grads(), params)
@@ -82,3 +91,25 @@ def test_agc_makes_sparse_gradients_dense():
     assert not isinstance(out["embedding"], tf.IndexedSlices)
     for k in want:
         np.testing.assert_allclose(out[k].numpy(), want[k], rtol=1e-6)
+
+
+def test_torch_sparse_gradients_raise_a_typed_error_naming_the_leaf():
+    torch = pytest.importorskip("torch")
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    grads = {"dense": torch.ones(2), "emb": emb.weight.grad}
+    assert grads["emb"].layout == torch.sparse_coo
+    calls = [
+        lambda: ns.global_norm(grads),
+        lambda: ns.clip_by_global_norm(grads, 0.5),
+        lambda: ns.all_finite(grads),
+        lambda: ns.clip_by_value(grads, -0.5, 0.5),
+        lambda: ns.find_nonfinite(grads),
+        lambda: ns.assert_finite(grads),
+        lambda: ns.LossScaler().unscale(grads, ns.LossScaler().init(backend="torch")),
+        lambda: ns.ZClip().update(grads, ns.ZClip().init(backend="torch")),
+        lambda: ns.AGC().clip(grads, {"dense": torch.ones(2), "emb": emb.weight.detach()}),
+    ]
+    for call in calls:
+        with pytest.raises(ns.InvalidArgumentError, match=r"layout=torch.sparse_coo at \['emb'\]"):
+            call()
