@@ -37,6 +37,17 @@ def _prepare(be: Backend, x: Array, name: str, axis: int) -> tuple[Array, int, s
     return x, axis, cdt
 
 
+def _classes_last(x: Array, axis: int, backend: str | None) -> tuple[Backend, Array, int]:
+    """(backend, ``x`` upcast to its compute dtype with ``axis`` moved last, the normalised
+    axis); raises for a non-float ``x`` and for a class axis unknown or of length 0."""
+    be = resolve_backend(x, backend=backend)
+    x = _to_backend(be, x)
+    shape = be.shape(x)
+    x, axis, _ = _prepare(be, x, "x", axis)
+    _class_count(be, x, "x", axis, shape)
+    return be, x, axis
+
+
 def logsumexp(
     x: Array, axis: int = -1, keepdims: bool = False, *, backend: str | None = None
 ) -> Array:
@@ -44,11 +55,7 @@ def logsumexp(
 
     Rows of all -inf give -inf; any +inf gives +inf; NaN gives NaN.
     """
-    be = resolve_backend(x, backend=backend)
-    x = _to_backend(be, x)
-    shape = be.shape(x)
-    x, axis, _ = _prepare(be, x, "x", axis)
-    _class_count(be, x, "x", axis, shape)
+    be, x, axis = _classes_last(x, axis, backend)
     with be.float_errors_ignored():
         out = native_op(be, "logsumexp")(x, axis=-1, keepdims=keepdims)
     return be.moveaxis(out, -1, axis) if keepdims and axis != len(be.shape(out)) - 1 else out
@@ -56,11 +63,7 @@ def logsumexp(
 
 def log_softmax(x: Array, axis: int = -1, *, backend: str | None = None) -> Array:
     """``x - logsumexp(x, axis)``, in float32 at least. -inf entries stay -inf."""
-    be = resolve_backend(x, backend=backend)
-    x = _to_backend(be, x)
-    shape = be.shape(x)
-    x, axis, _ = _prepare(be, x, "x", axis)
-    _class_count(be, x, "x", axis, shape)
+    be, x, axis = _classes_last(x, axis, backend)
     with be.float_errors_ignored():
         out = native_op(be, "log_softmax")(x)
     last = len(be.shape(out)) - 1
