@@ -1,4 +1,5 @@
-"""GradScaler across 2 gloo processes on CPU (loopback): one rank's overflow skips every rank.
+"""GradScaler and the training guard across 2 gloo processes on CPU (loopback): one rank's
+overflow skips every rank, and one rank's loss spike makes every rank skip the step.
 
 The test spawns this file twice as a script (``--worker``); each rank runs every scenario and
 writes its record as JSON. Rank 0 then runs the same scenarios again after leaving the group,
@@ -33,6 +34,9 @@ SCENARIOS = [
     ("sharded_linf", True, "combined", math.inf, "sgd", "explicit"),
 ]
 
+GUARD_STEPS = 12
+GUARD_SPIKE = 9  # rank 1's local loss spikes (x 1e4); its gradients and rank 0's do not
+GUARD_SCENARIOS = [("guard_replicated", False), ("guard_sharded", True)]
 
 NO_GLOO = 3  # a worker's exit code when torch has no gloo
 
@@ -85,8 +89,50 @@ def _scenario(
     return record
 
 
+def _guard_scenario(rank: int, world: int, sharded: bool) -> dict:
+    """The same batches on every rank; at GUARD_SPIKE rank 1 reports a spiking local loss.
+    Sharded: rank r keeps the gradients of params[r::world] only and steps those."""
+    import torch
+    import torch.distributed as dist
+
+    from numstab.guard import SpikeDetector, TrainingGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    params = list(model.parameters())
+    owned = params[rank::world] if sharded else params
+    opt = torch.optim.SGD(owned, lr=0.05)
+    spikes = SpikeDetector(window=8, sigma=4.0, warmup=4)
+    guard = TrainingGuard(loss_spikes=spikes, grad_norm_spikes=None, rollback_after=5)
+    tg = guard.for_torch(model, opt, sharded=sharded)
+    g = torch.Generator().manual_seed(1)
+    record: dict = {"applied": [], "local_loss": []}
+    for step in range(GUARD_STEPS):
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+        model.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        for p in params:
+            if sharded and not any(p is q for q in owned):
+                p.grad = None
+        local = loss.detach() * (1e4 if step == GUARD_SPIKE and rank == 1 % world else 1.0)
+        record["local_loss"].append(float(local))
+        record["applied"].append(tg.step(local))
+        if sharded and world > 1:
+            for i, p in enumerate(params):
+                dist.broadcast(p.data, src=i % world)
+    history = tg.history.as_arrays()
+    record["guard_loss"] = history["loss"].tolist()
+    record["guard_norm"] = history["grad_norm"].tolist()
+    record["params"] = [p.detach().flatten().tolist() for p in params]
+    return record
+
+
 def _run_all(rank: int, world: int) -> dict:
-    return {name: _scenario(rank, world, *rest) for name, *rest in SCENARIOS}
+    records = {name: _scenario(rank, world, *rest) for name, *rest in SCENARIOS}
+    for name, sharded in GUARD_SCENARIOS:
+        records[name] = _guard_scenario(rank, world, sharded)
+    return records
 
 
 def _worker(rank: int, port: int, out: str) -> int:
@@ -175,6 +221,7 @@ def results(tmp_path_factory):
 
 
 NAMES = [s[0] for s in SCENARIOS]
+GUARD_NAMES = [s[0] for s in GUARD_SCENARIOS]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -213,3 +260,24 @@ def test_sharded_norm_is_the_global_norm(results, name):
                 assert a == pytest.approx(b, rel=1e-6)
         for a, b in zip(got["params"], ref["params"], strict=True):
             assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("name", GUARD_NAMES)
+def test_guard_ranks_decide_together_on_the_mean_loss(results, name):
+    """Rank 1 alone sees the spike in its local loss; both ranks skip that step (an
+    unreduced decision would skip on rank 1 only and the replicas would drift apart)."""
+    ranks, reference = results
+    r0, r1 = ranks[0][name], ranks[1][name]
+    assert r1["local_loss"][GUARD_SPIKE] > 1e3 * r0["local_loss"][GUARD_SPIKE]
+    expected = [step != GUARD_SPIKE for step in range(GUARD_STEPS)]
+    assert r0["applied"] == r1["applied"] == expected
+    assert r0["params"] == r1["params"]
+    # every rank saw the mean loss and the same global norm, that of the whole model
+    assert r0["guard_loss"] == r1["guard_loss"] and r0["guard_norm"] == r1["guard_norm"]
+    mean = (r0["local_loss"][GUARD_SPIKE] + r1["local_loss"][GUARD_SPIKE]) / 2
+    assert r0["guard_loss"][GUARD_SPIKE] == pytest.approx(mean, rel=1e-6)
+    ref = reference[name]
+    for step in range(GUARD_STEPS):
+        if step != GUARD_SPIKE:
+            assert r0["guard_loss"][step] == pytest.approx(ref["guard_loss"][step], rel=1e-6)
+        assert r0["guard_norm"][step] == pytest.approx(ref["guard_norm"][step], rel=1e-5)

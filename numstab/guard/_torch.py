@@ -16,6 +16,15 @@ loss and the global norm (as ``GradScaler.step`` reads its flag). The decision i
 the host (``numstab.guard.policy`` on NumPy). The per-parameter norms stay on the device and
 are copied to the history 256 steps at a time.
 
+Distributed (``torch.distributed`` initialized, or ``process_group`` given, world size > 1):
+every rank must take the same decision, else one rank skips a step that another applies and
+the replicas drift apart silently. So the step's two numbers are all-reduced in one collective
+before the decision: the loss becomes the mean of the ranks' losses (a rank-local spike or NaN
+counts on every rank), and the global norm is the ranks' common norm (replicated gradients,
+as after DDP's all-reduce: their mean) or, with ``sharded=True`` (each rank holds a disjoint
+part of the parameters, FSDP-style, as plain local tensors), ``sqrt`` of the summed squares.
+Every rank then runs the same policy on the same numbers. Per-layer norms stay per rank.
+
 Snapshots copy ``model.state_dict()`` (buffers included), ``optimizer.state_dict()`` and the
 scheduler's state on the device. A rollback loads them back (in place: the optimizer keeps
 its parameters), then multiplies every param group's ``lr`` (and ``initial_lr``, and the
@@ -30,12 +39,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
 from numstab.guard import policy
 from numstab.guard.guard import GuardRunner, TrainingGuard
 from numstab.guard.monitor import layer_norms
+from numstab.integrations.torch import reduction_group
 
 
 class TorchGuard:
@@ -48,6 +59,8 @@ class TorchGuard:
         optimizer: torch.optim.Optimizer,
         *,
         scheduler: Any = None,
+        sharded: bool = False,
+        process_group: Any = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(
@@ -64,10 +77,16 @@ class TorchGuard:
                 f"Expected scheduler to be a torch LR scheduler or None. Received: "
                 f"scheduler of type {type(scheduler).__name__}"
             )
+        if not isinstance(sharded, bool):
+            raise InvalidArgumentError(
+                f"Expected sharded to be a bool. Received: sharded={sharded!r}"
+            )
         self.guard = guard
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.sharded = sharded
+        self.process_group = process_group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self._empty = [p.new_empty(0) for p in self._params]  # norm 0 for a missing grad
@@ -105,6 +124,9 @@ class TorchGuard:
             norms, total = layer_norms(self._torch, grads) if grads else (None, None)
             loss_t = _scalar_loss(loss, total)
             pair = torch.stack([loss_t, total.float() if total is not None else loss_t * 0])
+            group = reduction_group(self.process_group)
+            if group is not None:
+                pair = _reduced(pair, group, self.sharded)
             loss_h, norm_h = pair.tolist()  # the one host sync of the step
         decision, self.state = policy.decide(
             self.guard,
@@ -186,6 +208,16 @@ class TorchGuard:
         if isinstance(tree, (list, tuple)):
             return type(tree)(self.from_host(x) for x in tree)
         return tree
+
+
+def _reduced(pair: torch.Tensor, group: Any, sharded: bool) -> torch.Tensor:
+    """[mean loss, global norm] over the ranks of ``group``, in one SUM all-reduce: the
+    norms' mean (replicated) or ``sqrt`` of their summed squares (sharded). A NaN or inf on
+    any rank reaches every rank."""
+    world = dist.get_world_size(group)
+    packed = torch.stack([pair[0], pair[1] * pair[1] if sharded else pair[1]])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    return torch.stack([packed[0] / world, packed[1].sqrt() if sharded else packed[1] / world])
 
 
 def _scalar_loss(loss: Any, like: torch.Tensor | None) -> torch.Tensor:

@@ -112,11 +112,27 @@ class TrainingGuard:
         EventLog(self.log_path, self.log_callback)  # validates both
 
     # -- framework entry points (each imports its framework) -----------------------------------
-    def for_torch(self, model: Any, optimizer: Any, *, scheduler: Any = None) -> Any:
-        """A :class:`numstab.guard._torch.TorchGuard` for a PyTorch loop."""
+    def for_torch(
+        self,
+        model: Any,
+        optimizer: Any,
+        *,
+        scheduler: Any = None,
+        sharded: bool = False,
+        process_group: Any = None,
+    ) -> Any:
+        """A :class:`numstab.guard._torch.TorchGuard` for a PyTorch loop; under
+        ``torch.distributed`` every rank decides on the mean loss and the global norm."""
         from numstab.guard._torch import TorchGuard
 
-        return TorchGuard(self, model, optimizer, scheduler=scheduler)
+        return TorchGuard(
+            self,
+            model,
+            optimizer,
+            scheduler=scheduler,
+            sharded=sharded,
+            process_group=process_group,
+        )
 
     def for_optax(self) -> Any:
         """A :class:`numstab.guard._optax.OptaxGuard` for a functional optax loop."""

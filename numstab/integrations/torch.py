@@ -474,13 +474,7 @@ class GradScaler:
         return self._pending_dict()["state"]
 
     def _group(self) -> Any:
-        """The process group to reduce over, or None for a single process."""
-        group = self._process_group
-        if group is None:
-            if not (dist.is_available() and dist.is_initialized()):
-                return None
-            group = dist.group.WORLD
-        return group if dist.get_world_size(group) > 1 else None
+        return reduction_group(self._process_group)
 
     def _reduced_found_inf(self, opt_state: _OptimizerState) -> torch.Tensor:
         found = opt_state.found_inf
@@ -580,6 +574,17 @@ class GradScaler:
             return new_scale.detach().reshape(()).to(device, torch.float32, copy=True)
         value = v.check_number("new_scale", new_scale, low=0.0, low_open=True)
         return torch.full((), value, dtype=torch.float32, device=device)
+
+
+def reduction_group(process_group: Any = None) -> Any:
+    """The process group to reduce over: ``process_group``, else the default group when
+    ``torch.distributed`` is initialized; None for a single process (world size 1)."""
+    group = process_group
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
 
 
 class _Lazy:
