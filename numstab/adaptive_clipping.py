@@ -26,7 +26,7 @@ from numstab._layouts import dense_only
 from numstab.backends._base import Backend
 from numstab.clipping import _global_norm, _numeric_leaves, scale_leaves
 from numstab.errors import InvalidArgumentError
-from numstab.tree import flatten, leaves_with_paths, unflatten
+from numstab.tree import flatten, flatten_with_paths, leaves_with_paths, unflatten
 
 Array = Any
 Tree = Any
@@ -262,9 +262,10 @@ class AGC:
     def clip(self, grads: Tree, params: Tree, *, backend: str | None = None) -> Tree:
         """The clipped gradient tree (same structure, ``None`` leaves kept, dtypes kept)."""
         # a unit's norm spans every row: sparse gradients (tf.IndexedSlices) are made dense
-        g_leaves, treedef = flatten(grads, sparse_as_dense=True)
+        named, treedef = flatten_with_paths(grads, sparse_as_dense=True)
         # pair leaves by path, not by position: jax.jit hands dicts back with sorted keys
-        paths = [path for path, _ in leaves_with_paths(grads, sparse_as_dense=True)]
+        paths = [path for path, _ in named]
+        g_leaves = [leaf for _, leaf in named]
         p_by_path = dict(leaves_with_paths(params))
         missing = [path for path in paths if path not in p_by_path]
         if missing or len(p_by_path) != len(paths):

@@ -101,18 +101,38 @@ def flatten(tree: Any, *, sparse_as_dense: bool = False) -> tuple[list[Leaf], Tr
     return leaves, _flatten(tree, leaves, sparse_as_dense)
 
 
-def _flatten(node: Any, leaves: list, dense: bool) -> TreeDef:
+def flatten_with_paths(
+    tree: Any, *, sparse_as_dense: bool = False
+) -> tuple[list[tuple[str, Leaf]], TreeDef]:
+    """``flatten`` with each leaf's path (as ``leaves_with_paths`` spells it), in one walk:
+    a sparse gradient is converted once, not once per question."""
+    leaves: list[Leaf] = []
+    paths: list[str] = []
+    treedef = _flatten(tree, leaves, sparse_as_dense, paths, "")
+    return list(zip(paths, leaves, strict=True)), treedef
+
+
+def _flatten(
+    node: Any, leaves: list, dense: bool, paths: list | None = None, prefix: str = ""
+) -> TreeDef:
     if type(node) in (list, tuple) and _all_plain_leaves(node):
         # the common gradient list (every child a leaf by _children's first test): what the
         # generic path below builds, without two calls per leaf
         leaves.extend(node)
+        if paths is not None:
+            paths.extend(f"{prefix}[{i}]" for i in range(len(node)))
         return TreeDef(type(node), (LEAF,) * len(node))  # rebuild: list(vs) or tuple(vs)
     split = _children(node, dense)
     if split is None:
         leaves.append(node)
+        if paths is not None:
+            paths.append(prefix)
         return LEAF
     pairs, rebuild = split
-    return TreeDef(rebuild, tuple(_flatten(child, leaves, dense) for _, child in pairs))
+    if paths is None:
+        return TreeDef(rebuild, tuple(_flatten(child, leaves, dense) for _, child in pairs))
+    children = (_flatten(c, leaves, dense, paths, prefix + suffix) for suffix, c in pairs)
+    return TreeDef(rebuild, tuple(children))
 
 
 def unflatten(treedef: TreeDef, leaves: list[Leaf]) -> Any:

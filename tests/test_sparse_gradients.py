@@ -84,9 +84,19 @@ def test_non_finite_values_are_found_at_the_gradient_path():
 
 
 @needs_tf
-def test_agc_makes_sparse_gradients_dense():
+def test_agc_makes_sparse_gradients_dense(monkeypatch):
     params = {"embedding": tf.ones([5, 2]), "bias": tf.ones([2])}
+    densified = []
+    convert = tf.convert_to_tensor
+
+    def counted(x, *args, **kwargs):
+        densified.extend([1] if isinstance(x, tf.IndexedSlices) else [])
+        return convert(x, *args, **kwargs)
+
+    monkeypatch.setattr(tf, "convert_to_tensor", counted)
     out = ns.AGC(0.1).clip(_grads(), params)
+    assert densified == [1]  # the leaves and their paths come from one walk
+    monkeypatch.undo()
     want = ns.AGC(0.1).clip(_dense(_grads()), {k: p.numpy() for k, p in params.items()})
     assert not isinstance(out["embedding"], tf.IndexedSlices)
     for k in want:

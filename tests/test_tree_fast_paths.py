@@ -15,7 +15,7 @@ import pytest
 import numstab as ns
 from numstab.backends import load_backend
 from numstab.backends._base import Backend
-from numstab.tree import flatten, unflatten
+from numstab.tree import flatten, flatten_with_paths, leaves_with_paths, unflatten
 
 
 def test_flat_lists_and_tuples_round_trip_with_none_leaves():
@@ -225,3 +225,20 @@ def test_torch_on_device_checks_every_tensor():
     assert _on_device([a, a], cpu) and _on_device([], cpu) and _on_device([b, b], meta)
     assert not _on_device([a, b], cpu) and not _on_device([b, a], meta)
     assert not _on_device([a, a], meta) and not _on_device([b], cpu)
+
+
+def test_flatten_with_paths_agrees_with_flatten_and_leaves_with_paths():
+    pair = namedtuple("pair", "a b")
+    trees = [
+        {"a": [np.ones(2), None], "b": pair(np.ones(1), {"c": (np.zeros(3),)})},
+        [np.ones(1), np.ones(2)],
+        np.ones(3),
+        {"x": [1.0, [np.ones(1)]]},
+    ]
+    for tree in trees:
+        named, treedef = flatten_with_paths(tree)
+        leaves, _ = flatten(tree)
+        assert [p for p, _ in named] == [p for p, _ in leaves_with_paths(tree)]
+        assert all(a is b for (_, a), b in zip(named, leaves, strict=True))
+        rebuilt = unflatten(treedef, [leaf for _, leaf in named])
+        assert [p for p, _ in leaves_with_paths(rebuilt)] == [p for p, _ in named]
