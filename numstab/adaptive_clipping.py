@@ -24,7 +24,7 @@ from numstab import _validate as v
 from numstab._dispatch import resolve_backend, to_backend
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend
-from numstab.clipping import _global_norm, _numeric_leaves, scale_leaves
+from numstab.clipping import _float_leaves, _global_norm, scale_leaves
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, flatten_with_paths, leaves_with_paths, unflatten
 
@@ -143,8 +143,8 @@ class ZClip:
         self, grads: Tree, state: ZClipState, *, backend: str | None = None
     ) -> tuple[Tree, ZClipState]:
         """(clipped gradients, next state). ``None`` leaves stay None; dtypes are kept."""
-        be, leaves, treedef, numeric = _numeric_leaves(grads, backend, state.mean)
-        norm = _global_norm(be, numeric, 2.0)
+        be, leaves, treedef, numeric, dtype = _float_leaves(grads, backend, state.mean)
+        norm = _global_norm(be, numeric, 2.0, dtype)
         coef, state = self.coefficient(norm, state, backend=be.name)
         return unflatten(treedef, scale_leaves(be, leaves, coef)), state
 

@@ -22,18 +22,11 @@ Tree = Any
 Array = Any
 
 
-def _numeric_leaves(
-    tree: Tree, backend: str | None, *extra: Array
-) -> tuple[Backend, list, Any, list]:
-    """(backend, all leaves, treedef, the non-None, non-empty floating leaves)."""
-    be, leaves, treedef, numeric, _ = _float_leaves(tree, backend, *extra)
-    return be, leaves, treedef, numeric
-
-
 def _float_leaves(
     tree: Tree, backend: str | None, *extra: Array
 ) -> tuple[Backend, list, Any, list, str]:
-    """``_numeric_leaves`` and the accumulation dtype of its non-empty floating leaves.
+    """(backend, all leaves, treedef, the non-None non-empty floating leaves, and their
+    accumulation dtype).
 
     One pass per question, none of them a Python call per leaf where it can be avoided: the
     dtype names are asked once per distinct dtype, and ``Backend.nonempty`` drops the empty
@@ -100,7 +93,7 @@ def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
 
     Stays on the device (no host sync); jit/tf.function/torch.compile friendly.
     """
-    be, _, _, leaves = _numeric_leaves(tree, backend)
+    be, _, _, leaves, _ = _float_leaves(tree, backend)
     if not leaves:
         return be.asarray(True)
     return native_op(be, "all_finite")(leaves)
@@ -117,11 +110,9 @@ def global_norm(tree: Tree, norm_type: float = 2.0, *, backend: str | None = Non
     return _global_norm(be, leaves, float(norm_type), dtype)
 
 
-def _global_norm(be: Backend, leaves: list, norm_type: float, dtype: str | None = None) -> Array:
-    """The norm of floating, non-empty ``leaves``, accumulated in ``dtype`` (by default the
-    accumulation dtype of the leaves)."""
-    if dtype is None:
-        dtype = _accumulation_dtype(_dtype_names(be, leaves))
+def _global_norm(be: Backend, leaves: list, norm_type: float, dtype: str) -> Array:
+    """The norm of floating, non-empty ``leaves``, accumulated in ``dtype`` (``_float_leaves``'
+    accumulation dtype)."""
     if not leaves:
         return be.asarray(0.0, dtype=dtype)
     with be.float_errors_ignored():
@@ -202,5 +193,5 @@ def clip_by_value(
         raise InvalidArgumentError(
             f"Expected min_value <= max_value. Received: min_value={low}, max_value={high}"
         )
-    be, leaves, treedef, _ = _numeric_leaves(tree, backend)
+    be, leaves, treedef, _, _ = _float_leaves(tree, backend)
     return unflatten(treedef, [None if x is None else be.clip(x, low, high) for x in leaves])

@@ -171,7 +171,7 @@ def _tf_eager(node: Any, axis: int, sizes: list) -> bool:
     """Handle an eager tensor without a TF op when possible (True): integer and bool ones
     only give their size, float16/32/64 ones in host memory are read in place
     (``_host.tf_view``). A dirty one's counts are handed on under the tensor itself."""
-    eager, floats, exact = tf_types()
+    eager, _, exact = tf_types()
     if type(node) is not eager:
         return False
     dtype = node._datatype_enum()  # an int; ``.dtype`` costs a Python DType hash
@@ -180,7 +180,7 @@ def _tf_eager(node: Any, axis: int, sizes: list) -> bool:
         if len(shape) > axis:
             sizes.append(shape[axis])
         return True
-    view = tf_view(node) if dtype in floats else None
+    view = tf_view(node)  # None unless a float16/32/64 tensor in host memory
     if view is None:
         return False
     try:
