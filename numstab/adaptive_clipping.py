@@ -154,7 +154,8 @@ class ZClip:
         """(factor to multiply the gradients by, next state) for a global norm computed
         elsewhere (for example across ranks). The factor is a float32 0-d array."""
         be = resolve_backend(norm, *state, backend=backend)
-        norm = be.cast(to_backend(be, norm, like=state.mean), "float32")
+        # a DTensor norm (FSDP2 gradients) becomes the plain global value the state holds
+        norm = be.cast(be.replicated(to_backend(be, norm, like=state.mean)), "float32")
         return self._step(be, norm, state)
 
     def _step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:

@@ -128,10 +128,101 @@ def _guard_scenario(rank: int, world: int, sharded: bool) -> dict:
     return record
 
 
+def _fsdp2_scenario(rank: int, world: int) -> dict:
+    """FSDP2 (``fully_shard`` on a CPU mesh): DTensor parameters and gradients, each rank
+    holding rows of every one. The guard (a spike on rank 1 only), ZClip, the inf-norm and
+    GradScaler must see the global gradients, and so must ``find_nonfinite`` when one rank's
+    shard holds a NaN and another's a -inf. ``world == 1``: the same model unsharded, the
+    reference (same batches on every rank, so FSDP2's averaged gradient is the same)."""
+    import torch
+
+    from numstab import AGC, ZClip, all_finite, find_nonfinite, global_norm
+    from numstab.guard import SpikeDetector, TrainingGuard
+    from numstab.integrations.torch import GradScaler
+
+    def full(x):  # the global value of a DTensor, a plain tensor as it is
+        return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.05)
+    spikes = SpikeDetector(window=8, sigma=4.0, warmup=4)
+    guard = TrainingGuard(loss_spikes=spikes, grad_norm_spikes=None, rollback_after=5)
+    tg = guard.for_torch(model, opt, sharded=True)  # a DTensor norm is global: not summed
+    zclip = ZClip()
+    zstate = zclip.init(params)
+    g = torch.Generator().manual_seed(1)
+    record: dict = {"applied": [], "zclip_norm": [], "inf_norm": [], "agc": []}
+    for step in range(GUARD_STEPS):
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+        model.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        grads = [p.grad for p in params]
+        _, zstate = zclip.update(grads, zstate)  # warming up: the gradients are unchanged
+        record["zclip_norm"].append(float(zstate.norm))
+        record["inf_norm"].append(float(full(global_norm(grads, norm_type=math.inf))))
+        clipped = AGC(clip_factor=0.01).clip(grads, params)  # unit-wise: rows of a weight
+        record["agc"] += [x for c in clipped for x in full(c).flatten().tolist()]
+        local = loss.detach() * (1e4 if step == GUARD_SPIKE and rank == 1 % world else 1.0)
+        record["applied"].append(tg.step(local))
+    history = tg.history.as_arrays()
+    record["guard_loss"] = history["loss"].tolist()
+    record["guard_norm"] = history["grad_norm"].tolist()
+    record["layer_norms"] = history["layer_norms"].tolist()
+    record["params"] = [full(p).detach().flatten().tolist() for p in params]
+
+    # non-finite values in one rank's shard each: rows 4.. of params[0] live on rank 1, rows
+    # 0-1 of params[2] on rank 0 (FSDP2 shards dim 0 evenly)
+    grads = [p.grad for p in params]
+    if world > 1:
+        if rank == 1:
+            grads[0].to_local()[0, 0] = math.nan
+        if rank == 0:
+            grads[2].to_local()[1, 2] = -math.inf
+    else:
+        grads[0][4, 0] = math.nan
+        grads[2][1, 2] = -math.inf
+    record["all_finite"] = bool(full(all_finite(grads)))
+    record["records"] = [
+        [r.path, r.nan_count, r.posinf_count, r.neginf_count, list(r.shape), r.finite_max]
+        for r in find_nonfinite(grads)
+    ]
+    record["inf_norm_bad"] = float(full(global_norm(grads, norm_type=math.inf)))
+
+    # GradScaler: an inf in rank 1's shard only makes every rank skip and back off
+    scaler = GradScaler(init_scale=8.0, growth_interval=100, sharded=True)
+    record["scales"], record["clip_norms"] = [], []
+    for step in range(3):
+        x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+        model.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step == 1 and rank == 1 % world:
+            (params[0].grad.to_local() if world > 1 else params[0].grad[4:])[0, 1] = math.inf
+        record["clip_norms"].append(float(scaler.clip_grad_norm_(opt, 1.0)))
+        scaler.step(opt)
+        scaler.update()
+        record["scales"].append(scaler.get_scale())
+    record["params_after_scaler"] = [full(p).detach().flatten().tolist() for p in params]
+    return record
+
+
 def _run_all(rank: int, world: int) -> dict:
     records = {name: _scenario(rank, world, *rest) for name, *rest in SCENARIOS}
     for name, sharded in GUARD_SCENARIOS:
         records[name] = _guard_scenario(rank, world, sharded)
+    try:  # an error here fails its own test, not every test of the file
+        records["fsdp2"] = _fsdp2_scenario(rank, world)
+    except ImportError as error:  # a torch without FSDP2 (fully_shard) or DTensor
+        records["fsdp2"] = {"skip": str(error)}
+    except Exception as error:
+        records["fsdp2"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
     return records
 
 
@@ -281,3 +372,48 @@ def test_guard_ranks_decide_together_on_the_mean_loss(results, name):
         if step != GUARD_SPIKE:
             assert r0["guard_loss"][step] == pytest.approx(ref["guard_loss"][step], rel=1e-6)
         assert r0["guard_norm"][step] == pytest.approx(ref["guard_norm"][step], rel=1e-5)
+
+
+def test_fsdp2_dtensor_gradients_are_seen_whole(results):
+    """FSDP2 gradients are DTensors: every rank must see the global norms, the global
+    non-finite counts and the same decisions as one unsharded process. Before numstab read
+    them as global: ``all_finite`` and ``find_nonfinite`` missed a NaN in another rank's
+    shard (a MAX collective drops NaN), and the guard, ZClip and GradScaler raised."""
+    ranks, reference = results
+    r0, r1, ref = ranks[0]["fsdp2"], ranks[1]["fsdp2"], reference["fsdp2"]
+    if "skip" in r0:
+        pytest.skip(f"no FSDP2 in this torch: {r0['skip']}")
+    for r in (r0, r1, ref):
+        assert "error" not in r, r.get("error")
+    # rank 1's spike skips the step on both ranks, as the one process skips its own spike
+    expected = [step != GUARD_SPIKE for step in range(GUARD_STEPS)]
+    assert r0["applied"] == r1["applied"] == ref["applied"] == expected
+    assert len(r0["layer_norms"]) == GUARD_STEPS and len(r0["layer_norms"][0]) == 4
+    for rec in (r0, r1, ref):
+        rec["layer_norms"] = [n for row in rec["layer_norms"] for n in row]
+    for key in ("guard_norm", "zclip_norm", "inf_norm", "layer_norms", "agc"):
+        assert r0[key] == r1[key], key
+        assert r0[key] == pytest.approx(ref[key], rel=1e-5), key
+    assert r0["guard_loss"] == r1["guard_loss"]
+    spiked = GUARD_SPIKE
+    assert r0["guard_loss"][:spiked] == pytest.approx(ref["guard_loss"][:spiked], rel=1e-6)
+    assert r0["params"] == r1["params"]
+    for a, b in zip(r0["params"], ref["params"], strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
+    # non-finite values in different ranks' shards: found on every rank, counted globally
+    for r in (r0, r1):
+        assert r["all_finite"] is False and ref["all_finite"] is False
+        assert (
+            [x[:5] for x in r["records"]]
+            == [x[:5] for x in ref["records"]]
+            == [
+                ["[0]", 1, 0, 0, [8, 6]],
+                ["[2]", 0, 0, 1, [3, 8]],
+            ]
+        )
+        assert r["inf_norm_bad"] == math.inf  # a NaN reads as +inf through the MAX
+    assert math.isnan(ref["inf_norm_bad"])
+    # GradScaler: both ranks skip the step with rank 1's inf and back off together
+    assert r0["scales"] == r1["scales"] == ref["scales"] == [8.0, 4.0, 4.0]
+    assert math.isinf(r0["clip_norms"][1]) and math.isinf(r1["clip_norms"][1])
+    assert r0["params_after_scaler"] == r1["params_after_scaler"]

@@ -64,6 +64,11 @@ class Backend:
         """A NumPy copy (bfloat16 becomes float32, which holds it exactly)."""
         raise NotImplementedError
 
+    def replicated(self, x: Array) -> Array:
+        """``x`` as a plain array holding its whole (global) value on this process. Only a
+        torch ``DTensor`` changes: its ``full_tensor()``, a collective every rank joins."""
+        return x
+
     def dtype_name(self, x: Array) -> str:
         """Canonical dtype name: 'float16', 'bfloat16', 'float32', 'int64', 'bool', ..."""
         raise NotImplementedError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from operator import attrgetter
 
 import numpy as np
@@ -30,15 +31,25 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 
 
+def is_dtensor(x) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (FSDP2 parameters and gradients). None
+    exists before that module is imported, so nothing is imported here."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(x, dtensor)
+
+
 class TorchBackend(Backend):
     name = "torch"
+
+    def replicated(self, x):
+        return x.full_tensor() if is_dtensor(x) else x
 
     def asarray(self, x, dtype=None, like=None):
         device = like.device if isinstance(like, torch.Tensor) else None
         return torch.as_tensor(x, dtype=getattr(torch, dtype) if dtype else None, device=device)
 
     def to_numpy(self, x):
-        x = x.detach().cpu()
+        x = self.replicated(x).detach().cpu()
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def label_summary(self, labels, ignore_index):
@@ -138,6 +149,8 @@ class TorchBackend(Backend):
         return F.log_softmax(x, dim=-1)
 
     def native_leaf_norms(self, leaves, ord, dtype):
+        if ord == math.inf and leaves and is_dtensor(leaves[0]):
+            return self._dtensor_absmax(leaves, dtype)
         first = leaves[0].device if leaves else _CPU
         together = _on_device(leaves, first)
         if ord == math.inf and together and first.type == "cpu":
@@ -147,6 +160,19 @@ class TorchBackend(Backend):
         if not together:  # each norm is on its leaf's device: gather them on the first's
             norms = [n.to(first) for n in norms]
         return torch.stack(norms)
+
+    def _dtensor_absmax(self, leaves, dtype):
+        """max |x| of each DTensor leaf (FSDP2), over every rank of the first leaf's mesh, as
+        a replicated DTensor. A NaN becomes +inf before the MAX collective, which would drop
+        it (gloo compares), so a non-finite leaf stays non-finite; its value reads +inf."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        local = self.native_leaf_norms([x.to_local() for x in leaves], math.inf, dtype)
+        local = torch.where(torch.isnan(local), math.inf, local)  # (nan_to_num caps inf)
+        mesh = leaves[0].device_mesh
+        placements = [Partial("max")] * mesh.ndim
+        partial = DTensor.from_local(local, mesh, placements, run_check=False)
+        return partial.redistribute(mesh, [Replicate()] * mesh.ndim)
 
     def native_global_norm(self, leaves, ord, dtype):
         # torch.nn.utils.get_total_norm's kernels: the norm of the stacked leaf norms

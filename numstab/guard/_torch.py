@@ -23,7 +23,9 @@ before the decision: the loss becomes the mean of the ranks' losses (a rank-loca
 counts on every rank), and the global norm is the ranks' common norm (replicated gradients,
 as after DDP's all-reduce: their mean) or, with ``sharded=True`` (each rank holds a disjoint
 part of the parameters, FSDP-style, as plain local tensors), ``sqrt`` of the summed squares.
-Every rank then runs the same policy on the same numbers. Per-layer norms stay per rank.
+Every rank then runs the same policy on the same numbers. Per-layer norms stay per rank,
+except FSDP2's DTensor gradients: their norms are made global first (``layer_norms``), so
+their global norm is taken as replicated whatever ``sharded`` says.
 
 Snapshots copy ``model.state_dict()`` (buffers included), ``optimizer.state_dict()`` and the
 scheduler's state on the device. A rollback loads them back (in place: the optimizer keeps
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from numstab.backends import load_backend
+from numstab.backends.torch import is_dtensor
 from numstab.errors import InvalidArgumentError
 from numstab.guard import policy
 from numstab.guard.guard import GuardRunner, TrainingGuard
@@ -126,7 +129,9 @@ class TorchGuard:
             pair = torch.stack([loss_t, total.float() if total is not None else loss_t * 0])
             group = reduction_group(self.process_group)
             if group is not None:
-                pair = _reduced(pair, group, self.sharded)
+                # the norm of DTensor gradients (FSDP2) is global already: a replicated one
+                sharded = self.sharded and not (grads and is_dtensor(grads[0]))
+                pair = _reduced(pair, group, sharded)
             loss_h, norm_h = pair.tolist()  # the one host sync of the step
         decision, self.state = policy.decide(
             self.guard,

@@ -27,7 +27,8 @@ def layer_norms(be: Backend, leaves: list[Array]) -> tuple[Array, Array]:
         zero = be.asarray(0.0, dtype=dtype)
         return be.stack([zero])[:0], zero
     with be.float_errors_ignored():
-        norms = native_op(be, "leaf_norms")(leaves, 2.0, dtype)
+        # DTensor gradients (FSDP2) give partial norms: one collective makes them global
+        norms = be.replicated(native_op(be, "leaf_norms")(leaves, 2.0, dtype))
         return norms, be.sqrt(be.sum(norms * norms))
 
 

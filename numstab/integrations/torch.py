@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from numstab import _validate as v
+from numstab.backends.torch import is_dtensor
 from numstab.clipping import clip_coefficient, global_norm
 from numstab.errors import InvalidArgumentError
 from numstab.loss_scale import LossScaler, LossScaleState
@@ -489,10 +490,14 @@ class GradScaler:
     def _reduce_norm(
         self, norm: torch.Tensor, norm_type: float, opt_state: _OptimizerState | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(global norm, global non-finite flag or None when disabled), in one collective."""
+        """(global norm, global non-finite flag or None when disabled), in one collective.
+        The norm of DTensor gradients (FSDP2) is global already: it is read as replicated."""
         group = self._group()
         found = None if opt_state is None else opt_state.found_inf
-        if group is None or not self._sharded:
+        sharded = self._sharded
+        if is_dtensor(norm):
+            norm, sharded = norm.full_tensor(), False
+        if group is None or not sharded:
             if opt_state is not None and not opt_state.reduced:
                 # a non-finite unscaled norm (scale < 1 overflow) skips too, on every rank
                 assert found is not None
