@@ -23,7 +23,7 @@ from numstab.data import (
     guard,
     nonfinite_per_sample,
 )
-from numstab.data.outliers import gaussian_tail
+from numstab.data.outliers import bonferroni_threshold, gaussian_tail, truncated_std_ratio
 from numstab.errors import (
     BackendMismatchError,
     BackendUnavailableError,
@@ -672,6 +672,48 @@ def test_zscore_default_threshold_false_positives_follow_the_gaussian_tail():
     f = ZScoreFilter()
     flags = np.concatenate([f(x[i : i + 1000]) for i in range(0, len(x), 1000)])
     assert 0.8 * gaussian_tail(3.0) <= flags[1000:].mean() <= 1.35 * gaussian_tail(3.0)
+
+
+def test_bonferroni_threshold_budgets_false_positives_per_sample():
+    for d in (1, 8, 64):
+        t = bonferroni_threshold(1e-3, d)
+        assert 1 - (1 - gaussian_tail(t)) ** d <= 1e-3 < 1 - (1 - gaussian_tail(t - 0.01)) ** d
+    # the std of a Gaussian truncated at t, by numerical integration
+    z = np.linspace(-3.0, 3.0, 600_001)
+    w = np.exp(-(z**2) / 2)
+    np.testing.assert_allclose(truncated_std_ratio(3.0), np.sqrt((z**2 * w).sum() / w.sum()), 1e-6)
+
+
+@pytest.mark.parametrize(
+    ("make", "d", "n"),
+    [
+        (lambda: ZScoreFilter(false_positive_rate=1e-3), 1, 200_000),
+        (lambda: ZScoreFilter(false_positive_rate=1e-3), 64, 60_000),
+        (lambda: MADFilter(false_positive_rate=1e-3), 8, 100_000),
+    ],
+    ids=["zscore-d1", "zscore-d64", "mad-d8"],
+)
+def test_false_positive_rate_holds_per_sample_at_any_d(make, d, n):
+    """The rate is a per-sample budget whatever d is. The measured rate is a binomial count
+    around it (3 standard errors) plus the estimation noise of mean and std (~15%)."""
+    x = np.random.default_rng(d).normal(size=(n, d))
+    f = make()
+    flags = np.concatenate([f(x[i : i + 1000]) for i in range(0, n, 1000)])[5000:]
+    slack = 3 * np.sqrt(1e-3 / len(flags))
+    assert 0.85e-3 - slack <= flags.mean() <= 1.15e-3 + slack
+    fixed = ZScoreFilter(threshold=bonferroni_threshold(1e-3, 1))  # the d=1 threshold
+    if d > 1:
+        fixed_flags = np.concatenate([fixed(x[i : i + 1000]) for i in range(0, n, 1000)])
+        assert fixed_flags[5000:].mean() > 0.5e-3 * d  # uncorrected: grows with d
+
+
+def test_threshold_and_false_positive_rate_are_exclusive():
+    with pytest.raises(InvalidArgumentError, match="threshold or false_positive_rate"):
+        ZScoreFilter(3.0, false_positive_rate=1e-3)
+    for bad in (0.0, 1.0, -1e-3, float("nan")):
+        with pytest.raises(InvalidArgumentError, match="false_positive_rate"):
+            MADFilter(false_positive_rate=bad)
+    assert ZScoreFilter().threshold == 3.0 and MADFilter().threshold == 3.5
 
 
 def test_outlier_policy_raise_fields_and_callable_features():

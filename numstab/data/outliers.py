@@ -7,13 +7,15 @@ its warm-up a filter flags nothing and learns from every sample.
 
 A sample is an outlier when ANY of its features is: ``max_j |z_j| > threshold``. On clean
 Gaussian data one feature exceeds 3 sigma with probability 0.27% (3.5 robust sigma: 0.047%),
-so the false-positive rate grows with ``d`` as ``1 - (1 - p) ** d``: pick ``threshold`` for
-the number of features (about 4.5 keeps 16 Gaussian features under 0.1%).
+so the false-positive rate grows with ``d`` as ``1 - (1 - p) ** d``. Give
+``false_positive_rate`` instead of ``threshold`` to budget false positives per sample: the
+per-feature threshold is then Bonferroni-corrected for ``d`` (``bonferroni_threshold``).
 """
 
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -28,6 +30,37 @@ class OutlierFilter:
     """Base class: ``__call__(features) -> outlier flags``; ``reset()`` forgets the state."""
 
     name = "abstract"
+    default_threshold = math.inf
+
+    def _init_threshold(self, threshold: Any, false_positive_rate: Any) -> None:
+        """Exactly one of a per-feature ``threshold`` or a per-sample ``false_positive_rate``."""
+        if threshold is not None and false_positive_rate is not None:
+            raise InvalidArgumentError(
+                f"Expected threshold or false_positive_rate, not both. Received: "
+                f"threshold={threshold!r}, false_positive_rate={false_positive_rate!r}"
+            )
+        if false_positive_rate is not None:
+            false_positive_rate = v.check_number(
+                "false_positive_rate", false_positive_rate, low=0.0, high=1.0, low_open=True
+            )
+            if false_positive_rate == 1.0:
+                raise InvalidArgumentError(
+                    f"Expected false_positive_rate in (0, 1). "
+                    f"Received: false_positive_rate={false_positive_rate!r}"
+                )
+            threshold = None
+        else:
+            threshold = self.default_threshold if threshold is None else threshold
+            threshold = v.check_number("threshold", threshold, low=0.0, low_open=True)
+        self.threshold = threshold
+        self.false_positive_rate = false_positive_rate
+
+    def feature_threshold(self, d: int) -> float:
+        """The per-feature threshold for ``d`` features: ``threshold``, or
+        ``bonferroni_threshold(false_positive_rate, d)``."""
+        if self.false_positive_rate is None:
+            return self.threshold
+        return bonferroni_threshold(self.false_positive_rate, d)
 
     def __call__(self, features: np.ndarray) -> np.ndarray:
         features = self._check(features)
@@ -77,9 +110,16 @@ class ZScoreFilter(OutlierFilter):
     """
 
     name = "zscore"
+    default_threshold = 3.0
 
-    def __init__(self, threshold: float = 3.0, warmup: int = 256) -> None:
-        self.threshold = v.check_number("threshold", threshold, low=0.0, low_open=True)
+    def __init__(
+        self,
+        threshold: float | None = None,
+        warmup: int = 256,
+        *,
+        false_positive_rate: float | None = None,
+    ) -> None:
+        self._init_threshold(threshold, false_positive_rate)
         self.warmup = _check_count("warmup", warmup, low=2)
         self.reset()
 
@@ -89,6 +129,12 @@ class ZScoreFilter(OutlierFilter):
         self.m2: np.ndarray | None = None
         self.num_features: int | None = None
 
+    def feature_threshold(self, d: int) -> float:
+        """In rate mode, ``t / truncated_std_ratio(t)``: the statistics are learned from
+        accepted samples only, so ``std`` is that of a Gaussian truncated at ``t``."""
+        t = super().feature_threshold(d)
+        return t if self.false_positive_rate is None else t / truncated_std_ratio(t)
+
     @property
     def std(self) -> np.ndarray | None:
         return None if self.mean is None else np.sqrt(self.m2 / max(self.count - 1, 1))
@@ -97,7 +143,8 @@ class ZScoreFilter(OutlierFilter):
         if self.count < self.warmup:
             flags = np.zeros(len(x), dtype=bool)
         else:
-            flags = (_robust_ratio(x - self.mean, self.std) > self.threshold).any(axis=1)
+            z = _robust_ratio(x - self.mean, self.std)
+            flags = (z > self.feature_threshold(x.shape[1])).any(axis=1)
         self._learn(x[~flags])
         return flags
 
@@ -130,9 +177,17 @@ class MADFilter(OutlierFilter):
     """
 
     name = "mad"
+    default_threshold = 3.5
 
-    def __init__(self, threshold: float = 3.5, window: int = 4096, warmup: int = 1024) -> None:
-        self.threshold = v.check_number("threshold", threshold, low=0.0, low_open=True)
+    def __init__(
+        self,
+        threshold: float | None = None,
+        window: int = 4096,
+        warmup: int = 1024,
+        *,
+        false_positive_rate: float | None = None,
+    ) -> None:
+        self._init_threshold(threshold, false_positive_rate)
         self.window = _check_count("window", window, low=2)
         self.warmup = _check_count("warmup", warmup, low=2)
         if self.warmup > self.window:
@@ -158,7 +213,7 @@ class MADFilter(OutlierFilter):
         else:
             median, mad = self.median_and_mad()
             z = MAD_SCALE * _robust_ratio(x - median, mad)
-            flags = (z > self.threshold).any(axis=1)
+            flags = (z > self.feature_threshold(x.shape[1])).any(axis=1)
         self._learn(x[~flags])
         return flags
 
@@ -284,3 +339,17 @@ def make_outlier_filter(spec: Any) -> OutlierFilter | None:
 def gaussian_tail(threshold: float) -> float:
     """P(|z| > threshold) for one standard Gaussian feature (the false-positive rate)."""
     return math.erfc(threshold / math.sqrt(2.0))
+
+
+def truncated_std_ratio(t: float) -> float:
+    """std of a standard Gaussian truncated to ``|z| <= t``:
+    ``sqrt(1 - 2 t phi(t) / erf(t / sqrt 2))`` (0.9941 at t = 3.29, 0.99997 at t = 4.5)."""
+    return math.sqrt(1.0 - 2.0 * t * NormalDist().pdf(t) / math.erf(t / math.sqrt(2.0)))
+
+
+def bonferroni_threshold(false_positive_rate: float, d: int) -> float:
+    """Per-feature threshold ``Phi^-1(1 - rate / (2 d))``: each of ``d`` features gets
+    ``rate / d`` of the two-sided Gaussian tail, so by the union bound a clean Gaussian sample
+    is flagged with probability at most ``rate`` (``1 - (1 - rate/d) ** d``, independent
+    features). For example rate 1e-3: 3.29 at d=1, 3.84 at d=8, 4.35 at d=64."""
+    return NormalDist().inv_cdf(1.0 - false_positive_rate / (2.0 * d))
