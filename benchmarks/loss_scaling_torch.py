@@ -35,7 +35,9 @@ With ``--device cuda``, unscale_ -> clip_grad_norm_ -> update (and a fused-SGD s
 under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any host sync.
 
 Also printed: the median CPU time of this process per call, which other processes competing
-for the cores inflate far less than wall time (a check on noisy shared machines).
+for the cores inflate far less than wall time (a check on noisy shared machines), and the
+device-to-host reads of one call of each side, counted on any device by
+``benchmarks/_host_reads.py`` (on CUDA each is a host sync).
 
 Usage: PYTHONPATH=. python benchmarks/loss_scaling_torch.py [--device cpu|cuda]
        [--tensors 200] [--params 20000000] [--repeats 21] [--warmup 3] [--threads N]
@@ -46,7 +48,9 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -54,6 +58,8 @@ import torch
 
 import numstab
 from numstab.integrations.torch import GradScaler, clip_grad_norm_
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _host_reads
 
 SCALE = 2.0**16
 MAX_NORM = 1.0
@@ -177,6 +183,20 @@ def _step(side: Side) -> Callable[[], None]:
     return run
 
 
+def _host_reads_per_call(ours: Side, theirs: Side, row: tuple) -> tuple[int, int]:
+    """Device-to-host reads (``benchmarks/_host_reads.py``) of one call of each side."""
+    from _host_reads import counting
+
+    fn_ours, fn_theirs, grads, _ = row
+    counts = []
+    for side, fn in ((ours, fn_ours), (theirs, fn_theirs)):
+        side.reset(grads)
+        with counting("torch") as reads:
+            fn()
+        counts.append(reads.count)
+    return counts[0], counts[1]
+
+
 def _sync_check(device: str, ours: Side) -> str:
     if device != "cuda":
         return "sync check skipped: needs --device cuda (set_sync_debug_mode is CUDA only)"
@@ -285,6 +305,7 @@ def main() -> None:
                         times[name][i].append(elapsed)
     finally:
         gc.enable()
+    reads = {name: _host_reads_per_call(ours, theirs, row) for name, row in rows.items()}
 
     n = sum(math.prod(s) for s in shapes)
     print(
@@ -295,6 +316,7 @@ def main() -> None:
     print(
         f"{'row':<10}{'numstab ms':>12}{'torch ms':>10}{'ratio':>8}{'goal':>8}  met"
         f"{'| CPU ms: numstab':>19}{'torch':>9}{'ratio':>7}"
+        f"{'| host reads: numstab':>22}{'torch':>6}"
     )
     for name, (*_, goal) in rows.items():
         (a, a_cpu), (b, b_cpu) = (
@@ -307,7 +329,7 @@ def main() -> None:
             f"{'-' if goal is None else '<=' + str(goal):>8}  "
             f"{'-' if goal is None else 'yes' if ratio <= goal else 'NO':<3}"
             f"| {a_cpu:>16.2f}{b_cpu:>9.2f}"
-            f"{a_cpu / b_cpu:>7.3f}"
+            f"{a_cpu / b_cpu:>7.3f}| {reads[name][0]:>20}{reads[name][1]:>6}"
         )
     print(sync_note)
 
