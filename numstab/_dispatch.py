@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from numstab._config import AUTO, backend_choice, configured_backend
 from numstab.backends import load_backend
-from numstab.errors import BackendMismatchError, MixedBackendsError
+from numstab.errors import BackendMismatchError, InvalidArgumentError, MixedBackendsError
 
 if TYPE_CHECKING:
     from numstab.backends._base import Backend
@@ -67,12 +67,42 @@ def detect(*arrays: Any) -> str | None:
     return found
 
 
-def to_backend(be: Backend, x: Any, like: Any = None) -> Any:
+def to_backend(be: Backend, x: Any, like: Any = None, name: str = "array") -> Any:
     """Host data (NumPy, scalars, lists) becomes an array of ``be`` (on the device of
-    ``like``); framework arrays and None pass as they are."""
+    ``like``); framework arrays and None pass as they are. Host data that is not numeric
+    (strings, objects) raises InvalidArgumentError naming ``name``."""
     if x is None or framework_of(x) != HOST:
         return x
+    check_numeric_host(x, name)
     return be.asarray(x, like=like)
+
+
+_NUMERIC_KINDS = frozenset("biufc")  # bool, int, uint, float, complex
+
+
+def check_numeric_host(x: Any, name: str) -> None:
+    """Raise InvalidArgumentError unless host data ``x`` holds numbers (or booleans)."""
+    if isinstance(x, (bool, int, float, complex)):
+        return
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        import numpy as np
+
+        try:
+            dtype = np.asarray(x).dtype
+        except (TypeError, ValueError):  # ragged lists and the like
+            dtype = np.dtype(object)
+    # ml_dtypes' bfloat16 / float8 are kind "V" to NumPy
+    if dtype.kind not in _NUMERIC_KINDS and not dtype.name.startswith(("bfloat", "float")):
+        raise InvalidArgumentError(
+            f"Expected {name} to be an array of numbers. Received: {name} of type "
+            f"{type(x).__name__}: {_short_repr(x)}"
+        )
+
+
+def _short_repr(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def resolve_backend(*arrays: Any, backend: str | None = None) -> Backend:

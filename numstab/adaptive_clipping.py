@@ -143,7 +143,9 @@ class ZClip:
         self, grads: Tree, state: ZClipState, *, backend: str | None = None
     ) -> tuple[Tree, ZClipState]:
         """(clipped gradients, next state). ``None`` leaves stay None; dtypes are kept."""
-        be, leaves, treedef, numeric, dtype = _float_leaves(grads, backend, state.mean)
+        be, leaves, treedef, numeric, dtype = _float_leaves(
+            grads, backend, state.mean, name="grads"
+        )
         norm = _global_norm(be, numeric, 2.0, dtype)
         coef, state = self.coefficient(norm, state, backend=be.name)
         return unflatten(treedef, scale_leaves(be, leaves, coef)), state
@@ -155,7 +157,7 @@ class ZClip:
         elsewhere (for example across ranks). The factor is a float32 0-d array."""
         be = resolve_backend(norm, *state, backend=backend)
         # a DTensor norm (FSDP2 gradients) becomes the plain global value the state holds
-        norm = be.cast(be.replicated(to_backend(be, norm, like=state.mean)), "float32")
+        norm = be.cast(be.replicated(to_backend(be, norm, like=state.mean, name="norm")), "float32")
         return self._step(be, norm, state)
 
     def _step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:
@@ -288,7 +290,11 @@ class AGC:
                 raise InvalidArgumentError(
                     f"Expected a parameter for every gradient. Received: params{path}=None"
                 )
-            out.append(self._clip_leaf(be, to_backend(be, g, like), to_backend(be, p, like), path))
+            out.append(
+                self._clip_leaf(
+                    be, to_backend(be, g, like, "grads"), to_backend(be, p, like, "params"), path
+                )
+            )
         return unflatten(treedef, out)
 
     def unit_axes(self, shape: tuple) -> tuple[int, ...] | None:

@@ -23,7 +23,7 @@ Array = Any
 
 
 def _float_leaves(
-    tree: Tree, backend: str | None, *extra: Array
+    tree: Tree, backend: str | None, *extra: Array, name: str = "tree"
 ) -> tuple[Backend, list, Any, list, str]:
     """(backend, all leaves, treedef, the non-None non-empty floating leaves, and their
     accumulation dtype).
@@ -40,11 +40,11 @@ def _float_leaves(
     be = resolve_backend(*kinds, *extra, backend=backend)
     if any(framework_of(leaf) == HOST for leaf in kinds):
         like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
-        leaves = [to_backend(be, leaf, like=like) for leaf in leaves]
+        leaves = [to_backend(be, leaf, like=like, name=f"{name} leaves") for leaf in leaves]
         present = [leaf for leaf in leaves if leaf is not None]
     dtypes = _dtype_names(be, present)
     if not all(map(v.is_floating, dtypes)):
-        raise _not_floating_error(be, present)
+        raise _not_floating_error(be, present, name)
     numeric = be.nonempty(present)
     if len(numeric) != len(present):  # an empty leaf does not choose the accumulation dtype
         dtypes = _dtype_names(be, numeric)
@@ -61,12 +61,12 @@ def _dtype_names(be: Backend, arrays: list) -> set[str]:
     return {be.dtype_name(x) for x in one_per_dtype}
 
 
-def _not_floating_error(be: Backend, present: list) -> InvalidArgumentError:
+def _not_floating_error(be: Backend, present: list, name: str) -> InvalidArgumentError:
     i, dtype = next(
         (i, d) for i, d in enumerate(map(be.dtype_name, present)) if not v.is_floating(d)
     )
     return InvalidArgumentError(
-        f"Expected floating-point leaves. Received: leaf {i} with dtype={dtype}"
+        f"Expected floating-point leaves in {name}. Received: leaf {i} with dtype={dtype}"
     )
 
 

@@ -86,10 +86,10 @@ def fused_linear_cross_entropy(
                 f"Expected chunk_size >= 1 or None. Received: chunk_size={chunk_size}"
             )
     be = resolve_backend(hidden, weight, labels, bias, backend=backend)
-    hidden = _to_backend(be, hidden)
-    weight = _to_backend(be, weight, like=hidden)
-    labels = _to_backend(be, labels, like=hidden)
-    bias = _to_backend(be, bias, like=hidden)
+    hidden = _to_backend(be, hidden, name="hidden")
+    weight = _to_backend(be, weight, like=hidden, name="weight")
+    labels = _to_backend(be, labels, like=hidden, name="labels")
+    bias = _to_backend(be, bias, like=hidden, name="bias")
     rows, width, vocab, batch_shape = _check_inputs(be, hidden, weight, labels, bias)
     cdt = v.compute_dtype(be.dtype_name(hidden))
 

@@ -32,6 +32,8 @@ import dataclasses
 import math
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend, to_backend
 from numstab._layouts import dense_only
@@ -179,7 +181,8 @@ class LossScaler:
 
     def scale(self, loss: Array, state: LossScaleState, *, backend: str | None = None) -> Array:
         """``loss * scale``, multiplied in float32 and returned in the loss's dtype."""
-        be = resolve_backend(loss, state.scale, backend=backend)
+        be = resolve_backend(loss, _state(state).scale, backend=backend)
+        loss = to_backend(be, loss, like=state.scale, name="loss")
         dtype = be.dtype_name(loss)
         v.check_floating("loss", dtype)
         if dtype in ("float32", "float64"):
@@ -194,14 +197,14 @@ class LossScaler:
         dtype, and one 0-d boolean over every leaf, taken on the unscaled values."""
         leaves, treedef = flatten(grads)
         present = [g for g in leaves if g is not None]
-        be = resolve_backend(state.scale, *present, backend=backend)
-        for i, g in enumerate(present):
+        be = resolve_backend(_state(state).scale, *present, backend=backend)
+        leaves = [to_backend(be, g, like=state.scale, name="grads") for g in leaves]
+        for i, g in enumerate(g for g in leaves if g is not None):
             if not v.is_floating(be.dtype_name(g)):
                 raise InvalidArgumentError(
-                    f"Expected floating-point gradients. Received: leaf {i} with "
+                    f"Expected floating-point gradients in grads. Received: leaf {i} with "
                     f"dtype={be.dtype_name(g)}"
                 )
-        leaves = [to_backend(be, g, like=state.scale) for g in leaves]
         inv_scale = 1.0 / state.scale  # scales are powers of two in practice: exact
         unscaled = scale_leaves(be, leaves, inv_scale)
         numeric = be.nonempty([g for g in unscaled if g is not None])
@@ -216,11 +219,10 @@ class LossScaler:
         Without ``min_scale`` the backoff still stops at float32's smallest normal number
         (as flax does): a scale of 0 would make every later step non-finite forever.
         """
-        be = resolve_backend(state.scale, backend=backend)
+        be = resolve_backend(_state(state).scale, finite, backend=backend)
+        finite = _finite_flag(be, finite, like=state.scale)
         if not self.dynamic:
             return state
-        if isinstance(finite, bool):
-            finite = be.asarray(finite, like=state.scale)
         scale, tracker, hysteresis_left = state
         full = self.hysteresis
         # finite step
@@ -273,3 +275,33 @@ class LossScaler:
         except (KeyError, TypeError) as exc:
             raise InvalidArgumentError(f"Not a numstab loss-scaler state dict: {exc!r}") from exc
         return scaler, state
+
+
+def _state(state: Any) -> LossScaleState:
+    if not isinstance(state, LossScaleState):
+        raise InvalidArgumentError(
+            f"Expected state to be a LossScaleState (from LossScaler.init). Received: state of "
+            f"type {type(state).__name__}"
+        )
+    return state
+
+
+def _finite_flag(be: Any, finite: Any, like: Any) -> Any:
+    """``finite`` as a 0-d boolean array of ``be``: a Python or NumPy bool, or a boolean
+    array with one element (as ``all_finite`` and ``unscale`` return). Anything else raises:
+    a vector of flags or a float would be reduced or cast silently."""
+    if isinstance(finite, (bool, np.bool_)):
+        return be.asarray(bool(finite), like=like)
+    if finite is None or isinstance(finite, (str, int, float)) or not hasattr(finite, "dtype"):
+        raise InvalidArgumentError(
+            f"Expected finite to be a bool or a 0-d boolean array (all_finite(grads)). "
+            f"Received: finite={finite!r}"
+        )
+    finite = to_backend(be, finite, like=like, name="finite")
+    dtype, shape = be.dtype_name(finite), be.shape(finite)
+    if dtype != "bool" or any(n != 1 for n in shape if n is not None):
+        raise InvalidArgumentError(
+            f"Expected finite to be a bool or a 0-d boolean array (all_finite(grads)). "
+            f"Received: finite with dtype={dtype}, shape={tuple(shape)}"
+        )
+    return be.reshape(finite, ()) if shape else finite

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend
 from numstab._dispatch import to_backend as _to_backend
@@ -41,7 +43,7 @@ def _classes_last(x: Array, axis: int, backend: str | None) -> tuple[Backend, Ar
     """(backend, ``x`` upcast to its compute dtype with ``axis`` moved last, the normalised
     axis); raises for a non-float ``x`` and for a class axis unknown or of length 0."""
     be = resolve_backend(x, backend=backend)
-    x = _to_backend(be, x)
+    x = _to_backend(be, _required("x", x), name="x")
     shape = be.shape(x)
     x, axis, _ = _prepare(be, x, "x", axis)
     _class_count(be, x, "x", axis, shape)
@@ -55,6 +57,10 @@ def logsumexp(
 
     Rows of all -inf give -inf; any +inf gives +inf; NaN gives NaN.
     """
+    if not isinstance(keepdims, (bool, np.bool_)):
+        raise InvalidArgumentError(
+            f"Expected keepdims to be a bool. Received: keepdims={keepdims!r}"
+        )
     be, x, axis = _classes_last(x, axis, backend)
     with be.float_errors_ignored():
         out = native_op(be, "logsumexp")(x, axis=-1, keepdims=keepdims)
@@ -80,7 +86,7 @@ def smooth_labels(
     """
     alpha = v.check_number("alpha", alpha, low=0.0, high=1.0)
     be = resolve_backend(labels, backend=backend)
-    labels = _to_backend(be, labels)
+    labels = _to_backend(be, _required("labels", labels), name="labels")
     dtype = be.dtype_name(labels)
     if v.is_integer(dtype):
         if num_classes is None:
@@ -148,9 +154,9 @@ def cross_entropy(
     z_loss = v.check_number("z_loss", z_loss, low=0.0)
     ignore_index = v.check_int("ignore_index", ignore_index)
     be = resolve_backend(logits, labels, weight, backend=backend)
-    logits = _to_backend(be, logits)
-    labels = _to_backend(be, labels, like=logits)
-    weight = _to_backend(be, weight, like=logits)
+    logits = _to_backend(be, _required("logits", logits), name="logits")
+    labels = _to_backend(be, _required("labels", labels), like=logits, name="labels")
+    weight = _to_backend(be, weight, like=logits, name="weight")
 
     shape = be.shape(logits)
     x, axis, cdt = _prepare(be, logits, "logits", axis)
@@ -206,6 +212,15 @@ def _class_weight(be: Backend, weight: Array, num_classes: int, cdt: str) -> Arr
             f"Expected weight of shape ({num_classes},), one per class. "
             f"Received: weight.shape={be.shape(weight)}"
         )
+    if be.can_read(weight):  # eagerly: one read of K numbers; traced weights are not checked
+        host = np.asarray(be.to_numpy(weight), dtype=np.float64)
+        bad = ~np.isfinite(host) | (host < 0)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidArgumentError(
+                f"Expected finite, non-negative class weights. Received: weight[{i}]={host[i]}"
+                f" ({int(bad.sum())} bad)"
+            )
     return be.cast(weight, cdt)
 
 
@@ -378,3 +393,9 @@ def _raise_out_of_range(
         f"Expected labels in {allowed}. "
         f"Received: labels[{index}]={host[first]} ({len(positions)} label(s) out of range)"
     )
+
+
+def _required(name: str, x: Any) -> Any:
+    if x is None:
+        raise InvalidArgumentError(f"Expected {name} to be an array. Received: {name}=None")
+    return x

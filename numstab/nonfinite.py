@@ -146,7 +146,7 @@ def _floating_leaves(tree: Tree, backend: str | None) -> tuple[Backend, list[tup
     like = next((x for _, x in named if framework_of(x) != "host"), None)
     out = []
     for path, leaf in named:
-        leaf = to_backend(be, leaf, like=like)
+        leaf = to_backend(be, leaf, like=like, name="tree leaves")
         if be.is_tracing(leaf):
             raise InvalidArgumentError(
                 "Expected concrete arrays: find_nonfinite and assert_finite read values on "

@@ -77,7 +77,9 @@ class TensorflowBackend(Backend):
         return tf.reshape(rows, tf.shape(like)[:-1])
 
     def arange(self, n, like=None):
-        return tf.range(n, dtype=like.dtype if like is not None else tf.int32)
+        # TF compares only equal dtypes: an integer ``like`` (labels) sets the dtype
+        integer = like is not None and like.dtype.is_integer
+        return tf.range(n, dtype=like.dtype if integer else tf.int32)
 
     def is_tracing(self, x):
         return not tf.executing_eagerly()

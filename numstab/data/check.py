@@ -163,9 +163,11 @@ def nonfinite_per_sample(batch: Any, *, batch_axis: int = 0, backend: str | None
     total = None
     for f in batched:
         if f.kind == "float":
-            counts = nonfinite_counts(be, to_backend(be, f.value, like=like), batch_axis)
+            counts = nonfinite_counts(
+                be, to_backend(be, f.value, like=like, name="batch"), batch_axis
+            )
             total = counts if total is None else total + counts
     if total is None:  # only integer / bool fields: zeros, on the batch's device
-        x = to_backend(be, batched[0].value, like=like)
+        x = to_backend(be, batched[0].value, like=like, name="batch")
         total = sample_counts(be, x, batch_axis, x != x)
     return total

@@ -19,11 +19,13 @@ next ``skip_after_rollback`` batches. More than ``max_rollbacks`` rollbacks rais
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from numstab import _validate as v
+from numstab._dispatch import to_backend
 from numstab.backends import load_backend
 from numstab.backends._base import Backend
 from numstab.errors import InvalidArgumentError, NonFiniteError
@@ -153,11 +155,38 @@ class TrainingGuard:
     def decide(
         self, state: policy.GuardState, loss: Any, grad_norm: Any, be: Backend | str = "numpy"
     ) -> tuple[policy.Decision, policy.GuardState]:
-        return policy.decide(self, _backend(be), state, loss, grad_norm)
+        """The decision on one step from its scalar ``loss`` and ``grad_norm`` (None: no
+        gradient check): numbers or one-element float arrays of ``be``."""
+        be = _backend(be)
+        like = state.step if isinstance(state, policy.GuardState) else None
+        loss = _scalar(be, "loss", loss, like)
+        if grad_norm is not None:
+            grad_norm = _scalar(be, "grad_norm", grad_norm, like)
+        return policy.decide(self, be, state, loss, grad_norm)
 
 
 def _backend(be: Backend | str) -> Backend:
     return load_backend(be) if isinstance(be, str) else be
+
+
+def _scalar(be: Backend, name: str, x: Any, like: Any) -> Any:
+    """``x`` as a 0-d float32 array of ``be``: a real number, or a numeric array with one
+    element. Anything else raises: a vector would be broadcast against the guard's state."""
+    if isinstance(x, bool) or not (isinstance(x, numbers.Real) or hasattr(x, "dtype")):
+        raise InvalidArgumentError(
+            f"Expected {name} to be a scalar number or a one-element array. Received: {name}={x!r}"
+        )
+    x = to_backend(be, x, like=like, name=name)
+    dtype, shape = be.dtype_name(x), be.shape(x)
+    if not (v.is_floating(dtype) or v.is_integer(dtype)):
+        raise InvalidArgumentError(
+            f"Expected {name} of a numeric dtype. Received: {name}.dtype={dtype}"
+        )
+    if any(n != 1 for n in shape):
+        raise InvalidArgumentError(
+            f"Expected {name} to be a scalar (one element). Received: {name}.shape={shape}"
+        )
+    return be.cast(be.reshape(x, ()), "float32")
 
 
 class Adapter(Protocol):

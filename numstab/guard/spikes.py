@@ -116,7 +116,8 @@ class SpikeDetector:
         active = (state.count + 1 >= self.effective_warmup) & be.isfinite(x)
         spike = active & (diff > self.sigma * std)
         safe_std = be.where(std > 0.0, std, 1.0)
-        z = be.where(std > 0.0, diff / safe_std, be.where(diff > 0.0, float("inf"), 0.0))
+        inf = be.asarray(float("inf"), "float32", like=diff)
+        z = be.where(std > 0.0, diff / safe_std, be.where(diff > 0.0, inf, 0.0))
         return be.where(active, z, 0.0), spike
 
     def push(self, be: Backend, state: WindowState, x: Array, accept: Array) -> WindowState:

@@ -1,0 +1,570 @@
+"""The bad-input catalogue: every public function and class, every argument.
+
+Each case expects ONE outcome on every backend: a named ``NumstabError`` subclass whose message
+names the argument (``bad``), or a documented valid result that the case checks (``Valid``).
+Stateful objects are checked unchanged after a rejected call (``unchanged``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+import numstab as ns
+from numstab import errors
+from tests.bad_inputs.ctx import Case, Ctx, Valid, bad, unchanged
+
+NAN, INF = float("nan"), float("inf")
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _x(c: Ctx, rows: int = 4, classes: int = 5) -> Any:
+    return c.a(np.linspace(-1, 1, rows * classes).reshape(rows, classes))
+
+
+def _y(c: Ctx, rows: int = 4) -> Any:
+    return c.a(np.arange(rows) % 5, "int64")
+
+
+def _finite(result: Any, c: Ctx) -> bool:
+    return bool(np.all(np.isfinite(c.np(result))))
+
+
+# -- scalar hyperparameters: wrong type, NaN, inf, out of range ------------------------------
+def _hyper(prefix: str, make: Callable[[Any], Any], name: str, values: dict[str, Any]):
+    for label, value in values.items():
+        yield Case(f"{prefix}.{name}={label}", lambda c, v=value: make(v), bad(name))
+
+
+TYPE_NAN_INF = {"str": "1.0", "none": None, "nan": NAN, "inf": INF, "bool": True}
+NEGATIVE = {"negative": -1.0}
+
+
+def hyperparameter_cases() -> Iterator[Case]:
+    x_y = lambda c: (_x(c), _y(c))
+    ce = lambda **kw: lambda c: ns.cross_entropy(*x_y(c), **kw)
+    for name, values in {
+        "label_smoothing": {**TYPE_NAN_INF, **NEGATIVE, "above_one": 1.5},
+        "z_loss": {**TYPE_NAN_INF, **NEGATIVE},
+        "ignore_index": {"float": 1.5, "str": "a", "none": None},
+        "reduction": {"unknown": "avg", "none_object": None, "int": 0},
+        "axis": {"out_of_range": 5, "float": 1.0},
+    }.items():
+        for label, value in values.items():
+            yield Case(f"cross_entropy.{name}={label}", ce(**{name: value}), bad(name))
+    scaler = ns.LossScaler
+    for name, values in {
+        "init_scale": {**TYPE_NAN_INF, "zero": 0.0, **NEGATIVE},
+        "growth_factor": {"str": "2", "nan": NAN, "below_one": 0.5},
+        "backoff_factor": {"nan": NAN, "zero": 0.0, "above_one": 1.5},
+        "growth_interval": {"zero": 0, "float": 2.5, "str": "10"},
+        "hysteresis": {"zero": 0, "float": 1.5},
+        "min_scale": {"nan": NAN, **NEGATIVE},
+        "max_scale": {"nan": NAN, "zero": 0.0},
+    }.items():
+        yield from _hyper("LossScaler", lambda v, n=name: scaler(**{n: v}), name, values)
+    for name, values in {
+        "alpha": {"nan": NAN, "above_one": 1.5, "str": "0.9"},
+        "z_thresh": {"nan": NAN, "zero": 0.0, **NEGATIVE},
+        "max_grad_norm": {"nan": NAN, **NEGATIVE},
+        "eps": {"nan": NAN, **NEGATIVE},
+        "warmup_steps": {"negative": -1, "float": 2.5},
+        "mode": {"unknown": "median"},
+        "clip_option": {"unknown": "max"},
+        "clip_factor": {"nan": NAN, "zero": 0.0},
+    }.items():
+        yield from _hyper("ZClip", lambda v, n=name: ns.ZClip(**{n: v}), name, values)
+    for name, values in {
+        "clip_factor": {"nan": NAN, "zero": 0.0, **NEGATIVE, "str": "0.01"},
+        "eps": {"nan": NAN, **NEGATIVE},
+        "layout": {"unknown": "xy"},
+    }.items():
+        yield from _hyper("AGC", lambda v, n=name: ns.AGC(**{n: v}), name, values)
+    for name, values in {
+        "window": {"zero": 0, "float": 3.5},
+        "sigma": {"nan": NAN, "zero": 0.0, "str": "6"},
+        "warmup": {"negative": -1},
+    }.items():
+        yield from _hyper(
+            "SpikeDetector", lambda v, n=name: ns.SpikeDetector(**{n: v}), name, values
+        )
+    for name, values in {
+        "snapshot_every": {"zero": 0, "float": 1.5},
+        "keep_snapshots": {"zero": 0},
+        "rollback_after": {"zero": 0, "above_window": 100},
+        "lr_factor": {"nan": NAN, "zero": 0.0, "above_one": 2.0},
+        "skip_after_rollback": {"negative": -1},
+        "max_rollbacks": {"negative": -1, "float": 1.5},
+        "loss_spikes": {"str": "olmo"},
+        "track_layers": {"str": "yes"},
+    }.items():
+        yield from _hyper(
+            "TrainingGuard", lambda v, n=name: ns.TrainingGuard(**{n: v}), name, values
+        )
+    sched = dict(base_lr=1e-3, warmup_steps=10, total_steps=100)
+    for name, values in {
+        "base_lr": {"nan": NAN, **NEGATIVE, "str": "1e-3"},
+        "warmup_steps": {"negative": -1, "above_total": 200},
+        "total_steps": {"zero": 0, "float": 10.5},
+        "min_lr": {"nan": NAN, **NEGATIVE},
+    }.items():
+        yield from _hyper(
+            "warmup_cosine_schedule",
+            lambda v, n=name: ns.warmup_cosine_schedule(**{**sched, n: v}),
+            name,
+            values,
+        )
+    for name, values in {"threshold": {"nan": NAN, "zero": 0.0}, "warmup": {"one": 1}}.items():
+        yield from _hyper(
+            "data.ZScoreFilter", lambda v, n=name: ns.data.ZScoreFilter(**{n: v}), name, values
+        )
+    yield from _hyper("data.guard", lambda v: ns.data.guard([], v), "policy", {"unknown": "skip"})
+    yield from _hyper(
+        "data.guard", lambda v: ns.data.guard([], outliers=v), "outliers", {"unknown": "iqr"}
+    )
+
+
+# -- array arguments: dtype, shape, values, empty, mixed frameworks ----------------------------
+def array_cases() -> Iterator[Case]:
+    yield from [
+        Case(
+            "cross_entropy.labels=float_ids",
+            lambda c: ns.cross_entropy(_x(c), c.a([0.0, 1.0, 2.0, 3.0])),
+            bad("labels"),
+        ),
+        Case(
+            "cross_entropy.labels=str",
+            lambda c: ns.cross_entropy(_x(c), ["a", "b", "c", "d"]),
+            bad("labels"),
+        ),
+        Case("cross_entropy.labels=None", lambda c: ns.cross_entropy(_x(c), None), bad("labels")),
+        Case(
+            "cross_entropy.labels=out_of_range",
+            lambda c: ns.cross_entropy(_x(c), c.a([0, 1, 2, 9], "int64")),
+            bad("labels"),
+        ),
+        Case(
+            "cross_entropy.labels=negative",
+            lambda c: ns.cross_entropy(_x(c), c.a([0, 1, 2, -3], "int64")),
+            bad("labels"),
+        ),
+        Case(
+            "cross_entropy.labels=bool",
+            lambda c: ns.cross_entropy(_x(c), c.a([True, False, True, False])),
+            bad("labels"),
+        ),
+        Case(
+            "cross_entropy.labels=shape",
+            lambda c: ns.cross_entropy(_x(c), c.a(np.zeros((4, 2)), "int64")),
+            bad("labels"),
+        ),
+        Case(
+            "cross_entropy.labels=probabilities_not_summing",
+            lambda c: ns.cross_entropy(_x(c), c.a(np.full((4, 5), 0.5))),
+            Valid(
+                _finite,
+                "probability rows are not normalised (documented, §3): the loss is sum(-t log p)",
+            ),
+        ),
+        Case(
+            "cross_entropy.logits=int",
+            lambda c: ns.cross_entropy(c.a(np.zeros((4, 5)), "int32"), _y(c)),
+            bad("logits"),
+        ),
+        Case(
+            "cross_entropy.logits=scalar",
+            lambda c: ns.cross_entropy(c.a(1.0), _y(c)),
+            bad("logits"),
+        ),
+        Case(
+            "cross_entropy.logits=str", lambda c: ns.cross_entropy("logits", _y(c)), bad("logits")
+        ),
+        Case("cross_entropy.logits=None", lambda c: ns.cross_entropy(None, _y(c)), bad("logits")),
+        Case(
+            "cross_entropy.logits=empty_batch",
+            lambda c: ns.cross_entropy(c.a(np.zeros((0, 5))), c.a(np.zeros(0), "int64")),
+            Valid(lambda r, c: float(c.np(r)) == 0.0, "mean over no counted row is 0.0 (§4.4)"),
+        ),
+        Case(
+            "cross_entropy.logits=huge",
+            lambda c: ns.cross_entropy(c.a(np.full((4, 5), F32_MAX / 2)), _y(c)),
+            Valid(_finite, "finite at any finite magnitude"),
+        ),
+        Case(
+            "cross_entropy.logits=tiny",
+            lambda c: ns.cross_entropy(c.a(np.full((4, 5), 1e-45)), _y(c)),
+            Valid(lambda r, c: abs(float(c.np(r)) - math.log(5)) < 1e-6, "log(K) for equal logits"),
+        ),
+        Case(
+            "cross_entropy.weight=nan",
+            lambda c: ns.cross_entropy(_x(c), _y(c), weight=c.a([1.0, NAN, 1.0, 1.0, 1.0])),
+            bad("weight"),
+        ),
+        Case(
+            "cross_entropy.weight=inf",
+            lambda c: ns.cross_entropy(_x(c), _y(c), weight=c.a([1.0, INF, 1.0, 1.0, 1.0])),
+            bad("weight"),
+        ),
+        Case(
+            "cross_entropy.weight=negative",
+            lambda c: ns.cross_entropy(_x(c), _y(c), weight=c.a([1.0, -1.0, 1.0, 1.0, 1.0])),
+            bad("weight"),
+        ),
+        Case(
+            "cross_entropy.weight=shape",
+            lambda c: ns.cross_entropy(_x(c), _y(c), weight=c.a([1.0, 1.0])),
+            bad("weight"),
+        ),
+        Case(
+            "cross_entropy.weight=str",
+            lambda c: ns.cross_entropy(_x(c), _y(c), weight="balanced"),
+            bad("weight"),
+        ),
+        Case(
+            "cross_entropy.mixed_frameworks",
+            lambda c: ns.cross_entropy(c.other_first(np.zeros((4, 5))), c.other(np.zeros(4))),
+            bad("arrays", errors.MixedBackendsError),
+        ),
+        Case(
+            "cross_entropy.backend=unknown",
+            lambda c: ns.cross_entropy(_x(c), _y(c), backend="mxnet"),
+            bad("mxnet", errors.UnknownBackendError),
+        ),
+        Case(
+            "log_softmax.x=int", lambda c: ns.log_softmax(c.a(np.zeros((2, 3)), "int32")), bad("x")
+        ),
+        Case("log_softmax.axis=out_of_range", lambda c: ns.log_softmax(_x(c), axis=3), bad("axis")),
+        Case("log_softmax.x=str", lambda c: ns.log_softmax("x"), bad("x")),
+        Case("logsumexp.axis=float", lambda c: ns.logsumexp(_x(c), axis=0.5), bad("axis")),
+        Case(
+            "logsumexp.keepdims=str", lambda c: ns.logsumexp(_x(c), keepdims="yes"), bad("keepdims")
+        ),
+        Case(
+            "logsumexp.x=all_neg_inf",
+            lambda c: ns.logsumexp(c.a(np.full((2, 3), -INF))),
+            Valid(lambda r, c: bool(np.all(c.np(r) == -INF)), "-inf, as log(0) (§2)"),
+        ),
+        Case("smooth_labels.alpha=nan", lambda c: ns.smooth_labels(_y(c), NAN, 5), bad("alpha")),
+        Case(
+            "smooth_labels.alpha=above_one", lambda c: ns.smooth_labels(_y(c), 1.5, 5), bad("alpha")
+        ),
+        Case(
+            "smooth_labels.num_classes=zero",
+            lambda c: ns.smooth_labels(_y(c), 0.1, 0),
+            bad("num_classes"),
+        ),
+        Case(
+            "smooth_labels.num_classes=too_small",
+            lambda c: ns.smooth_labels(_y(c), 0.1, 2),
+            bad("labels"),
+        ),
+        Case(
+            "smooth_labels.labels=float_ids",
+            lambda c: ns.smooth_labels(c.a([0.0, 1.0]), 0.1, 5),
+            bad("labels"),
+        ),
+        Case(
+            "fused_linear_cross_entropy.weight=shape",
+            lambda c: ns.fused_linear_cross_entropy(
+                c.a(np.zeros((4, 3))), c.a(np.zeros((5, 2))), _y(c)
+            ),
+            bad("weight"),
+        ),
+        Case(
+            "fused_linear_cross_entropy.chunk_size=zero",
+            lambda c: ns.fused_linear_cross_entropy(
+                c.a(np.zeros((4, 3))), c.a(np.zeros((5, 3))), _y(c), chunk_size=0
+            ),
+            bad("chunk_size"),
+        ),
+        Case(
+            "fused_linear_cross_entropy.labels=str",
+            lambda c: ns.fused_linear_cross_entropy(
+                c.a(np.zeros((4, 3))), c.a(np.zeros((5, 3))), "y"
+            ),
+            bad("labels"),
+        ),
+        Case(
+            "fused_linear_cross_entropy.bias=shape",
+            lambda c: ns.fused_linear_cross_entropy(
+                c.a(np.zeros((4, 3))), c.a(np.zeros((5, 3))), _y(c), bias=c.a(np.zeros(2))
+            ),
+            bad("bias"),
+        ),
+    ]
+
+
+def tree_cases() -> Iterator[Case]:
+    g = lambda c: [c.a([3.0, 4.0]), c.a([[0.0]])]
+    for fn_name, fn in {
+        "global_norm": lambda t, **k: ns.global_norm(t, **k),
+        "clip_by_global_norm": lambda t, **k: ns.clip_by_global_norm(t, 1.0, **k),
+        "all_finite": lambda t, **k: ns.all_finite(t, **k),
+        "find_nonfinite": lambda t, **k: ns.find_nonfinite(t, **k),
+        "clip_by_value": lambda t, **k: ns.clip_by_value(t, -1.0, 1.0, **k),
+    }.items():
+        yield Case(f"{fn_name}.tree=str_leaf", lambda c, f=fn: f([c.a([1.0]), "grad"]), bad("tree"))
+        yield Case(
+            f"{fn_name}.tree=int_leaf",
+            lambda c, f=fn: f([c.a([1.0]), c.a([1], "int32")]),
+            Valid(lambda r, c: r == [], "integer leaves cannot be non-finite: skipped (§15)")
+            if fn_name == "find_nonfinite"
+            else bad("tree"),
+        )
+        yield Case(
+            f"{fn_name}.tree=mixed",
+            lambda c, f=fn: f([c.other_first([1.0]), c.other([1.0])]),
+            bad("arrays", errors.MixedBackendsError),
+        )
+    yield from [
+        Case(
+            "global_norm.tree=empty",
+            lambda c: ns.global_norm([], backend=c.name),
+            Valid(lambda r, c: float(c.np(r)) == 0.0, "the norm of no leaves is 0 (§5)"),
+        ),
+        Case("global_norm.norm_type=zero", lambda c: ns.global_norm(g(c), 0.0), bad("norm_type")),
+        Case("global_norm.norm_type=str", lambda c: ns.global_norm(g(c), "fro"), bad("norm_type")),
+        Case(
+            "clip_by_global_norm.max_norm=nan",
+            lambda c: ns.clip_by_global_norm(g(c), NAN),
+            bad("max_norm"),
+        ),
+        Case(
+            "clip_by_global_norm.max_norm=negative",
+            lambda c: ns.clip_by_global_norm(g(c), -1.0),
+            bad("max_norm"),
+        ),
+        Case(
+            "clip_by_global_norm.max_norm=zero",
+            lambda c: ns.clip_by_global_norm(g(c), 0.0),
+            bad("max_norm"),
+        ),
+        Case(
+            "clip_by_global_norm.max_norm=str",
+            lambda c: ns.clip_by_global_norm(g(c), "1"),
+            bad("max_norm"),
+        ),
+        Case(
+            "clip_by_global_norm.max_norm=inf",
+            lambda c: ns.clip_by_global_norm(g(c), INF),
+            bad("max_norm"),
+        ),
+        Case(
+            "clip_by_global_norm.max_norm=float32_max",
+            lambda c: ns.clip_by_global_norm(g(c), F32_MAX),
+            Valid(
+                lambda r, c: float(c.np(r[1])) == 5.0 and float(c.np(r[0][0])[0]) == 3.0,
+                "no clipping below max_norm; the norm is returned (§7)",
+            ),
+        ),
+        Case(
+            "clip_by_global_norm.norm=nan",
+            lambda c: ns.clip_by_global_norm(g(c), 1.0, norm=c.a(NAN)),
+            Valid(
+                lambda r, c: not np.isfinite(c.np(r[1])),
+                "a non-finite norm is returned, leaves scaled by NaN (§5: check all_finite)",
+            ),
+        ),
+        Case(
+            "clip_by_value.min_value=above_max",
+            lambda c: ns.clip_by_value(g(c), 1.0, -1.0),
+            bad("min_value"),
+        ),
+        Case(
+            "clip_by_value.max_value=nan",
+            lambda c: ns.clip_by_value(g(c), -1.0, NAN),
+            bad("max_value"),
+        ),
+        Case(
+            "assert_finite.tree=nan",
+            lambda c: ns.assert_finite([c.a([1.0, NAN])]),
+            bad("grads", errors.NonFiniteError),
+        ),
+        Case("assert_finite.name=int", lambda c: ns.assert_finite(g(c), 3), bad("name")),
+        Case(
+            "adaptive_grad_clip.params=structure",
+            lambda c: ns.adaptive_grad_clip(g(c), [c.a([1.0, 1.0])]),
+            bad("params"),
+        ),
+        Case(
+            "adaptive_grad_clip.params=shape",
+            lambda c: ns.adaptive_grad_clip([c.a([1.0, 1.0])], [c.a([1.0, 1.0, 1.0])]),
+            bad("param shape"),
+        ),
+        Case(
+            "adaptive_grad_clip.layout=unknown",
+            lambda c: ns.adaptive_grad_clip(g(c), g(c), layout="abc"),
+            bad("layout"),
+        ),
+    ]
+
+
+# -- stateful objects: a rejected call leaves the state as it was -------------------------------
+def stateful_cases() -> Iterator[Case]:
+    def scaler_update(finite: Callable[[Ctx], Any]) -> Callable[[Ctx], Any]:
+        def call(c: Ctx) -> Any:
+            s = ns.LossScaler(init_scale=1024.0)
+            state = s.init(backend=c.name)
+            return unchanged(lambda: state, lambda: s.update(state, finite(c)))
+
+        return call
+
+    for label, finite in {
+        "str": lambda c: "yes",
+        "none": lambda c: None,
+        "vector": lambda c: c.a([True, False]),
+        "float_array": lambda c: c.a(1.0),
+        "int": lambda c: 1,
+    }.items():
+        yield Case(f"LossScaler.update.finite={label}", scaler_update(finite), bad("finite"))
+
+    def scaler_unscale(grads: Callable[[Ctx], Any], arg: str = "grads"):
+        def call(c: Ctx) -> Any:
+            s = ns.LossScaler()
+            state = s.init(backend=c.name)
+            return unchanged(lambda: state, lambda: s.unscale(grads(c), state))
+
+        return call
+
+    yield Case(
+        "LossScaler.unscale.grads=str_leaf",
+        scaler_unscale(lambda c: [c.a([1.0]), "g"]),
+        bad("grads"),
+    )
+    yield Case(
+        "LossScaler.scale.loss=str",
+        lambda c: ns.LossScaler().scale("loss", ns.LossScaler().init(backend=c.name)),
+        bad("loss"),
+    )
+    yield Case(
+        "LossScaler.update.state=wrong_type",
+        lambda c: ns.LossScaler().update({"scale": 1.0}, True),
+        bad("state"),
+    )
+
+    def zclip(grads: Callable[[Ctx], Any]) -> Callable[[Ctx], Any]:
+        def call(c: Ctx) -> Any:
+            z = ns.ZClip(warmup_steps=1)
+            state = z.init(backend=c.name)
+            _, state = z.update([c.a([1.0, 2.0])], state)
+            return unchanged(lambda: state, lambda: z.update(grads(c), state))
+
+        return call
+
+    yield Case("ZClip.update.grads=str_leaf", zclip(lambda c: [c.a([1.0]), "g"]), bad("grads"))
+    yield Case("ZClip.update.grads=int_leaf", zclip(lambda c: [c.a([1], "int32")]), bad("grads"))
+
+    def guard_decide(loss: Callable[[Ctx], Any], norm: Callable[[Ctx], Any] = lambda c: 1.0):
+        def call(c: Ctx) -> Any:
+            g = ns.TrainingGuard()
+            state = g.init_state(c.name)
+            return unchanged(lambda: state, lambda: g.decide(state, loss(c), norm(c), c.name))
+
+        return call
+
+    yield Case(
+        "TrainingGuard.decide.loss=vector", guard_decide(lambda c: c.a([1.0, 2.0])), bad("loss")
+    )
+    yield Case("TrainingGuard.decide.loss=str", guard_decide(lambda c: "1.0"), bad("loss"))
+    yield Case("TrainingGuard.decide.loss=none", guard_decide(lambda c: None), bad("loss"))
+    yield Case(
+        "TrainingGuard.decide.grad_norm=str",
+        guard_decide(lambda c: 1.0, lambda c: "1"),
+        bad("grad_norm"),
+    )
+    yield Case(
+        "TrainingGuard.decide.grad_norm=vector",
+        guard_decide(lambda c: 1.0, lambda c: c.a([1.0, 2.0])),
+        bad("grad_norm"),
+    )
+    yield Case(
+        "TrainingGuard.decide.loss=nan",
+        guard_decide(lambda c: NAN),
+        Valid(
+            lambda r, c: not bool(np.asarray(c.np(r[0].apply))), "a NaN loss skips the step (§16)"
+        ),
+    )
+
+    def firewall(batch: Callable[[Ctx], Any]) -> Callable[[Ctx], Any]:
+        def call(c: Ctx) -> Any:
+            fw = ns.data.Firewall("drop")
+            fw.process({"x": c.a(np.ones((4, 2)))})
+            return unchanged(
+                lambda: fw.stats.seen if hasattr(fw.stats, "seen") else fw.stats.dropped,
+                lambda: fw.process(batch(c)),
+            )
+
+        return call
+
+    yield Case(
+        "data.Firewall.process.batch=ragged",
+        firewall(lambda c: {"x": c.a(np.ones((4, 2))), "y": c.a(np.ones(3))}),
+        bad("batch"),
+    )
+    yield Case("data.Firewall.process.batch=str", firewall(lambda c: "batch"), bad("batch"))
+    yield Case(
+        "data.check_batch.batch_axis=beyond_rank",
+        lambda c: ns.data.check_batch({"x": c.a(np.ones((4, 2)))}, batch_axis=3),
+        Valid(lambda r, c: len(r.bad_samples) == 0, "rank <= batch_axis: unbatched (§17.1)"),
+    )
+    yield Case(
+        "data.check_batch.batch_axis=negative",
+        lambda c: ns.data.check_batch({"x": c.a(np.ones((4, 2)))}, batch_axis=-1),
+        bad("batch_axis"),
+    )
+
+
+def backend_cases() -> Iterator[Case]:
+    yield Case(
+        "set_backend.name=unknown",
+        lambda c: ns.set_backend("mxnet"),
+        bad("mxnet", errors.UnknownBackendError),
+    )
+    yield Case(
+        "set_backend.name=int", lambda c: ns.set_backend(3), bad("3", errors.UnknownBackendError)
+    )
+    yield Case(
+        "use_backend.name=unknown",
+        lambda c: ns.use_backend("cupy").__enter__(),
+        bad("cupy", errors.UnknownBackendError),
+    )
+    yield Case(
+        "use_backend.mismatch", lambda c: _mismatch(c), bad("selected", errors.BackendMismatchError)
+    )
+    yield Case(
+        "check_numerics.mode=unknown",
+        lambda c: ns.check_numerics(mode="all", backend=c.name),
+        bad("mode"),
+    )
+    yield Case(
+        "check_numerics.nan=str", lambda c: ns.check_numerics(nan="yes", backend=c.name), bad("nan")
+    )
+    yield Case(
+        "locate_nonfinite.model=str", lambda c: ns.locate_nonfinite("model", _x(c)), bad("model")
+    )
+
+
+def _mismatch(c: Ctx) -> Any:
+    other = "tensorflow" if c.name != "tensorflow" else "torch"
+    if c.name == "numpy":
+        other, arrays = "jax", c.other_first(np.zeros((4, 5)))
+    else:
+        arrays = _x(c)
+    with ns.use_backend(other):
+        return ns.logsumexp(arrays)
+
+
+def all_cases() -> list[Case]:
+    cases = [
+        *hyperparameter_cases(),
+        *array_cases(),
+        *tree_cases(),
+        *stateful_cases(),
+        *backend_cases(),
+    ]
+    ids = [c.id for c in cases]
+    assert len(ids) == len(set(ids)), "duplicate case ids"
+    return cases
