@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from numstab.backends import canonical_name
-from numstab.errors import InvalidArgumentError
+from numstab.errors import InvalidArgumentError, UnknownBackendError
 
 AUTO = "auto"
 ENV_VAR = "NUMSTAB_BACKEND"
@@ -125,12 +125,20 @@ def backend_choice(explicit: str | None = None) -> BackendChoice:
         return BackendChoice(_global_backend, "set_backend()")
     env = os.environ.get(ENV_VAR)
     if env:
-        return BackendChoice(_normalise(env), f"{ENV_VAR} environment variable")
+        return _choice_from(env, f"{ENV_VAR} environment variable")
     path = _config_path()
     value = _config_file_backend(path)
     if value:
-        return BackendChoice(_normalise(value), f"config file {path}")
+        return _choice_from(value, f"config file {path}")
     return BackendChoice(AUTO, "default")
+
+
+def _choice_from(value: str, source: str) -> BackendChoice:
+    """A name from the environment or a file: an unknown one says where it was read."""
+    try:
+        return BackendChoice(_normalise(value), source)
+    except UnknownBackendError as exc:
+        raise UnknownBackendError(f"{exc} It was read from the {source}.") from None
 
 
 # Read the config file now rather than inside the first (possibly traced) call.

@@ -177,7 +177,9 @@ def cross_entropy(
             )
             return be.unflatten_rows(loss, x) if reduction == "none" else loss
         elif v.is_floating(label_dtype):
-            _check_label_shape(label_shape, shape, shape, "probability labels of shape")
+            _check_label_shape(
+                label_shape, shape, shape, "probability labels of shape", label_dtype
+            )
             t = be.cast(_prepare(be, labels, "labels", axis)[0], cdt)
             t = be.reshape(t, (-1, num_classes))
             kernel = _probability_kernel
@@ -224,11 +226,16 @@ def _class_weight(be: Backend, weight: Array, num_classes: int, cdt: str) -> Arr
     return be.cast(weight, cdt)
 
 
-def _check_label_shape(label_shape: tuple, expected: tuple, logits_shape: tuple, what: str) -> None:
+def _check_label_shape(
+    label_shape: tuple, expected: tuple, logits_shape: tuple, what: str, dtype: str = ""
+) -> None:
     if not v.shapes_match(label_shape, expected):
+        hint = ""
+        if dtype and v.shapes_match(label_shape, logits_shape[:-1]):  # float class ids?
+            hint = f", labels.dtype={dtype} (class ids must have an integer dtype)"
         raise InvalidArgumentError(
             f"Expected {what} {expected} for logits of shape {logits_shape}. "
-            f"Received: labels.shape={label_shape}"
+            f"Received: labels.shape={label_shape}{hint}"
         )
 
 

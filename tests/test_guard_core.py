@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -238,6 +240,34 @@ def test_process_killed_mid_write_leaves_previous_snapshot_intact(tmp_path):
     assert store.load()[1]["w"].sum() == 100_000
     store.save(3, {"w": np.zeros(3, np.float32)})  # the next write cleans it up
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+
+
+def test_sigkill_at_random_moments_leaves_every_snapshot_whole(tmp_path):
+    """A writer saving 8 MB snapshots in a loop is SIGKILLed at several moments: every file
+    under a snapshot name loads, and holds what its step wrote (its own step everywhere)."""
+    script = textwrap.dedent("""
+        import sys, numpy as np
+        from numstab.guard import SnapshotDirectory
+        store = SnapshotDirectory(sys.argv[1], keep=2)
+        print("ready", flush=True)
+        for step in range(1, 1000):
+            store.save(step, {"w": np.full(2_000_000, step, np.float32)})
+    """)
+    delays = np.random.default_rng(0).uniform(0.05, 0.6, size=5)
+    for trial, delay in enumerate(delays):
+        directory = tmp_path / f"trial{trial}"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, str(directory)], stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(float(delay))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL
+        store = SnapshotDirectory(directory, keep=2)
+        for step in store.steps():
+            tree = load_npz(store.path(step))
+            assert tree["w"].shape == (2_000_000,) and (tree["w"] == step).all()
 
 
 # -- JSON log ----------------------------------------------------------------------------------

@@ -79,6 +79,58 @@ def test_unknown_backend_lists_valid_names(monkeypatch):
     assert issubclass(ns.UnknownBackendError, ns.NumstabError)
 
 
+def test_unknown_backend_says_where_the_name_was_read(monkeypatch, tmp_path, capsys):
+    from numstab import cli
+
+    monkeypatch.setenv("NUMSTAB_BACKEND", "caffe")
+    with pytest.raises(ns.UnknownBackendError, match="read from the NUMSTAB_BACKEND environment"):
+        ns.cross_entropy(X, Y)
+    monkeypatch.delenv("NUMSTAB_BACKEND")
+    config = tmp_path / "numstab.toml"
+    config.write_text('backend = "cupy"\n')
+    monkeypatch.setenv("NUMSTAB_CONFIG", str(config))
+    with pytest.raises(ns.UnknownBackendError, match=f"read from the config file {config}"):
+        ns.get_backend()
+    assert cli.main(["info"]) == 2
+    assert f"config file {config}" in capsys.readouterr().err
+
+
+def test_selection_stays_per_context_under_concurrent_threads_and_tasks():
+    """Eight threads, each running asyncio tasks that select different backends and yield to
+    each other mid-block: every read sees its own context's choice."""
+    names = ["numpy", "torch", "jax", "tensorflow"]
+    barrier = threading.Barrier(8)
+    errors = []
+
+    async def task(name):
+        with ns.use_backend(name):
+            for _ in range(20):
+                await asyncio.sleep(0)
+                if ns.get_backend() != name:
+                    errors.append((name, ns.get_backend()))
+        return ns.get_backend()
+
+    def thread_main(i):
+        mine = names[i % 4]
+        with ns.use_backend(mine):
+            barrier.wait()
+
+            async def main():
+                return await asyncio.gather(*(task(n) for n in names))
+
+            inner = asyncio.run(main())
+            if inner != [mine] * 4 or ns.get_backend() != mine:
+                errors.append((mine, inner, ns.get_backend()))
+
+    threads = [threading.Thread(target=thread_main, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert ns.get_backend() == "auto"
+
+
 def test_bad_config_file_is_a_clear_error(monkeypatch, tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text("backend = 3\n")
