@@ -250,3 +250,13 @@ def test_default_chunk_size_rule():
     assert default_chunk_size(10, 65536) == 10  # never more than the rows
     assert default_chunk_size(1000, 2**30) == 1  # never less than one row
     assert default_chunk_size(300, 65536) == 100  # 3 even chunks, not 128 + 128 + 44
+
+
+@pytest.mark.parametrize("offset", [1e4, -1e6])
+def test_large_common_offset(eager_target, offset):
+    """A bias far from 0 shifts every logit alike: the fused loss and its gradients must keep
+    the unfused loss's digits (both shift by the row max before lse - x[y] and exp(x - lse))."""
+    hidden, weight, bias, labels, cotangent = _data(seed=5)
+    data = hidden, weight, bias + offset, labels, cotangent
+    _check(eager_target, "float32", {"label_smoothing": 0.1, "z_loss": 1e-4}, data=data)
+    _check(eager_target, "float32", {}, data=data)

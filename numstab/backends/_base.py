@@ -140,6 +140,10 @@ class Backend:
     def exp(self, x: Array) -> Array:
         raise NotImplementedError
 
+    def stop_gradient(self, x: Array) -> Array:
+        """``x``, treated as a constant by automatic differentiation (identity without it)."""
+        return x
+
     def log(self, x: Array) -> Array:
         raise NotImplementedError
 
@@ -249,6 +253,19 @@ class Backend:
             m = self.sum(m, axis=axis)  # summing a length-1 axis drops it, exactly
         return self.log(total) + m
 
+    def max_shifted(self, x: Array) -> tuple[Array, Array]:
+        """``(x - m, m)``, m the max over the last axis where finite, else 0 (a row of all
+        -inf, or holding +inf or NaN); ``m`` has shape ``x.shape[:-1]`` and no gradient.
+
+        ``lse(x) - x[c] = lse(x - m) - (x[c] - m)``: the right side keeps full precision at
+        any common offset, where the left loses every digit once the offset's ulp exceeds
+        the spread (float32 logits at 1e6: ulp 0.0625). ``x - m`` is exact for entries
+        within a factor 2 of m (Sterbenz) and never overflows unless the spread does.
+        """
+        m = self.max(x, axis=-1, keepdims=True)
+        m = self.stop_gradient(self.where(self.isfinite(m), m, 0.0))
+        return x - m, self.sum(m, axis=-1)  # summing a length-1 axis drops it, exactly
+
     def log_softmax(self, x: Array) -> Array:
         """(x - m) - log(sum(exp(x - m))) over the last axis, m the row max.
 
@@ -266,7 +283,9 @@ class Backend:
     def smoothed_nll(self, x: Array, labels: Array, eps: float, weight: Array | None) -> Array:
         """Per row, label smoothing over ALL K classes (torch's ``label_smoothing`` rows):
         ``(1 - eps) * w[y] * (lse - x[y]) + eps / K * sum_c w[c] * (lse - x[c])``, w = 1
-        without ``weight``. A row holding a -inf (masked) class must come out non-finite."""
+        without ``weight``, computed on ``max_shifted(x)``. A row holding a -inf (masked)
+        class must come out non-finite."""
+        x, _ = self.max_shifted(x)  # lse - x[c], shifted: exact at any offset
         lse = native_op(self, "logsumexp")(x, axis=-1)
         nll = lse - self.take_rows(x, labels)
         count = self.shape(x)[-1]

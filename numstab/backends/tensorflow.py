@@ -90,6 +90,9 @@ class TensorflowBackend(Backend):
     def exp(self, x):
         return tf.exp(x)
 
+    def stop_gradient(self, x):
+        return tf.stop_gradient(x)
+
     def log(self, x):
         return tf.math.log(x)
 

@@ -102,6 +102,9 @@ class TorchBackend(Backend):
     def exp(self, x):
         return torch.exp(x)
 
+    def stop_gradient(self, x):
+        return x.detach()
+
     def log(self, x):
         return torch.log(x)
 
