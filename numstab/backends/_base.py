@@ -215,17 +215,38 @@ class Backend:
             return self.sum(norms)
         return self.sum(norms**ord) ** (1.0 / ord)
 
-    def scale_leaves(self, leaves: list[Array], factor: Array) -> list[Array]:
+    def scale_leaves(
+        self, leaves: list[Array], factor: Array, toward_zero: bool = False
+    ) -> list[Array]:
         """Each leaf times a 0-d ``factor``: float32/64 leaves multiply in their own dtype,
-        16-bit leaves in float32 and are rounded back once."""
+        16-bit leaves in float32 and are rounded back once: to nearest, or ``toward_zero``
+        (``cast_toward_zero``: clipping, whose result must not grow past the float32 one)."""
         out = []
         for leaf in leaves:
             dtype = self.dtype_name(leaf)
             if dtype in ("float32", "float64"):
                 out.append(leaf * self.cast(factor, dtype))
+            elif toward_zero:
+                out.append(self.cast_toward_zero(self.cast(leaf, "float32") * factor, dtype))
             else:
                 out.append(self.cast(self.cast(leaf, "float32") * factor, dtype))
         return out
+
+    def cast_toward_zero(self, x: Array, dtype: str) -> Array:
+        """float32 ``x`` as the 16-bit ``dtype``, rounded toward zero: ``|out| <= |x|``
+        everywhere (round to nearest can move a value up by half a spacing, which below the
+        normal range is any fraction of it: 0.6 * 2**-24 becomes 2**-24 in float16). A value
+        that rounded away from zero steps back one spacing (``step_toward_zero``); NaN stays
+        NaN, and a finite value past the dtype's largest becomes that largest, not inf."""
+        rounded = self.cast(x, dtype)
+        away = self.abs(self.cast(rounded, "float32")) > self.abs(x)
+        return self.where(away, self.step_toward_zero(rounded), rounded)
+
+    def step_toward_zero(self, x: Array) -> Array:
+        """The next representable value toward 0 of each element of a 16-bit float array,
+        for nonzero ``x`` (elsewhere the result is unspecified): the bits read as int16,
+        minus 1 (sign and magnitude: one less magnitude, whatever the sign)."""
+        raise NotImplementedError
 
     def leaf_finite(self, leaves: list[Array]) -> Array:
         """A boolean vector, one entry per (non-empty) leaf: every element of that leaf is

@@ -87,6 +87,10 @@ class JaxBackend(Backend):
     def stop_gradient(self, x):
         return jax.lax.stop_gradient(x)
 
+    def step_toward_zero(self, x):
+        bits = jax.lax.bitcast_convert_type(x, jnp.int16)
+        return jax.lax.bitcast_convert_type(bits - jnp.int16(1), x.dtype)
+
     def log(self, x):
         return jnp.log(x)
 
