@@ -262,14 +262,33 @@ def test_agc_under_fit_matches_optax_adaptive_grad_clip():
             loss = loss_fn(y[step * B : (step + 1) * B], twin(x[step * B : (step + 1) * B]))
         raw = [g.numpy() for g in tape.gradient(loss, twin.trainable_variables)]
         want, _ = reference(raw, optax.EmptyState(), before)
+        pred = twin(x[step * B : (step + 1) * B]).numpy()
+        residual = pred - y[step * B : (step + 1) * B]
         for b, a, w, r in zip(before, after, want, raw, strict=True):
-            np.testing.assert_allclose(b - a, w, rtol=1e-4, atol=1e-7, err_msg=f"step {step}")
+            atol = _sgd_update_atol(b, np.asarray(w), pred, residual)
+            np.testing.assert_allclose(b - a, w, rtol=0, atol=atol, err_msg=f"step {step}")
             same = np.isclose(np.asarray(w), r, rtol=1e-6, atol=0).all(
                 axis=tuple(range(r.ndim - 1))
             )
             clipped, kept = clipped + int((~same).sum()), kept + int(same.sum())
         before = after
     assert clipped > 0 and kept > 0  # units on both sides of the limit
+
+
+def _sgd_update_atol(before, update, pred, residual) -> float:
+    """How far ``before - after`` may sit from a float32 update computed on another path
+    (fit's compiled step against an eager tape: other reduction orders, other kernels).
+
+    Two sources, both float32 rounding (eps): recovering the update from the weights costs
+    an ulp of each weight, 2 eps max|w|; and the gradient is a sum of terms larger than
+    itself: MSE's residual pred - y cancels pred's digits (condition rms(pred)/rms(residual))
+    and each element sums DEPTH products (forward 18 conv taps + 36 dense inputs, backward
+    B * 9 conv positions + 3 outputs), so its error is eps * condition * DEPTH times the
+    tensor's largest update: near-zero elements make a relative tolerance meaningless."""
+    eps = float(np.finfo(np.float32).eps)
+    depth = 18 + 36 + B * 9 + 3
+    condition = np.sqrt(np.mean(pred**2)) / np.sqrt(np.mean(residual**2))
+    return eps * (2 * np.abs(before).max() + condition * depth * np.abs(update).max())
 
 
 def test_agc_densifies_indexed_slices():
