@@ -133,7 +133,11 @@ class ScalerOracle:
             delay=growth_delay_after_overflow,
             dynamic=dynamic,
         )
-        self.scale = float(np.float32(init_scale))
+        # the documented bounds: float32 values within [min_scale, max_scale] and within
+        # float32's normal range [2**-126, max]
+        self.low = _float32_rounded(max(min_scale or 0.0, 2.0**-126), up=True)
+        self.high = _float32_rounded(min(max_scale or np.inf, _F32_MAX), up=False)
+        self.scale = min(max(float(np.float32(init_scale)), self.low), self.high)
         self.tracker = -growth_delay_after_overflow
         self.hysteresis_left = hysteresis
 
@@ -148,15 +152,27 @@ class ScalerOracle:
             if self.tracker >= c["interval"]:
                 self.tracker = 0
                 self.hysteresis_left = c["hysteresis"]
-                grown = float(np.float32(self.scale * c["growth_factor"]))
-                if np.isfinite(grown) and (c["max"] is None or grown <= c["max"]):
+                with np.errstate(over="ignore"):  # factors apply in float32
+                    grown = float(np.float32(self.scale) * np.float32(c["growth_factor"]))
+                if grown <= self.high:
                     self.scale = grown
         else:
             self.tracker = -c["delay"]
             self.hysteresis_left = max(self.hysteresis_left - 1, 0)
             if self.hysteresis_left == 0:
-                backed = float(np.float32(self.scale * c["backoff_factor"]))
-                self.scale = max(backed, 2.0**-126 if c["min"] is None else c["min"])
+                backed = float(np.float32(self.scale) * np.float32(c["backoff_factor"]))
+                self.scale = max(backed, self.low)
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _float32_rounded(x: float, up: bool) -> float:
+    """The float32 nearest ``x`` on the side asked (x within float32's finite range)."""
+    f = np.float32(x)
+    if (up and float(f) < x) or (not up and float(f) > x):
+        f = np.nextafter(f, np.float32(np.inf if up else 0.0))
+    return float(f)
 
 
 class DeepSpeedScaler:
