@@ -315,13 +315,14 @@ def _masked_smoothed_rows(be, x, y, target_weight, eps, weight, cdt):
     valid = x != -INF
     valid_count = be.count(valid, axis=-1, dtype=cdt)
     divisor = be.where(valid_count > 0, valid_count, 1.0)
-    wx = x if weight is None else x * weight
-    total = be.sum(be.where(valid, wx, 0.0), axis=-1)
+    count = be.shape(x)[-1]  # sum_valid w x / K_valid as a sum of x / K, times K / K_valid:
+    wx = x * (1.0 / count) if weight is None else x * weight * (1.0 / count)  # a sum of x
+    mean = be.sum(be.where(valid, wx, 0.0), axis=-1) * (count / divisor)  # may overflow
     if weight is None:
-        smooth = lse - total / divisor
+        smooth = lse - mean
     else:  # an all -inf row has lse = -inf and no valid weight: 0, not -inf * 0
         valid_weight = be.sum(be.where(valid, weight, 0.0), axis=-1)
-        smooth = (be.where(valid_count > 0, lse, 0.0) * valid_weight - total) / divisor
+        smooth = be.where(valid_count > 0, lse, 0.0) * (valid_weight / divisor) - mean
     return nll * (1.0 - eps) + smooth * eps
 
 

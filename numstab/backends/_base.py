@@ -222,14 +222,17 @@ class Backend:
         16-bit leaves in float32 and are rounded back once: to nearest, or ``toward_zero``
         (``cast_toward_zero``: clipping, whose result must not grow past the float32 one)."""
         out = []
+        factor32 = None  # a float64 factor (float64 leaves in the tree) cast once, if needed
         for leaf in leaves:
             dtype = self.dtype_name(leaf)
             if dtype in ("float32", "float64"):
                 out.append(leaf * self.cast(factor, dtype))
-            elif toward_zero:
-                out.append(self.cast_toward_zero(self.cast(leaf, "float32") * factor, dtype))
-            else:
-                out.append(self.cast(self.cast(leaf, "float32") * factor, dtype))
+                continue
+            factor32 = self.cast(factor, "float32") if factor32 is None else factor32
+            product = self.cast(leaf, "float32") * factor32
+            out.append(
+                self.cast_toward_zero(product, dtype) if toward_zero else self.cast(product, dtype)
+            )
         return out
 
     def cast_toward_zero(self, x: Array, dtype: str) -> Array:
@@ -310,8 +313,8 @@ class Backend:
         lse = native_op(self, "logsumexp")(x, axis=-1)
         nll = lse - self.take_rows(x, labels)
         count = self.shape(x)[-1]
-        if weight is None:
-            return nll * (1.0 - eps) + (lse - self.sum(x, axis=-1) * (1.0 / count)) * eps
+        if weight is None:  # the mean as a sum of x / K: a sum of x may overflow where it may not
+            return nll * (1.0 - eps) + (lse - self.sum(x * (1.0 / count), axis=-1)) * eps
         nll = nll * self.gather(weight, labels)
         smooth = lse * self.sum(weight) - self.sum(x * weight, axis=-1)
         return nll * (1.0 - eps) + smooth * (eps / count)
