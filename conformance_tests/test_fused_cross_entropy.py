@@ -260,3 +260,14 @@ def test_large_common_offset(eager_target, offset):
     data = hidden, weight, bias + offset, labels, cotangent
     _check(eager_target, "float32", {"label_smoothing": 0.1, "z_loss": 1e-4}, data=data)
     _check(eager_target, "float32", {}, data=data)
+
+
+def test_spread_near_float32_max_stays_finite(eager_target):
+    """Logits spread over +-max/4: the smoothing mean is a sum of x / V (a sum of x would
+    overflow to -inf and make the loss inf), equal to the unfused loss."""
+    hidden, weight, bias, labels, cotangent = _data(seed=6)
+    spread = np.random.default_rng(6).uniform(-1, 1, bias.shape) * np.finfo(np.float32).max / 4
+    data = hidden, weight, spread, labels, cotangent
+    kwargs = {"label_smoothing": 0.1, "reduction": "none"}  # a sum of 1e38 rows overflows
+    got, _ = _check(eager_target, "float32", kwargs, data=data, wrt=(0,))
+    assert np.isfinite(got).all()

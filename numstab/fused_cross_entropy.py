@@ -259,7 +259,8 @@ class _Plan:
         if want_rows:
             rows = lse - be.take_rows(x, y)
             if eps:
-                rows = rows * (1.0 - eps) + eps * (lse - be.sum(x, axis=-1) / vocab)
+                mean = be.sum(x * (1.0 / vocab), axis=-1)  # a sum of x may overflow
+                rows = rows * (1.0 - eps) + eps * (lse - mean)
             if z:
                 rows = rows + z * (lse + m) * (lse + m)
         if scale is None:
