@@ -104,3 +104,50 @@ def build_nonfinite_cases() -> list[Case]:
 
 CASES = build_cases()
 NONFINITE_CASES = build_nonfinite_cases()
+
+
+def _finfo(dtype: str):
+    import ml_dtypes  # finfo for bfloat16 too; ships with jax and tensorflow
+
+    return ml_dtypes.finfo(dtype)
+
+
+def magnitude_offsets(dtype: str) -> list[float]:
+    """Common logit offsets up to half the largest finite value of ``dtype``: 1e4 and 1e6
+    (where ``dtype`` holds them) and +-max/2, both signs."""
+    big = float(_finfo(dtype).max)
+    return [s * o for o in (1e4, 1e6, big / 2) if o <= big / 2 for s in (1.0, -1.0)]
+
+
+def build_magnitude_cases(dtype: str, offset: float) -> list[Case]:
+    """Logits at ``offset`` with a spread of at least 16 ulps of ``dtype`` there (so the
+    classes stay distinct after rounding), -inf masks beside them, and every label kind:
+    hard, smoothed (the all-classes and the masked kernels), ignored rows, probabilities.
+    z-loss only where lse**2 fits in float32."""
+    info = _finfo(dtype)
+    ulp = 2.0 ** np.floor(np.log2(abs(offset))) * float(info.eps)
+    spread = max(3.0, 16 * ulp)
+    r = _rng(int(abs(np.log2(abs(offset)))) + (offset < 0))
+    x = offset + r.normal(0, spread, (6, 7))
+    masked = x.copy()
+    masked[0, [1, 4]] = -np.inf
+    masked[3, :5] = -np.inf
+    labels = r.integers(0, 7, 6)
+    labels[[0, 3]] = [0, 6]  # on valid classes
+    ignored = labels.copy()
+    ignored[2] = -100
+    soft = _soft(int(abs(offset)) % 1000, (6, 7))
+    soft[np.isneginf(masked)] = 0.0
+    soft /= soft.sum(-1, keepdims=True)
+    z = {"z_loss": 1e-4} if abs(offset) <= 1e6 else {}
+    return [
+        Case("uniform", np.full((3, 4), offset), np.array([0, 1, 3])),
+        Case(
+            "uniform_smoothed", np.full((2, 2), offset), np.array([0, 1]), {"label_smoothing": 0.1}
+        ),
+        Case("hard", x, labels, z),
+        Case("smoothed", x, ignored, {"label_smoothing": 0.1, **z}),
+        Case("masked_smoothed", masked, labels, {"label_smoothing": 0.2}),
+        Case("weighted", masked, ignored, {"label_smoothing": 0.1}, r.uniform(0.5, 2, 7)),
+        Case("probabilities", masked, soft, {"label_smoothing": 0.1, **z}),
+    ]

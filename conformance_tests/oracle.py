@@ -10,6 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 
+def _row_shift(row: np.ndarray) -> float:
+    """The max of the row's valid (not -inf) entries where finite, else 0: subtracted first,
+    so that lse - x[c] = lse(x - m) - (x[c] - m) keeps float64's digits at any offset."""
+    valid = row != -np.inf
+    m = np.max(row[valid]) if valid.any() else 0.0
+    return float(m) if np.isfinite(m) else 0.0
+
+
 def _row_lse(row: np.ndarray) -> float:
     valid = row != -np.inf
     if not valid.any():
@@ -47,7 +55,10 @@ def cross_entropy(
         for r, row in enumerate(rows):
             valid = row != -np.inf
             n_valid = valid.sum()
+            shift = _row_shift(row)
+            row = row - shift  # the loss and p are shift-invariant; z-loss needs lse + shift
             lse = _row_lse(row)
+            lse_z = lse + shift if z_loss else 0.0  # (squaring float64's max would overflow)
             p = np.where(valid, np.exp(row - lse), 0.0)
             if probability_labels:
                 t = t_all.reshape(-1, k)[r]
@@ -58,8 +69,8 @@ def cross_entropy(
                     losses[r] = np.inf
                     continue
                 tw = t * w
-                losses[r] = np.sum(np.where(valid, tw * (lse - row), 0.0)) + z_loss * lse**2
-                grads[r] = tw.sum() * p - tw + 2 * z_loss * lse * p
+                losses[r] = np.sum(np.where(valid, tw * (lse - row), 0.0)) + z_loss * lse_z**2
+                grads[r] = tw.sum() * p - tw + 2 * z_loss * lse_z * p
                 continue
             y = int(y_all.reshape(-1)[r])
             if y == ignore_index:
@@ -75,11 +86,12 @@ def cross_entropy(
             onehot = np.zeros(k)
             onehot[y] = 1.0
             smooth = np.sum(np.where(valid, w * (lse - row), 0.0)) / max(n_valid, 1)
-            losses[r] = w[y] * (1 - eps) * (lse - row[y]) + eps * smooth + z_loss * w[y] * lse**2
+            z_term = z_loss * w[y] * lse_z**2
+            losses[r] = w[y] * (1 - eps) * (lse - row[y]) + eps * smooth + z_term
             grads[r] = (
                 w[y] * (1 - eps) * (p - onehot)
                 + eps / max(n_valid, 1) * (np.sum(w[valid]) * p - w * valid)
-                + 2 * z_loss * w[y] * lse * p
+                + 2 * z_loss * w[y] * lse_z * p
             )
     if reduction == "none":
         value = losses.reshape(x.shape[:-1])
@@ -121,7 +133,11 @@ class ScalerOracle:
             delay=growth_delay_after_overflow,
             dynamic=dynamic,
         )
-        self.scale = float(np.float32(init_scale))
+        # the documented bounds: float32 values within [min_scale, max_scale] and within
+        # float32's normal range [2**-126, max]
+        self.low = _float32_rounded(max(min_scale or 0.0, 2.0**-126), up=True)
+        self.high = _float32_rounded(min(max_scale or np.inf, _F32_MAX), up=False)
+        self.scale = min(max(float(np.float32(init_scale)), self.low), self.high)
         self.tracker = -growth_delay_after_overflow
         self.hysteresis_left = hysteresis
 
@@ -136,15 +152,27 @@ class ScalerOracle:
             if self.tracker >= c["interval"]:
                 self.tracker = 0
                 self.hysteresis_left = c["hysteresis"]
-                grown = float(np.float32(self.scale * c["growth_factor"]))
-                if np.isfinite(grown) and (c["max"] is None or grown <= c["max"]):
+                with np.errstate(over="ignore"):  # factors apply in float32
+                    grown = float(np.float32(self.scale) * np.float32(c["growth_factor"]))
+                if grown <= self.high:
                     self.scale = grown
         else:
             self.tracker = -c["delay"]
             self.hysteresis_left = max(self.hysteresis_left - 1, 0)
             if self.hysteresis_left == 0:
-                backed = float(np.float32(self.scale * c["backoff_factor"]))
-                self.scale = max(backed, 2.0**-126 if c["min"] is None else c["min"])
+                backed = float(np.float32(self.scale) * np.float32(c["backoff_factor"]))
+                self.scale = max(backed, self.low)
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _float32_rounded(x: float, up: bool) -> float:
+    """The float32 nearest ``x`` on the side asked (x within float32's finite range)."""
+    f = np.float32(x)
+    if (up and float(f) < x) or (not up and float(f) > x):
+        f = np.nextafter(f, np.float32(np.inf if up else 0.0))
+    return float(f)
 
 
 class DeepSpeedScaler:

@@ -147,3 +147,44 @@ def test_host_leaves_adopt_the_tree_backend(eager_target):
     np.testing.assert_allclose(h.numpy(ns.global_norm(tree)), 5.0, rtol=1e-6)
     clipped, _ = ns.clip_by_global_norm(tree[1:], 1.0, norm=10.0)
     np.testing.assert_allclose(h.numpy(clipped[0]), [0.4], rtol=1e-6)
+
+
+EPS32 = float(np.finfo(np.float32).eps)
+SMALLEST32 = 2.0**-149  # float32's smallest subnormal: the spacing of the factor near 0
+
+
+def clipped_norm_bound(max_norm: float, size: int) -> float:
+    """The most a clipped norm may reach: ``max_norm`` times float32's rounding of the norm
+    (``size`` terms), of the factor and of the product (each under eps), plus the subnormal
+    spacing where ``max_norm`` itself is below float32's range. 16-bit leaves round toward
+    zero, so they add nothing of their own coarser rounding."""
+    return max_norm * (1 + (size + 3) * EPS32) + SMALLEST32
+
+
+@pytest.mark.parametrize("max_norm", [3.4028234e38, 3.5e38, 1e300, 1.7976931348623157e308])
+def test_max_norm_beyond_the_dtype_clips_nothing(target, max_norm):
+    """A max_norm past float32's largest value is clamped to it: zeros stay zeros (inf / inf
+    was NaN on numpy, torch and jax; TensorFlow raised) and finite leaves stay unchanged."""
+    h = target.h
+    tree = [h.asarray(np.zeros(3), "float32"), *_tree(h, LEAVES)]
+    *clipped, _ = h.call_leaves(
+        lambda t: ns.clip_by_global_norm(t, max_norm), target.compiled, tree
+    )
+    for got, seen in zip(clipped, _seen(h, tree), strict=True):
+        np.testing.assert_array_equal(got, seen)
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 3e-6, 1e-7, 1e-9, 1e-30, 5e-324])
+def test_tiny_max_norm_bounds_16bit_leaves(target, max_norm):
+    """float16/bfloat16 leaves scaled far into (or below) their subnormal range: rounded to
+    nearest, 0.6 of a float16 spacing became a whole one (the clipped norm 1.19x max_norm);
+    rounded toward zero, the norm never exceeds max_norm by more than float32's rounding."""
+    h = target.h
+    rng = np.random.default_rng(11)
+    tree = [h.asarray(rng.normal(0, 3, 40), "float16"), h.asarray(rng.normal(0, 1, 9), "bfloat16")]
+    *clipped, _ = h.call_leaves(
+        lambda t: ns.clip_by_global_norm(t, max_norm), target.compiled, tree
+    )
+    norm = np.sqrt(sum(np.sum(np.asarray(c, np.float64) ** 2) for c in clipped))
+    assert norm <= clipped_norm_bound(max_norm, 49)
+    assert all(np.isfinite(c).all() for c in clipped)

@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 import numstab as ns
 from conformance_tests import oracle
-from conformance_tests.cases import CASES, NONFINITE_CASES
+from conformance_tests.cases import (
+    CASES,
+    NONFINITE_CASES,
+    build_magnitude_cases,
+    magnitude_offsets,
+)
 from conformance_tests.tolerances import GRADIENT, VALUE
 
 DTYPES = ["float32", "float16", "bfloat16"]
@@ -193,3 +198,43 @@ def test_cross_entropy_random(eager_target, dtype):
             _check(grad, want_grad, GRADIENT[dtype], "gradient")
 
     check()
+
+
+def _loss(labels, weight, reduction, case):
+    return lambda x: ns.cross_entropy(x, labels, weight=weight, reduction=reduction, **case.kwargs)
+
+
+MAGNITUDE_DTYPES = ["float32", "float16", "bfloat16", "float64"]
+
+
+@pytest.mark.parametrize("dtype", MAGNITUDE_DTYPES)
+def test_cross_entropy_at_every_magnitude(target, impl, dtype):
+    """Every label kind at common offsets from 1e4 to max/2 of the dtype (see
+    cases.build_magnitude_cases), against the oracle, which shifts by the row max first.
+
+    The backend computes lse(x - m) - (x[c] - m) in float32 (float64): x - m is exact for
+    entries within a factor 2 of m, so the error is that of a loss of unit scale at any
+    offset, VALUE[dtype] relative to the loss (whose size grows with the spread)."""
+    offsets, kinds = magnitude_offsets(dtype), None
+    if target.compiled:  # each case is a trace: the kernels jit adds, at one offset
+        if dtype != "float32":
+            pytest.skip("compiled: float32 only (eager covers every dtype)")
+        offsets, kinds = [1e6], ("hard", "masked_smoothed", "probabilities")
+    for offset in offsets:
+        for case in build_magnitude_cases(dtype, offset):
+            if kinds is not None and case.name not in kinds:
+                continue
+            logits, labels, weight = _inputs(target, case, dtype)
+            if ns.resolve_backend(logits).dtype_name(logits) != dtype:
+                pytest.skip(f"{target.name} holds no {dtype} here (JAX without x64)")
+            x64, t64 = target.h.numpy(logits), target.h.numpy(labels)
+            w64 = None if weight is None else target.h.numpy(weight)
+            rows = target.h.call(_loss(labels, weight, "none", case), target.compiled, logits)
+            want, _ = oracle.cross_entropy(x64, t64, weight=w64, reduction="none", **case.kwargs)
+            _check(rows, want, VALUE[dtype], f"{case.name} at {offset:g}")
+            mean = _loss(labels, weight, "mean", case)
+            value, grad = target.h.value_and_grad(mean, logits, target.compiled)
+            want, want_grad = oracle.cross_entropy(x64, t64, weight=w64, **case.kwargs)
+            _check(value, want, VALUE[dtype], f"{case.name} mean at {offset:g}")
+            if grad is not None:
+                _check(grad, want_grad, GRADIENT[dtype], f"{case.name} gradient at {offset:g}")

@@ -250,3 +250,24 @@ def test_default_chunk_size_rule():
     assert default_chunk_size(10, 65536) == 10  # never more than the rows
     assert default_chunk_size(1000, 2**30) == 1  # never less than one row
     assert default_chunk_size(300, 65536) == 100  # 3 even chunks, not 128 + 128 + 44
+
+
+@pytest.mark.parametrize("offset", [1e4, -1e6])
+def test_large_common_offset(eager_target, offset):
+    """A bias far from 0 shifts every logit alike: the fused loss and its gradients must keep
+    the unfused loss's digits (both shift by the row max before lse - x[y] and exp(x - lse))."""
+    hidden, weight, bias, labels, cotangent = _data(seed=5)
+    data = hidden, weight, bias + offset, labels, cotangent
+    _check(eager_target, "float32", {"label_smoothing": 0.1, "z_loss": 1e-4}, data=data)
+    _check(eager_target, "float32", {}, data=data)
+
+
+def test_spread_near_float32_max_stays_finite(eager_target):
+    """Logits spread over +-max/4: the smoothing mean is a sum of x / V (a sum of x would
+    overflow to -inf and make the loss inf), equal to the unfused loss."""
+    hidden, weight, bias, labels, cotangent = _data(seed=6)
+    spread = np.random.default_rng(6).uniform(-1, 1, bias.shape) * np.finfo(np.float32).max / 4
+    data = hidden, weight, spread, labels, cotangent
+    kwargs = {"label_smoothing": 0.1, "reduction": "none"}  # a sum of 1e38 rows overflows
+    got, _ = _check(eager_target, "float32", kwargs, data=data, wrt=(0,))
+    assert np.isfinite(got).all()

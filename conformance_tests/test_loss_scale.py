@@ -184,6 +184,35 @@ def test_scale_never_reaches_zero():
     assert float(state.scale) == 2.0**-125
 
 
+@pytest.mark.parametrize(
+    ("config", "low", "high"),  # the bounds expected where the config moves them
+    [
+        ({"min_scale": 1e-50}, 2.0**-126, None),  # below float32: 0 before the clamp
+        ({"min_scale": 1e-40, "backoff_factor": 1e-30}, 2.0**-126, None),  # a subnormal
+        ({"min_scale": 0.3, "init_scale": 1.0}, 0.30000001192092896, None),  # f32 above 0.3
+        ({"max_scale": 1e39, "init_scale": 2.0**120}, None, 3.4028234663852886e38),
+        ({"max_scale": 3.0, "init_scale": 1.0, "growth_factor": 2.9999999}, None, 3.0),
+    ],
+)
+def test_scale_stays_in_float32_bounds(eager_target, config, low, high):
+    """The documented rule: the scale stays within the float32 values of [min_scale,
+    max_scale] and of float32's normal range, on every backend, for runs of overflows and
+    of growths."""
+    scaler = ns.LossScaler(growth_interval=1, **config)
+    h = eager_target.h
+    state = scaler.init(backend=h.name)
+    got = oracle.ScalerOracle(growth_interval=1, **config)
+    for finite in [False] * 40 + [True] * 40 + [False] * 3:
+        state = scaler.update(state, finite)
+        got.update(finite)
+        scale = float(h.numpy(state.scale))
+        assert scale == got.scale and 0.0 < scale < np.inf
+        assert scale >= (config.get("min_scale") or 0.0) and scale >= 2.0**-126
+        assert scale <= config.get("max_scale", np.inf)
+    assert scaler.scale_bounds == (got.low, got.high)
+    assert (low is None or got.low == low) and (high is None or got.high == high)
+
+
 def test_for_dtype():
     assert ns.LossScaler.for_dtype("float16") == ns.LossScaler()
     for dtype in ("bfloat16", "float32", np.float32):

@@ -148,7 +148,7 @@ class ZClip:
         )
         norm = _global_norm(be, numeric, 2.0, dtype)
         coef, state = self.coefficient(norm, state, backend=be.name)
-        return unflatten(treedef, scale_leaves(be, leaves, coef)), state
+        return unflatten(treedef, scale_leaves(be, leaves, coef, toward_zero=True)), state
 
     def coefficient(
         self, norm: Array, state: ZClipState, *, backend: str | None = None
@@ -336,7 +336,7 @@ class AGC:
         limit = self.clip_factor * be.maximum(_unit_norm(be, p32, axes), self.eps)
         clipped = g32 * (limit / be.maximum(g_norm, 1e-6))
         out = be.where(g_norm < limit, g32, clipped)
-        return out if dtype == compute else be.cast(out, dtype)
+        return out if dtype == compute else be.cast_toward_zero(out, dtype)  # never above limit
 
 
 def _unit_norm(be: Backend, x: Array, axes: tuple[int, ...] | None) -> Array:

@@ -21,6 +21,15 @@ from numstab.tree import flatten, unflatten
 Tree = Any
 Array = Any
 
+#: The largest finite value per dtype: ``max_norm`` beyond it is clamped to it (a norm of that
+#: dtype is never larger, so nothing is clipped) instead of becoming inf (NaN, or a raise on TF).
+LARGEST_FINITE = {
+    "float16": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float32": 3.4028234663852886e38,
+    "float64": 1.7976931348623157e308,
+}
+
 
 def _float_leaves(
     tree: Tree, backend: str | None, *extra: Array, name: str = "tree"
@@ -143,7 +152,7 @@ def clip_by_global_norm(
     else:
         norm = to_backend(be, norm, like=numeric[0] if numeric else None)
     factor = _coefficient(be, norm, max_norm)
-    return unflatten(treedef, scale_leaves(be, leaves, factor)), norm
+    return unflatten(treedef, scale_leaves(be, leaves, factor, toward_zero=True)), norm
 
 
 def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None) -> Array:
@@ -154,27 +163,32 @@ def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None
 
 
 def _coefficient(be: Backend, norm: Array, max_norm: float) -> Array:
-    """``max_norm / max(norm, max_norm)`` for a finite ``norm``, else 1, in ``norm``'s dtype
-    (float32 for a non-float ``norm``).
+    """``max_norm / max(norm, max_norm)`` where ``max_norm < norm < inf``, else exactly 1, in
+    ``norm``'s dtype (float32 for a non-float ``norm``).
 
-    ``max_norm`` becomes an array first, so the division is IEEE's on every backend: at
-    ``norm <= max_norm`` it is ``max_norm / max_norm``, exactly 1. (torch computes ``scalar /
-    tensor`` as ``reciprocal(tensor) * scalar``: one ulp below 1 for ~14% of float32
-    ``max_norm``, which perturbed leaves that must stay unchanged.) ``norm < inf`` is
-    ``isfinite`` in one comparison: -inf passes it and gives ``max_norm / max_norm``.
+    ``max_norm`` becomes an array first, clamped to the dtype's largest finite value (a finite
+    norm never exceeds it: nothing is clipped, where inf / inf gave NaN); one below the
+    smallest subnormal rounds to 0, which scales every nonzero norm to 0 (and 0 stays 0, not
+    0 / 0). The division is then IEEE's on every backend (torch computes ``scalar / tensor``
+    as ``reciprocal(tensor) * scalar``: one ulp below 1 for ~14% of float32 ``max_norm``).
+    A NaN or -inf norm fails both comparisons: factor 1.
     """
     dtype = be.dtype_name(norm)
     dtype = dtype if v.is_floating(dtype) else "float32"
-    limit = be.asarray(float(max_norm), dtype, like=norm)
-    return be.where(norm < math.inf, limit / be.maximum(norm, limit), 1.0)
+    limit = be.asarray(min(float(max_norm), LARGEST_FINITE[dtype]), dtype, like=norm)
+    with be.float_errors_ignored():  # 0 / 0 where max_norm rounds to 0 and norm is 0: unused
+        factor = limit / be.maximum(norm, limit)
+    return be.where((norm > limit) & (norm < math.inf), factor, 1.0)
 
 
-def scale_leaves(be: Backend, leaves: list, factor: Array) -> list:
-    """Every (non-None) leaf times a 0-d float32/64 ``factor``, in the leaf's dtype."""
+def scale_leaves(be: Backend, leaves: list, factor: Array, *, toward_zero: bool = False) -> list:
+    """Every (non-None) leaf times a 0-d float32/64 ``factor``, in the leaf's dtype; 16-bit
+    leaves rounded ``toward_zero`` when asked (``Backend.cast_toward_zero``: what clipping asks,
+    so that a clipped norm never exceeds max_norm by more than float32's rounding)."""
     present = [leaf for leaf in leaves if leaf is not None]
     if not present:
         return list(leaves)
-    scaled = native_op(be, "scale_leaves")(present, factor)
+    scaled = native_op(be, "scale_leaves")(present, factor, toward_zero)
     if len(present) == len(leaves):
         return list(scaled)
     it = iter(scaled)

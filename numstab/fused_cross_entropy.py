@@ -6,6 +6,7 @@ logits, their log-sum-exp, the per-row losses and, when a gradient may be asked 
 chunk's gradients (Liger-Kernel's scheme):
 
     p       = softmax(x),  x = hidden_c @ weight.T + bias,  s = row scale (1/D, 1 or cotangent)
+    (all of it on x shifted by its row max, so that lse - x[c] keeps its digits at any offset)
     dL/dx   = s * [(1 - eps) * (p - onehot(y)) + eps * (p - 1/V) + 2 z lse p]
     dhidden = dL/dx @ weight,  dweight += dL/dx.T @ hidden_c,  dbias += sum_rows dL/dx
 
@@ -250,20 +251,24 @@ class _Plan:
         x = be.cast(be.matmul(h, w, transpose_b=True), self.cdt)
         if b32 is not None:
             x = x + b32
+        # shifted by the row max m: lse(x) - x[c] = lse(x - m) - (x[c] - m) keeps its digits
+        # at any offset, and so does the gradient's exp(x - lse); z-loss needs the true lse
+        x, m = be.max_shifted(x)
         lse = native_op(be, "logsumexp")(x, axis=-1)
         rows = None
         if want_rows:
             rows = lse - be.take_rows(x, y)
             if eps:
-                rows = rows * (1.0 - eps) + eps * (lse - be.sum(x, axis=-1) / vocab)
+                mean = be.sum(x * (1.0 / vocab), axis=-1)  # a sum of x may overflow
+                rows = rows * (1.0 - eps) + eps * (lse - mean)
             if z:
-                rows = rows + z * lse * lse
+                rows = rows + z * (lse + m) * (lse + m)
         if scale is None:
             return rows, None
         if not eps and not z and has_native(be, "softmax_nll_grad"):  # one fused kernel
             nll, grad = native_op(be, "softmax_nll_grad")(x, y)
             return (nll if want_rows else None), grad * be.reshape(scale, (-1, 1))
-        coefficient = scale * (1.0 + 2.0 * z * lse) if z else scale
+        coefficient = scale * (1.0 + 2.0 * z * (lse + m)) if z else scale
         shift = scale * (eps / vocab) if eps else None
         x = be.softmax_grad_owned(x, lse, coefficient, shift)  # reusing the name frees x
         if eps < 1.0:

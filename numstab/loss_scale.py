@@ -20,7 +20,10 @@ The update, in plain Python (docs/semantics.md has the full contract):
         tracker = -growth_delay_after_overflow
         hysteresis_left = max(hysteresis_left - 1, 0)
         if hysteresis_left == 0:       # stays 0, so every further overflow backs off,
-            scale = max(scale * backoff_factor, min_scale or 2**-126)  # until growth refills it
+            scale = max(scale * backoff_factor, low)                   # until growth refills it
+
+with [low, high] the float32 values in [min_scale, max_scale] and in float32's normal range
+[2**-126, float32 max] (``scale_bounds``): the scale never reaches 0, a subnormal or inf.
 
 The update is branch-free (``where``), so it runs under jax.jit, tf.function and torch.compile
 without a host sync.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -142,6 +146,11 @@ class LossScaler:
                 f"Expected min_scale <= init_scale <= max_scale. Received: init_scale="
                 f"{self.init_scale}, min_scale={self.min_scale}, max_scale={self.max_scale}"
             )
+        if self.scale_bounds[0] > self.scale_bounds[1]:
+            raise InvalidArgumentError(
+                f"Expected a float32 value between min_scale and max_scale. Received: "
+                f"min_scale={self.min_scale}, max_scale={self.max_scale}"
+            )
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
@@ -170,11 +179,23 @@ class LossScaler:
         )
 
     # -- the functional core -----------------------------------------------------------------
+    @property
+    def scale_bounds(self) -> tuple[float, float]:
+        """(low, high): the float32 values the scale stays within. low is the smallest
+        float32 >= max(min_scale, 2**-126), high the largest <= min(max_scale, float32 max):
+        a min_scale below float32's normal range would let the backoff reach subnormals and
+        then 0 (every later step non-finite); one that float32 rounds down would sit under
+        min_scale."""
+        low = _float32_rounded(max(self.min_scale or 0.0, FLOAT32_TINY), up=True)
+        high = _float32_rounded(min(self.max_scale or math.inf, FLOAT32_MAX), up=False)
+        return low, high
+
     def init(self, *, backend: str | None = None, like: Array | None = None) -> LossScaleState:
         """A fresh state as arrays of the backend, on the device of ``like`` when given."""
         be = resolve_backend(like, backend=backend)
+        low, high = self.scale_bounds
         return LossScaleState(
-            scale=be.asarray(self.init_scale, dtype="float32", like=like),
+            scale=be.asarray(min(max(self.init_scale, low), high), dtype="float32", like=like),
             growth_tracker=be.asarray(-self.growth_delay_after_overflow, dtype="int32", like=like),
             hysteresis_left=be.asarray(self.hysteresis, dtype="int32", like=like),
         )
@@ -216,8 +237,9 @@ class LossScaler:
     ) -> LossScaleState:
         """The next state after a step whose gradients were (not) all finite. Branch-free.
 
-        Without ``min_scale`` the backoff still stops at float32's smallest normal number
-        (as flax does): a scale of 0 would make every later step non-finite forever.
+        The scale stays within ``scale_bounds``: without ``min_scale`` (or with one below
+        float32's normal range) the backoff stops at float32's smallest normal number (as
+        flax does), since a scale of 0 would make every later step non-finite forever.
         """
         be = resolve_backend(_state(state).scale, finite, backend=backend)
         finite = _finite_flag(be, finite, like=state.scale)
@@ -228,11 +250,10 @@ class LossScaler:
         # finite step
         tracker_up = tracker + 1
         grow_now = tracker_up >= self.growth_interval
-        grown = scale * self.growth_factor
-        can_grow = be.isfinite(grown)
-        if self.max_scale is not None:
-            can_grow = can_grow & (grown <= self.max_scale)
-        scale_ok = be.where(grow_now & can_grow, grown, scale)
+        low, high = self.scale_bounds
+        with be.float_errors_ignored():  # a growth past float32 is inf, and refused below
+            grown = scale * self.growth_factor
+        scale_ok = be.where(grow_now & (grown <= high), grown, scale)  # inf > high: no growth
         tracker_ok = be.where(grow_now, 0, tracker_up)
         if self.consecutive_hysteresis:
             hysteresis_ok = be.where(finite, full, hysteresis_left)  # refilled every good step
@@ -240,8 +261,7 @@ class LossScaler:
             hysteresis_ok = be.where(grow_now, full, hysteresis_left)
         # non-finite step
         hysteresis_bad = be.maximum(hysteresis_left - 1, 0)
-        floor = FLOAT32_TINY if self.min_scale is None else self.min_scale
-        backed_off = be.maximum(scale * self.backoff_factor, floor)
+        backed_off = be.maximum(scale * self.backoff_factor, low)
         scale_bad = be.where(hysteresis_bad <= 0, backed_off, scale)
         return LossScaleState(
             scale=be.where(finite, scale_ok, scale_bad),
@@ -305,3 +325,13 @@ def _finite_flag(be: Any, finite: Any, like: Any) -> Any:
             f"Received: finite with dtype={dtype}, shape={tuple(shape)}"
         )
     return be.reshape(finite, ()) if shape else finite
+
+
+def _float32_rounded(x: float, up: bool) -> float:
+    """The float32 nearest ``x`` on the side asked (``up``: >= x, else <= x), for x within
+    float32's finite range; in plain Python (struct), so no framework is needed."""
+    f = struct.unpack("<f", struct.pack("<f", x))[0]
+    if (up and f < x) or (not up and f > x):
+        bits = struct.unpack("<I", struct.pack("<f", f))[0]  # a positive float: bits order it
+        f = struct.unpack("<f", struct.pack("<I", bits + (1 if up else -1)))[0]
+    return f

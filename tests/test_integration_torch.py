@@ -393,7 +393,7 @@ def test_fp16_and_integer_gradients_raise_and_change_nothing():
         (lambda s, o: s.step_and_update(o, max_norm=0.0), "max_norm"),
         (lambda s, o: s.step_and_update(o, max_norm=math.nan), "max_norm"),
         (lambda s, o: s.clip_grad_norm_(o, 1.0, norm_type=-1.0), "norm_type"),
-        (lambda s, o: s.clip_grad_norm_(o, 1.0, norm_type="2"), "norm_type"),
+        (lambda s, o: s.clip_grad_norm_(o, 1.0, norm_type="fro"), "norm_type"),
         (lambda s, o: s.step(o, closure=lambda: 0.0), "Closure"),
         (lambda s, o: s.update(new_scale=-1.0), "new_scale"),
         (lambda s, o: s.update(new_scale=torch.ones(2)), "new_scale"),
@@ -584,3 +584,62 @@ def test_clip_grad_norm_bad_arguments_change_nothing():
     with pytest.raises(InvalidArgumentError, match="norm_type"):
         clip_grad_norm_(params, 1.0, norm_type=0.0)
     assert torch.equal(params[0].grad, torch.full((3,), 5.0))
+
+
+@pytest.mark.parametrize("norm_type", ["inf", "Infinity", INF, "2", 2])
+def test_clip_grad_norm_reads_norm_type_as_torch_does(norm_type):
+    """torch documents norm_type 'inf' and reads it with float(): the drop-in and
+    GradScaler.clip_grad_norm_ accept what torch accepts and clip like torch."""
+    from numstab.integrations.torch import clip_grad_norm_
+
+    grads = [torch.tensor([3.0, -4.0, 0.5]), torch.tensor([[1.0, -6.0]])]
+    ours, theirs = _params_with_grads(grads), _params_with_grads(grads)
+    norm = clip_grad_norm_(ours, 0.5, norm_type, error_if_nonfinite=True, foreach=None)
+    norm_t = torch.nn.utils.clip_grad_norm_(theirs, 0.5, norm_type)
+    torch.testing.assert_close(norm, norm_t, rtol=1e-6, atol=0)
+    for a, b in zip(ours, theirs, strict=True):  # torch divides by norm + 1e-6
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=0)
+
+    scaler = GradScaler(init_scale=8.0)
+    model, opt = _scaled_backward(scaler)
+    want = [p.grad.clone() / 8.0 for p in model.parameters()]
+    norm = scaler.clip_grad_norm_(opt, 1e-3, norm_type=norm_type)
+    expected, _ = numstab.clip_by_global_norm(want, 1e-3, norm_type=float(norm_type))
+    for p, e in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=1e-6, atol=0)
+
+
+def test_clip_grad_norm_refuses_what_is_not_a_norm_and_raises_if_asked():
+    from numstab.errors import NonFiniteError
+    from numstab.integrations.torch import clip_grad_norm_
+
+    params = _params_with_grads([torch.tensor([1.0, float("nan")])])
+    for bad in ("fro", "-inf", -1.0, 0, "nan"):
+        with pytest.raises(InvalidArgumentError, match="norm_type"):
+            clip_grad_norm_(params, 1.0, norm_type=bad)
+    with pytest.raises(NonFiniteError, match="error_if_nonfinite"):
+        clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
+    assert params[0].grad[0] == 1.0 and torch.isnan(params[0].grad[1])  # untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("norm_type", [2.0, "inf"])
+def test_clip_grad_norm_16bit_tiny_max_norm_stays_under_it(dtype, norm_type):
+    """Scaled into the 16-bit subnormal range, gradients round toward zero: the clipped norm
+    never exceeds max_norm by more than float32's rounding (to nearest it reached 1.19x)."""
+    from numstab.integrations.torch import clip_grad_norm_
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(64, generator=gen) * 5).to(dtype), torch.tensor([9.0], dtype=dtype)]
+    for max_norm in (1e-4, 3e-7, 1e-7, 1e-9):
+        for use_scaler in (False, True):
+            params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            if use_scaler:
+                opt = torch.optim.SGD(params, lr=1.0)
+                GradScaler(enabled=False).clip_grad_norm_(opt, max_norm, norm_type)
+            else:
+                clip_grad_norm_(params, max_norm, norm_type)
+            norm = numstab.global_norm([p.grad for p in params], float(norm_type)).item()
+            assert norm <= max_norm * (1 + 70 * 2.0**-23) + 2.0**-149

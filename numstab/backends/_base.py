@@ -140,6 +140,10 @@ class Backend:
     def exp(self, x: Array) -> Array:
         raise NotImplementedError
 
+    def stop_gradient(self, x: Array) -> Array:
+        """``x``, treated as a constant by automatic differentiation (identity without it)."""
+        return x
+
     def log(self, x: Array) -> Array:
         raise NotImplementedError
 
@@ -211,17 +215,41 @@ class Backend:
             return self.sum(norms)
         return self.sum(norms**ord) ** (1.0 / ord)
 
-    def scale_leaves(self, leaves: list[Array], factor: Array) -> list[Array]:
+    def scale_leaves(
+        self, leaves: list[Array], factor: Array, toward_zero: bool = False
+    ) -> list[Array]:
         """Each leaf times a 0-d ``factor``: float32/64 leaves multiply in their own dtype,
-        16-bit leaves in float32 and are rounded back once."""
+        16-bit leaves in float32 and are rounded back once: to nearest, or ``toward_zero``
+        (``cast_toward_zero``: clipping, whose result must not grow past the float32 one)."""
         out = []
+        factor32 = None  # a float64 factor (float64 leaves in the tree) cast once, if needed
         for leaf in leaves:
             dtype = self.dtype_name(leaf)
             if dtype in ("float32", "float64"):
                 out.append(leaf * self.cast(factor, dtype))
-            else:
-                out.append(self.cast(self.cast(leaf, "float32") * factor, dtype))
+                continue
+            factor32 = self.cast(factor, "float32") if factor32 is None else factor32
+            product = self.cast(leaf, "float32") * factor32
+            out.append(
+                self.cast_toward_zero(product, dtype) if toward_zero else self.cast(product, dtype)
+            )
         return out
+
+    def cast_toward_zero(self, x: Array, dtype: str) -> Array:
+        """float32 ``x`` as the 16-bit ``dtype``, rounded toward zero: ``|out| <= |x|``
+        everywhere (round to nearest can move a value up by half a spacing, which below the
+        normal range is any fraction of it: 0.6 * 2**-24 becomes 2**-24 in float16). A value
+        that rounded away from zero steps back one spacing (``step_toward_zero``); NaN stays
+        NaN, and a finite value past the dtype's largest becomes that largest, not inf."""
+        rounded = self.cast(x, dtype)
+        away = self.abs(self.cast(rounded, "float32")) > self.abs(x)
+        return self.where(away, self.step_toward_zero(rounded), rounded)
+
+    def step_toward_zero(self, x: Array) -> Array:
+        """The next representable value toward 0 of each element of a 16-bit float array,
+        for nonzero ``x`` (elsewhere the result is unspecified): the bits read as int16,
+        minus 1 (sign and magnitude: one less magnitude, whatever the sign)."""
+        raise NotImplementedError
 
     def leaf_finite(self, leaves: list[Array]) -> Array:
         """A boolean vector, one entry per (non-empty) leaf: every element of that leaf is
@@ -249,6 +277,19 @@ class Backend:
             m = self.sum(m, axis=axis)  # summing a length-1 axis drops it, exactly
         return self.log(total) + m
 
+    def max_shifted(self, x: Array) -> tuple[Array, Array]:
+        """``(x - m, m)``, m the max over the last axis where finite, else 0 (a row of all
+        -inf, or holding +inf or NaN); ``m`` has shape ``x.shape[:-1]`` and no gradient.
+
+        ``lse(x) - x[c] = lse(x - m) - (x[c] - m)``: the right side keeps full precision at
+        any common offset, where the left loses every digit once the offset's ulp exceeds
+        the spread (float32 logits at 1e6: ulp 0.0625). ``x - m`` is exact for entries
+        within a factor 2 of m (Sterbenz) and never overflows unless the spread does.
+        """
+        m = self.max(x, axis=-1, keepdims=True)
+        m = self.stop_gradient(self.where(self.isfinite(m), m, 0.0))
+        return x - m, self.sum(m, axis=-1)  # summing a length-1 axis drops it, exactly
+
     def log_softmax(self, x: Array) -> Array:
         """(x - m) - log(sum(exp(x - m))) over the last axis, m the row max.
 
@@ -266,12 +307,14 @@ class Backend:
     def smoothed_nll(self, x: Array, labels: Array, eps: float, weight: Array | None) -> Array:
         """Per row, label smoothing over ALL K classes (torch's ``label_smoothing`` rows):
         ``(1 - eps) * w[y] * (lse - x[y]) + eps / K * sum_c w[c] * (lse - x[c])``, w = 1
-        without ``weight``. A row holding a -inf (masked) class must come out non-finite."""
+        without ``weight``, computed on ``max_shifted(x)``. A row holding a -inf (masked)
+        class must come out non-finite."""
+        x, _ = self.max_shifted(x)  # lse - x[c], shifted: exact at any offset
         lse = native_op(self, "logsumexp")(x, axis=-1)
         nll = lse - self.take_rows(x, labels)
         count = self.shape(x)[-1]
-        if weight is None:
-            return nll * (1.0 - eps) + (lse - self.sum(x, axis=-1) * (1.0 / count)) * eps
+        if weight is None:  # the mean as a sum of x / K: a sum of x may overflow where it may not
+            return nll * (1.0 - eps) + (lse - self.sum(x * (1.0 / count), axis=-1)) * eps
         nll = nll * self.gather(weight, labels)
         smooth = lse * self.sum(weight) - self.sum(x * weight, axis=-1)
         return nll * (1.0 - eps) + smooth * (eps / count)

@@ -92,6 +92,12 @@ class TensorflowBackend(Backend):
     def exp(self, x):
         return tf.exp(x)
 
+    def stop_gradient(self, x):
+        return tf.stop_gradient(x)
+
+    def step_toward_zero(self, x):
+        return tf.bitcast(tf.bitcast(x, tf.int16) - 1, x.dtype)
+
     def log(self, x):
         return tf.math.log(x)
 

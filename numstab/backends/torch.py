@@ -102,6 +102,12 @@ class TorchBackend(Backend):
     def exp(self, x):
         return torch.exp(x)
 
+    def stop_gradient(self, x):
+        return x.detach()
+
+    def step_toward_zero(self, x):
+        return (x.view(torch.int16) - 1).view(x.dtype)
+
     def log(self, x):
         return torch.log(x)
 
@@ -178,10 +184,10 @@ class TorchBackend(Backend):
         # torch.nn.utils.get_total_norm's kernels: the norm of the stacked leaf norms
         return torch.linalg.vector_norm(self.native_leaf_norms(leaves, ord, dtype), ord)
 
-    def native_scale_leaves(self, leaves, factor):
+    def native_scale_leaves(self, leaves, factor, toward_zero=False):
         if {x.dtype for x in leaves} == {factor.dtype} and _on_device(leaves, factor.device):
             return list(torch._foreach_mul(leaves, factor))  # one multi-tensor kernel
-        return super().scale_leaves(leaves, factor)
+        return super().scale_leaves(leaves, factor, toward_zero)
 
     def native_leaf_finite(self, leaves):
         # max |x| per leaf (a max cannot overflow; float64 stays float64)

@@ -207,7 +207,7 @@ class ZClipOptimizer(_ClipOptimizer):
         coef, state = self.policy.coefficient(norm, self.zclip_state, backend=be.name)
         for variable, value in zip(self._state_variables, state, strict=True):
             variable.assign(value)
-        return unflatten(treedef, scale_leaves(be, leaves, coef))
+        return unflatten(treedef, scale_leaves(be, leaves, coef, toward_zero=True))
 
     def _policy_config(self) -> dict[str, Any]:
         return {name: getattr(self.policy, name) for name in _arguments(ZClip)}

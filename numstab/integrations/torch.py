@@ -42,9 +42,10 @@ import torch
 import torch.distributed as dist
 
 from numstab import _validate as v
+from numstab.backends.torch import BACKEND as TORCH
 from numstab.backends.torch import is_dtensor
-from numstab.clipping import clip_coefficient, global_norm
-from numstab.errors import InvalidArgumentError
+from numstab.clipping import _check_norm_type, clip_coefficient, global_norm
+from numstab.errors import InvalidArgumentError, NonFiniteError
 from numstab.loss_scale import LossScaler, LossScaleState
 
 __all__ = ["GradScaler", "clip_grad_norm_"]
@@ -349,7 +350,7 @@ class GradScaler:
 
     # -- numstab additions -------------------------------------------------------------------
     def clip_grad_norm_(
-        self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
+        self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float | str = 2.0
     ) -> torch.Tensor:
         """Unscale (unless done), then scale the optimizer's gradients in place by
         ``max_norm / max(norm, max_norm)``, like ``numstab.clip_by_global_norm``: no epsilon,
@@ -357,8 +358,7 @@ class GradScaler:
         (non-finite norm, or a non-finite gradient on any rank). Returns the global norm
         (0-d tensor, float32 at least; across ranks when ``sharded``). No host sync."""
         max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
-        if norm_type != math.inf:
-            norm_type = v.check_number("norm_type", norm_type, low=0.0, low_open=True)
+        norm_type = _norm_type(norm_type)
         grads = _dense_grads(optimizer)  # checked before anything changes
         opt_state = None
         if self._enabled:
@@ -633,22 +633,55 @@ def _host(state: LossScaleState) -> dict[str, Any]:
 
 
 def clip_grad_norm_(
-    parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``torch.nn.utils.clip_grad_norm_`` with ``numstab.clip_by_global_norm``'s
     semantics, in place: ``g *= max_norm / max(norm, max_norm)``.
 
-    Unlike torch: the norm accumulates in float32 for float16/bfloat16 gradients (torch's
-    overflows to inf and zeroes them), there is no ``1e-6`` epsilon (gradients under the
-    limit are exactly unchanged), and a non-finite norm leaves every gradient untouched (torch
-    multiplies by NaN or 0). Returns the global norm as a 0-d tensor; no host sync.
+    Takes torch's arguments: ``norm_type`` as torch reads it (``float(norm_type)``: 2.0,
+    ``'inf'``, ``math.inf``, ...; numstab refuses what is not a norm: <= 0, -inf, NaN);
+    ``error_if_nonfinite=True`` raises NonFiniteError on a non-finite norm, before any
+    gradient changes (one host sync); ``foreach`` is accepted and ignored (numstab picks the
+    multi-tensor kernels itself). Unlike torch: the norm accumulates in float32 for
+    float16/bfloat16 gradients (torch's overflows to inf and zeroes them), there is no
+    ``1e-6`` epsilon (gradients under the limit are exactly unchanged), and a non-finite norm
+    leaves every gradient untouched (torch multiplies by NaN or 0). Returns the global norm
+    as a 0-d tensor; no host sync unless ``error_if_nonfinite``.
     """
     max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+    norm_type = _norm_type(norm_type)
+    if foreach is not None and not isinstance(foreach, bool):
+        raise InvalidArgumentError(
+            f"Expected foreach a bool or None. Received: foreach={foreach!r}"
+        )
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = _grads_by_device_dtype(params)
     norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise NonFiniteError(
+            f"The total norm of order {norm_type} of the gradients is {norm.item()}: "
+            f"nothing was clipped (error_if_nonfinite=True)",
+            framework="torch",
+        )
     _mul_(grads, clip_coefficient(norm, max_norm, backend="torch"))
     return norm
+
+
+def _norm_type(norm_type: Any) -> float:
+    """``norm_type`` read as torch reads it, ``float(norm_type)`` (so ``'inf'`` is math.inf),
+    then checked as numstab's clipping checks it (> 0, inf allowed)."""
+    if isinstance(norm_type, str):
+        try:
+            norm_type = float(norm_type)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"Expected norm_type a number > 0 or 'inf'. Received: norm_type={norm_type!r}"
+            ) from None
+    return _check_norm_type(norm_type)
 
 
 def _dense_grads(optimizer: torch.optim.Optimizer) -> dict[tuple, list[torch.Tensor]]:
@@ -672,15 +705,17 @@ def _grads_by_device_dtype(params: Iterable[torch.Tensor]) -> dict[tuple, list[t
 
 
 def _mul_(groups: dict[tuple, list[torch.Tensor]], coef: torch.Tensor) -> None:
-    """grads *= coef in place, per device and dtype; float16/bfloat16 multiply in float32."""
+    """grads *= coef (a clipping factor) in place, per device and dtype; float16/bfloat16
+    multiply in float32 and round toward zero (``Backend.cast_toward_zero``), so that the
+    clipped norm never exceeds the float32 one."""
     with torch.no_grad():
         for (device, dtype), grads in groups.items():
             local = coef.to(device, non_blocking=True)
             if dtype in (torch.float32, torch.float64):
-                torch._foreach_mul_(grads, local.to(dtype))
+                torch._foreach_mul_(grads, local.to(dtype))  # one multi-tensor kernel
             else:
                 for g in grads:
-                    g.copy_(g.to(torch.float32) * local)
+                    g.copy_(TORCH.cast_toward_zero(g.float() * local, TORCH.dtype_name(g)))
 
 
 # -- adaptive clipping (ZClip, AGC) --------------------------------------------------------------
@@ -761,15 +796,8 @@ def agc_(
 
 
 def _scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
-    """grads *= coef in place; float16/bfloat16 multiply in float32 and round once."""
+    """grads *= coef in place (``_mul_``)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
-    with torch.no_grad():
-        for (device, dtype), group in groups.items():
-            local = coef.to(device, non_blocking=True)
-            if dtype in (torch.float32, torch.float64):
-                torch._foreach_mul_(group, local.to(dtype))  # one multi-tensor kernel
-            else:
-                for g in group:
-                    g.copy_(g.to(torch.float32) * local)
+    _mul_(groups, coef)
