@@ -54,6 +54,11 @@ class NormHistory:
     def __len__(self) -> int:
         return len(self._rows)
 
+    @property
+    def last(self) -> tuple[int, bool, float, float] | None:
+        """The newest row ``(step, applied, loss, grad_norm)``, None before the first."""
+        return self._rows[-1] if self._rows else None
+
     def record(
         self,
         step: int,

@@ -1,0 +1,188 @@
+"""The training guard for torch loops that call ``optimizer.step()`` themselves: the Hugging
+Face ``Trainer`` and Lightning. One implementation; their callbacks only say when to call it.
+
+``StepGuard.wrap(optimizer)`` replaces ``optimizer.step`` by a guarded step: the guard
+(``TrainingGuard.for_torch``) decides from the step's loss and the ``.grad`` of the model's
+parameters, and the real step runs only when the step is good. A skipped step does not reach
+the weights, nor the optimizer's state (moments, step count, weight decay): zeroing the
+gradients instead would still move AdamW's weights. Rollbacks and spike skips work as in a
+plain torch loop (docs/semantics.md §16).
+
+The loss comes from ``record_loss`` (Lightning's ``on_before_backward``) or, for models that
+return it (``output.loss``, as Hugging Face models do when given labels), from a forward hook;
+the mean over a step's micro-batches is used (gradient accumulation). Without any loss the
+guard decides on the gradients alone (a loss of 0 is passed).
+
+fp16 with a ``torch.amp.GradScaler``: non-finite gradients are the scaler's to handle (it
+skips the step and lowers the scale), so the real step still runs and the guard only records
+the skip; a finite step the guard skips (a spike) ends the scaler's iteration with its scale
+unchanged (``scaler.update(new_scale=scale)``).
+
+On the first non-finite step, ``locate_nonfinite`` runs once on the step's last batch and its
+report (the first bad layer) is kept in ``first_nonfinite_report`` and logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from numstab.guard.guard import TrainingGuard
+
+log = logging.getLogger("numstab")
+
+
+class StepGuard:
+    """A :class:`TrainingGuard` wrapped around an optimizer that someone else steps."""
+
+    def __init__(self, guard: TrainingGuard | None = None, *, locate: bool = True) -> None:
+        self.guard = guard if guard is not None else TrainingGuard()
+        self.locate = locate
+        self.torch_guard: Any = None
+        self.model: torch.nn.Module | None = None
+        self.skipped = 0
+        self.first_nonfinite_report: Any = None
+        self.messages: list[str] = []
+        self._losses: list[torch.Tensor] = []
+        self._last_batch: tuple[tuple, dict] | None = None
+        self._hooks: list[Any] = []
+
+    # -- wiring --------------------------------------------------------------------------------
+    def attach(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        *,
+        hook_loss: bool = True,
+    ) -> None:
+        """Bind the guard to ``model``/``optimizer`` (the raw torch optimizer) once."""
+        if self.torch_guard is not None:
+            return
+        self.model = model
+        self.torch_guard = self.guard.for_torch(model, optimizer, scheduler=scheduler)
+        self._hooks.append(model.register_forward_pre_hook(self._keep_batch, with_kwargs=True))
+        if hook_loss:
+            self._hooks.append(model.register_forward_hook(self._loss_from_output))
+
+    def wrap(
+        self,
+        optimizer: Any,
+        scaler: Callable[[], Any] = lambda: None,
+        on_skip: Callable[[], Any] = lambda: None,
+    ) -> None:
+        """Make ``optimizer.step`` the guarded step (``scaler()``: the GradScaler, if any;
+        ``on_skip()`` runs after a skipped step)."""
+        real_step = optimizer.step
+
+        @functools.wraps(real_step)  # keeps torch's LR-scheduler marks on the step method
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            if not self.step(lambda: real_step(*args, **kwargs), scaler()):
+                on_skip()
+
+        optimizer.step = guarded_step
+        self._unwrap = lambda: setattr(optimizer, "step", real_step)
+
+    def detach(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if hasattr(self, "_unwrap"):
+            self._unwrap()
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """The (micro-batch) loss of the current step."""
+        self._losses.append(loss.detach().float().reshape(()))
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, real_step: Callable[[], Any], scaler: Any = None) -> bool:
+        """Decide on the step; run ``real_step`` when it is good. Returns whether it ran."""
+        loss = torch.stack(self._losses).mean() if self._losses else 0.0
+        self._losses.clear()
+        tg = self.torch_guard
+        applied = tg.step(loss, real_step)
+        if applied:
+            return True
+        self.skipped += 1
+        nonfinite = not math.isfinite(tg.history.last[2]) or not math.isfinite(tg.history.last[3])
+        if scaler is not None and scaler.is_enabled():
+            if nonfinite:
+                real_step()  # the scaler sees the inf, skips the step and backs off
+            else:
+                scaler.update(new_scale=scaler.get_scale())  # ends its iteration, scale kept
+        event = tg.events[-1] if tg.events else {}
+        self.messages.append(
+            f"numstab: skipped step {event.get('step')} ({', '.join(event.get('reasons', []))})"
+        )
+        if nonfinite and self.locate and self.first_nonfinite_report is None:
+            self._locate()
+        log.warning(self.messages[-1])
+        return False
+
+    @property
+    def grad_norm(self) -> float | None:
+        last = self.torch_guard.history.last if self.torch_guard is not None else None
+        return None if last is None else last[3]
+
+    # -- hooks ----------------------------------------------------------------------------------
+    _locating = False
+
+    def _keep_batch(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled() and module.training and not self._locating:
+            self._last_batch = (args, kwargs)
+
+    def _loss_from_output(self, module: Any, args: tuple, output: Any) -> None:
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not self._locating:
+            self.record_loss(loss)
+
+    def _locate(self) -> None:
+        """``locate_nonfinite`` on the last batch; the model is called as the loop called it."""
+        from numstab.locate import locate_nonfinite
+
+        if self._last_batch is None:
+            return
+        args, kwargs = self._last_batch
+        self._locating = True  # locating calls the model again: the hooks must not record
+        try:
+            report = locate_nonfinite(_AsCalled(self.model, kwargs), *args, loss_fn=_loss_of)
+        except Exception as exc:  # locating is a diagnosis: it must never end the run
+            self.messages.append(f"numstab: locate_nonfinite failed: {exc!r}")
+            return
+        finally:
+            self._locating = False
+        self.first_nonfinite_report = report
+        self.messages.append(f"numstab: first non-finite layer: {report}")
+        log.warning(self.messages[-1])
+
+
+class _AsCalled(torch.nn.Module):
+    """``model`` called with the loop's keyword arguments, under the model's own layer names:
+    it shares the model's sub-modules (``_modules``), so ``named_modules`` are the model's."""
+
+    def __init__(self, model: torch.nn.Module, kwargs: dict) -> None:
+        super().__init__()
+        self._modules = model._modules
+        self._model_forward = model.forward
+        self._kwargs = kwargs
+
+    def forward(self, *args: Any) -> Any:
+        return self._model_forward(*args, **self._kwargs)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None:
+        loss = output if isinstance(output, torch.Tensor) else None
+    if loss is None:
+        raise ValueError("the model's output holds no loss")
+    return loss.float().sum()

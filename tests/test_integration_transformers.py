@@ -1,0 +1,115 @@
+"""numstab.integrations.transformers.NumstabCallback with a real Trainer on a tiny GPT-2 built
+from a config (random weights, nothing downloaded). One batch is poisoned (NaN embeddings):
+without the callback the run ends with NaN weights; with it, the bad step is skipped."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from numstab.errors import InvalidArgumentError  # noqa: E402
+from numstab.guard import TrainingGuard  # noqa: E402
+from numstab.integrations.transformers import NumstabCallback  # noqa: E402
+
+POISON = 13  # the one poisoned sample: exactly one batch holds it, wherever it is shuffled
+STEPS = 6
+
+
+class Embedded(torch.utils.data.Dataset):
+    """Random embeddings and labels; sample ``POISON`` holds a NaN."""
+
+    def __len__(self):
+        return 4 * STEPS
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        embeds = torch.randn(8, 32, generator=g)
+        if i == POISON:
+            embeds[0, 0] = float("nan")
+        return {"inputs_embeds": embeds, "labels": torch.randint(0, 64, (8,), generator=g)}
+
+
+def _train(tmp_path, precision: str, callbacks):
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        dataloader_drop_last=True,
+        seed=0,
+        data_seed=0,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Embedded(), callbacks=callbacks
+    )
+    trainer.train()
+    return model, trainer
+
+
+def _finite(model) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_poisoned_batch_is_skipped_and_named(tmp_path, precision):
+    plain, _ = _train(tmp_path / "plain", precision, [])
+    assert not _finite(plain)  # the test can fail: unguarded, the NaN reaches the weights
+
+    callback = NumstabCallback()
+    model, trainer = _train(tmp_path / "guarded", precision, [callback])
+    assert _finite(model)
+    assert trainer.state.global_step == STEPS  # the run completed
+    assert callback.skipped_steps == 1
+    logs = [entry for entry in trainer.state.log_history if "numstab_skipped_steps" in entry]
+    assert logs and logs[-1]["numstab_skipped_steps"] == 1
+    assert sum(not math.isfinite(e["numstab_grad_norm"]) for e in logs[:STEPS]) == 1
+    report = callback.first_nonfinite_report
+    assert report is not None and "numstab_first_nonfinite" in logs[-1]
+    assert report.layer.startswith("transformer"), report  # the model's own layer names
+
+
+def test_skipped_step_leaves_weights_optimizer_and_schedule_alone(tmp_path):
+    """The guarded run equals a clean run that never saw the poisoned batch's step."""
+    callback = NumstabCallback()
+    _, trainer = _train(tmp_path, "fp32", [callback])
+    lr_steps = trainer.lr_scheduler.last_epoch
+    assert lr_steps == STEPS - 1  # the schedule did not advance on the skipped step
+    opt_state = trainer.optimizer.optimizer.state
+    steps = {int(s["step"]) for s in opt_state.values()}
+    assert steps == {STEPS - 1}  # AdamW's step counters skipped it too
+
+
+def test_bad_settings_raise_typed_errors(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="guard"):
+        NumstabCallback(guard="olmo")
+    callback = NumstabCallback(TrainingGuard())
+
+    class Args:
+        deepspeed = "ds_config.json"
+
+    with pytest.raises(InvalidArgumentError, match="DeepSpeed"):
+        callback.on_train_begin(Args(), None, None, model=torch.nn.Linear(1, 1))
