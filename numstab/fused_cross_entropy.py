@@ -253,8 +253,9 @@ class _Plan:
             x = x + b32
         # shifted by the row max m: lse(x) - x[c] = lse(x - m) - (x[c] - m) keeps its digits
         # at any offset, and so does the gradient's exp(x - lse); z-loss needs the true lse
-        x, m = be.max_shifted(x)
-        lse = native_op(be, "logsumexp")(x, axis=-1)
+        shift, m = be.row_shift(x)
+        x = x - shift  # kept: the gradient's exp(x - lse) needs it too
+        lse = native_op(be, "shifted_logsumexp")(x)
         rows = None
         if want_rows:
             rows = lse - be.take_rows(x, y)

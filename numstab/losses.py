@@ -324,22 +324,24 @@ def _masked_smoothed_rows(be, x, y, target_weight, eps, weight, cdt):
 
         (1 - eps) * w[y] * (lse - x[y]) + eps * (lse * sum_valid w - sum_valid w * x) / K_valid
 
-    on ``max_shifted(x)`` (w = 1 without ``weight``; NaN logits count as valid, so they
+    shifted by ``row_shift`` (w = 1 without ``weight``; NaN logits count as valid, so they
     propagate). Written through
     lse rather than log_softmax: under jax.jit it measured 0.7x optax's smoothed loss, where
     the log_softmax form was 1.08x.
     """
-    x, _ = be.max_shifted(x)  # lse - x[c] shifted: exact at any common offset
-    lse = native_op(be, "logsumexp")(x, axis=-1)
-    nll = lse - be.take_rows(x, y)  # gathered here: TF's cond would densify a captured one
+    m, m_row = be.row_shift(x)  # lse - x[c] shifted: exact at any common offset
+    lse = native_op(be, "shifted_logsumexp")(x - m)
+    nll = lse - (be.take_rows(x, y) - m_row)  # gathered here: TF's cond would densify one
     if target_weight is not None:
         nll = nll * target_weight
     valid = x != -INF
     valid_count = be.count(valid, axis=-1, dtype=cdt)
     divisor = be.where(valid_count > 0, valid_count, 1.0)
-    count = be.shape(x)[-1]  # sum_valid w x / K_valid as a sum of x / K, times K / K_valid:
-    wx = x * (1.0 / count) if weight is None else x * weight * (1.0 / count)  # a sum of x
-    mean = be.sum(be.where(valid, wx, 0.0), axis=-1) * (count / divisor)  # may overflow
+    # sum_valid w (x - m) / K_valid as a sum of (x - m) / K times K / K_valid: a plain sum
+    # may overflow where the mean does not
+    count = be.shape(x)[-1]
+    wx = (x - m) * (1.0 / count) if weight is None else (x - m) * weight * (1.0 / count)
+    mean = be.sum(be.where(valid, wx, 0.0), axis=-1) * (count / divisor)
     if weight is None:
         smooth = lse - mean
     else:  # an all -inf row has lse = -inf and no valid weight: 0, not -inf * 0
@@ -378,11 +380,11 @@ def _probability_rows(be, x, t, eps, weight, z_loss, cdt):
 
 
 def _offset_logsumexp(be: Backend, x: Array) -> Array:
-    """``lse(x - m) + m`` over the last axis, m = ``max_shifted``'s constant row max: its
+    """``lse(x - m) + m`` over the last axis, m = ``row_shift``'s constant row max: its
     gradient is softmax(x - m), exact at any offset, where torch's logsumexp differentiates
     to exp(x - lse) and loses the digits of x that lse's ulp hides (1e-3 at 1e4)."""
-    shifted, m = be.max_shifted(x)
-    return native_op(be, "logsumexp")(shifted, axis=-1) + m
+    m, m_row = be.row_shift(x)
+    return native_op(be, "shifted_logsumexp")(x - m) + m_row
 
 
 def _safe_divide(be: Backend, total: Array, denominator: Array | int) -> Array:

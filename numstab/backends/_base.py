@@ -277,18 +277,26 @@ class Backend:
             m = self.sum(m, axis=axis)  # summing a length-1 axis drops it, exactly
         return self.log(total) + m
 
-    def max_shifted(self, x: Array) -> tuple[Array, Array]:
-        """``(x - m, m)``, m the max over the last axis where finite, else 0 (a row of all
-        -inf, or holding +inf or NaN); ``m`` has shape ``x.shape[:-1]`` and no gradient.
+    def row_shift(self, x: Array) -> tuple[Array, Array]:
+        """``(m, m_row)``: the max over the last axis where finite, else 0 (a row of all -inf,
+        or holding +inf or NaN), kept as ``(..., 1)`` and dropped to ``x.shape[:-1]``; no
+        gradient (every use below is invariant to it).
 
         ``lse(x) - x[c] = lse(x - m) - (x[c] - m)``: the right side keeps full precision at
         any common offset, where the left loses every digit once the offset's ulp exceeds
         the spread (float32 logits at 1e6: ulp 0.0625). ``x - m`` is exact for entries
-        within a factor 2 of m (Sterbenz) and never overflows unless the spread does.
+        within a factor 2 of m (Sterbenz) and never overflows unless the spread does. Use it
+        inside the reductions (``sum(f(x - m))``) and subtract ``m_row`` from gathered
+        values: a materialised ``x - m`` read by several reductions cost 1.4x under jax.jit.
         """
         m = self.max(x, axis=-1, keepdims=True)
         m = self.stop_gradient(self.where(self.isfinite(m), m, 0.0))
-        return x - m, self.sum(m, axis=-1)  # summing a length-1 axis drops it, exactly
+        return m, self.sum(m, axis=-1)  # summing a length-1 axis drops it, exactly
+
+    def shifted_logsumexp(self, x: Array) -> Array:
+        """``logsumexp(x, axis=-1)`` of rows already shifted by their max (``row_shift``):
+        a backend whose compiler fuses ``log(sum(exp(x)))`` may skip logsumexp's own max."""
+        return native_op(self, "logsumexp")(x, axis=-1)
 
     def log_softmax(self, x: Array) -> Array:
         """(x - m) - log(sum(exp(x - m))) over the last axis, m the row max.
@@ -307,16 +315,16 @@ class Backend:
     def smoothed_nll(self, x: Array, labels: Array, eps: float, weight: Array | None) -> Array:
         """Per row, label smoothing over ALL K classes (torch's ``label_smoothing`` rows):
         ``(1 - eps) * w[y] * (lse - x[y]) + eps / K * sum_c w[c] * (lse - x[c])``, w = 1
-        without ``weight``, computed on ``max_shifted(x)``. A row holding a -inf (masked)
-        class must come out non-finite."""
-        x, _ = self.max_shifted(x)  # lse - x[c], shifted: exact at any offset
-        lse = native_op(self, "logsumexp")(x, axis=-1)
-        nll = lse - self.take_rows(x, labels)
+        without ``weight``, shifted by ``row_shift`` (lse here is lse(x - m)). A row holding a
+        -inf (masked) class must come out non-finite."""
+        m, m_row = self.row_shift(x)
+        lse = native_op(self, "shifted_logsumexp")(x - m)
+        nll = lse - (self.take_rows(x, labels) - m_row)
         count = self.shape(x)[-1]
         if weight is None:  # the mean as a sum of x / K: a sum of x may overflow where it may not
-            return nll * (1.0 - eps) + (lse - self.sum(x * (1.0 / count), axis=-1)) * eps
+            return nll * (1.0 - eps) + (lse - self.sum((x - m) * (1.0 / count), axis=-1)) * eps
         nll = nll * self.gather(weight, labels)
-        smooth = lse * self.sum(weight) - self.sum(x * weight, axis=-1)
+        smooth = lse * self.sum(weight) - self.sum((x - m) * weight, axis=-1)
         return nll * (1.0 - eps) + smooth * (eps / count)
 
     def finite_or_exact(
