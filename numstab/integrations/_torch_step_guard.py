@@ -18,8 +18,9 @@ skips the step and lowers the scale), so the real step still runs and the guard 
 the skip; a finite step the guard skips (a spike) ends the scaler's iteration with its scale
 unchanged (``scaler.update(new_scale=scale)``).
 
-On the first non-finite step, ``locate_nonfinite`` runs once on the step's last batch and its
-report (the first bad layer) is kept in ``first_nonfinite_report`` and logged.
+On the first non-finite step, ``locate_nonfinite`` runs once on the step's last batch
+(``replay``: the model's forward as the loop called it, or Lightning's ``training_step``) and
+its report (the first bad layer) is kept in ``first_nonfinite_report`` and logged.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class StepGuard:
         self.first_nonfinite_report: Any = None
         self.messages: list[str] = []
         self._losses: list[torch.Tensor] = []
-        self._last_batch: tuple[tuple, dict] | None = None
+        self.replay: Callable[[], Any] | None = None  # re-runs the last batch's forward
         self._hooks: list[Any] = []
 
     # -- wiring --------------------------------------------------------------------------------
@@ -66,8 +67,8 @@ class StepGuard:
             return
         self.model = model
         self.torch_guard = self.guard.for_torch(model, optimizer, scheduler=scheduler)
-        self._hooks.append(model.register_forward_pre_hook(self._keep_batch, with_kwargs=True))
         if hook_loss:
+            self._hooks.append(model.register_forward_pre_hook(self._keep_batch, with_kwargs=True))
             self._hooks.append(model.register_forward_hook(self._loss_from_output))
 
     def wrap(
@@ -81,9 +82,14 @@ class StepGuard:
         real_step = optimizer.step
 
         @functools.wraps(real_step)  # keeps torch's LR-scheduler marks on the step method
-        def guarded_step(*args: Any, **kwargs: Any) -> Any:
-            if not self.step(lambda: real_step(*args, **kwargs), scaler()):
+        def guarded_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+            result = None
+            if closure is not None:  # Lightning: forward and backward run inside step()
+                with torch.enable_grad():
+                    result = closure()
+            if not self.step(lambda: real_step(**kwargs), scaler()):
                 on_skip()
+            return result
 
         optimizer.step = guarded_step
         self._unwrap = lambda: setattr(optimizer, "step", real_step)
@@ -134,7 +140,7 @@ class StepGuard:
 
     def _keep_batch(self, module: Any, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled() and module.training and not self._locating:
-            self._last_batch = (args, kwargs)
+            self.replay = functools.partial(module.forward, *args, **kwargs)
 
     def _loss_from_output(self, module: Any, args: tuple, output: Any) -> None:
         loss = getattr(output, "loss", None)
@@ -147,12 +153,11 @@ class StepGuard:
         """``locate_nonfinite`` on the last batch; the model is called as the loop called it."""
         from numstab.locate import locate_nonfinite
 
-        if self._last_batch is None:
+        if self.replay is None:
             return
-        args, kwargs = self._last_batch
         self._locating = True  # locating calls the model again: the hooks must not record
         try:
-            report = locate_nonfinite(_AsCalled(self.model, kwargs), *args, loss_fn=_loss_of)
+            report = locate_nonfinite(_Replay(self.model, self.replay), loss_fn=_loss_of)
         except Exception as exc:  # locating is a diagnosis: it must never end the run
             self.messages.append(f"numstab: locate_nonfinite failed: {exc!r}")
             return
@@ -163,18 +168,17 @@ class StepGuard:
         log.warning(self.messages[-1])
 
 
-class _AsCalled(torch.nn.Module):
-    """``model`` called with the loop's keyword arguments, under the model's own layer names:
-    it shares the model's sub-modules (``_modules``), so ``named_modules`` are the model's."""
+class _Replay(torch.nn.Module):
+    """``replay()`` (the last batch's forward, as the loop called it) as a module with the
+    model's own layer names: it shares the model's sub-modules (``_modules``)."""
 
-    def __init__(self, model: torch.nn.Module, kwargs: dict) -> None:
+    def __init__(self, model: torch.nn.Module, replay: Callable[[], Any]) -> None:
         super().__init__()
         self._modules = model._modules
-        self._model_forward = model.forward
-        self._kwargs = kwargs
+        self._replay = replay
 
-    def forward(self, *args: Any) -> Any:
-        return self._model_forward(*args, **self._kwargs)
+    def forward(self) -> Any:
+        return self._replay()
 
 
 def _loss_of(output: Any) -> torch.Tensor:

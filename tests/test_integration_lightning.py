@@ -1,0 +1,91 @@
+"""numstab.integrations.lightning.NumstabCallback with a real lightning.Trainer, in each
+precision Lightning allows on CPU. One sample is poisoned (NaN): without the callback the run
+ends with NaN weights; with it, that one step is skipped and its layer is named."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pl = pytest.importorskip("lightning.pytorch")
+
+from numstab.errors import InvalidArgumentError  # noqa: E402
+from numstab.integrations.lightning import NumstabCallback  # noqa: E402
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, optimizers: int = 1) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+        )
+        self.optimizers_count = optimizers
+        self.automatic_optimization = optimizers == 1  # Lightning: several need manual
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss)
+        if not self.automatic_optimization:
+            for opt in self.optimizers():
+                opt.zero_grad()
+            self.manual_backward(loss)
+            for opt in self.optimizers():
+                opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        opts = [torch.optim.AdamW(self.parameters(), lr=1e-2) for _ in range(self.optimizers_count)]
+        return opts[0] if len(opts) == 1 else opts
+
+
+def _fit(precision: str, callbacks: list, module: Regressor | None = None):
+    torch.manual_seed(0)
+    model = module or Regressor()
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(32, 1, generator=torch.Generator().manual_seed(2))
+    x[13, 0] = float("nan")  # batch 3 of 8
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        precision=precision,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, loader)
+    return model, trainer
+
+
+def _finite(model) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_poisoned_batch_is_skipped_and_named(precision):
+    plain, _ = _fit(precision, [])
+    assert not _finite(plain)  # the test can fail: unguarded, the NaN reaches the weights
+    callback = NumstabCallback()
+    model, trainer = _fit(precision, [callback])
+    assert _finite(model)
+    assert trainer.global_step == 8  # every batch was stepped or skipped: the run completed
+    assert callback.skipped_steps == 1
+    assert callback.first_nonfinite_report.layer == "net.0"
+    assert trainer.callback_metrics["numstab/skipped_steps"] == 1
+    assert torch.isfinite(trainer.callback_metrics["numstab/grad_norm"])
+    steps = {int(s["step"]) for s in trainer.optimizers[0].state.values()}
+    assert steps == {7}  # AdamW never counted the skipped step
+
+
+def test_unsupported_settings_raise_typed_errors():
+    with pytest.raises(InvalidArgumentError, match="guard"):
+        NumstabCallback(guard=3)
+    with pytest.raises(InvalidArgumentError, match="one optimizer"):
+        _fit("32-true", [NumstabCallback()], Regressor(optimizers=2))
