@@ -36,8 +36,6 @@ import math
 import struct
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend, to_backend
 from numstab._layouts import dense_only
@@ -310,7 +308,7 @@ def _finite_flag(be: Any, finite: Any, like: Any) -> Any:
     """``finite`` as a 0-d boolean array of ``be``: a Python or NumPy bool, or a boolean
     array with one element (as ``all_finite`` and ``unscale`` return). Anything else raises:
     a vector of flags or a float would be reduced or cast silently."""
-    if isinstance(finite, (bool, np.bool_)):
+    if isinstance(finite, bool) or type(finite).__name__ == "bool":  # np.bool (no numpy import)
         return be.asarray(bool(finite), like=like)
     if finite is None or isinstance(finite, (str, int, float)) or not hasattr(finite, "dtype"):
         raise InvalidArgumentError(

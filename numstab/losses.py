@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend
 from numstab._dispatch import to_backend as _to_backend
@@ -57,7 +55,7 @@ def logsumexp(
 
     Rows of all -inf give -inf; any +inf gives +inf; NaN gives NaN.
     """
-    if not isinstance(keepdims, (bool, np.bool_)):
+    if not isinstance(keepdims, bool) and type(keepdims).__name__ != "bool":  # np.bool
         raise InvalidArgumentError(
             f"Expected keepdims to be a bool. Received: keepdims={keepdims!r}"
         )
@@ -215,6 +213,8 @@ def _class_weight(be: Backend, weight: Array, num_classes: int, cdt: str) -> Arr
             f"Received: weight.shape={be.shape(weight)}"
         )
     if be.can_read(weight):  # eagerly: one read of K numbers; traced weights are not checked
+        import numpy as np  # numpy is not imported with numstab
+
         host = np.asarray(be.to_numpy(weight), dtype=np.float64)
         bad = ~np.isfinite(host) | (host < 0)
         if bad.any():
