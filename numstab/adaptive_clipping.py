@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from numstab import _validate as v
-from numstab._dispatch import resolve_backend, to_backend
+from numstab._dispatch import HOST, check_numeric_host, framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend
 from numstab.clipping import _float_leaves, _global_norm, scale_leaves
@@ -126,6 +126,9 @@ class ZClip:
         """A fresh state on the backend (and device) of ``params`` (any tree, or None)."""
         leaves = [x for x in flatten(params)[0] if x is not None]
         be = resolve_backend(*leaves, backend=backend)
+        for leaf in leaves:
+            if framework_of(leaf) == HOST:
+                check_numeric_host(leaf, "params")
         like = next((x for x in leaves if hasattr(x, "device")), None)
 
         def zero(shape: tuple, dtype: str) -> Array:

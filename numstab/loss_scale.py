@@ -291,7 +291,10 @@ class LossScaler:
                 ),
             )
         except (KeyError, TypeError) as exc:
-            raise InvalidArgumentError(f"Not a numstab loss-scaler state dict: {exc!r}") from exc
+            raise InvalidArgumentError(
+                f"Expected state_dict to be a LossScaler.state_dict(). Received: a mapping "
+                f"missing or mistyping {exc!r}"
+            ) from exc
         return scaler, state
 
 

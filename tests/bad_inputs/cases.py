@@ -517,6 +517,81 @@ def stateful_cases() -> Iterator[Case]:
     )
 
 
+def more_api_cases() -> Iterator[Case]:
+    """The rest of the public API: filters, presets, schedules, AGC, ZClip.init, guard paths."""
+    sched = ns.warmup_cosine_schedule(1e-3, warmup_steps=1, total_steps=10)
+    yield from [
+        Case(
+            "finite_summary.tree=host", lambda c: ns.finite_summary([np.ones(3)]), bad("JAX arrays")
+        ),
+        Case("data.MADFilter.window=one", lambda c: ns.data.MADFilter(window=1), bad("window")),
+        Case(
+            "data.IsolationForestFilter.contamination=above_half",
+            lambda c: ns.data.IsolationForestFilter(contamination=0.9),
+            bad("contamination"),
+        ),
+        Case(
+            "data.ZScoreFilter.false_positive_rate=one",
+            lambda c: ns.data.ZScoreFilter(false_positive_rate=1.0),
+            bad("false_positive_rate"),
+        ),
+        Case("LossScaler.preset.name=unknown", lambda c: ns.LossScaler.preset("apex"), bad("name")),
+        Case(
+            "LossScaler.from_state_dict.state_dict=foreign",
+            lambda c: ns.LossScaler.from_state_dict({"x": 1}),
+            bad("state_dict"),
+        ),
+        Case(
+            "LossScaler.for_dtype.dtype=int8",
+            lambda c: ns.LossScaler.for_dtype("int8"),
+            bad("dtype"),
+        ),
+        Case("WarmupCosineSchedule.step=negative", lambda c: sched(-1), bad("step")),
+        Case("WarmupCosineSchedule.step=str", lambda c: sched("1"), bad("step")),
+        Case(
+            "resolve_backend.backend=unknown",
+            lambda c: ns.resolve_backend(_x(c), backend="x"),
+            bad("'x'", errors.UnknownBackendError),
+        ),
+        Case(
+            "AGC.clip.params=shape",
+            lambda c: ns.AGC().clip([c.a([1.0, 1.0])], [c.a([1.0, 1.0, 1.0])]),
+            bad("param shape"),
+        ),
+        Case("ZClip.init.params=str", lambda c: ns.ZClip().init("p"), bad("params")),
+        Case(
+            "data.guard.outlier_policy=unknown",
+            lambda c: ns.data.guard([], outlier_policy="skip"),
+            bad("outlier_policy"),
+        ),
+        Case(
+            "data.guard.replace_value=nan",
+            lambda c: ns.data.guard([], "replace", replace_value=NAN),
+            bad("replace_value"),
+        ),
+        Case(
+            "data.guard.batch_axis=negative",
+            lambda c: ns.data.guard([], batch_axis=-1),
+            bad("batch_axis"),
+        ),
+        Case(
+            "SpikeDetector.two_sided=str",
+            lambda c: ns.SpikeDetector(two_sided="yes"),
+            bad("two_sided"),
+        ),
+        Case(
+            "TrainingGuard.snapshot_dir=int",
+            lambda c: ns.TrainingGuard(snapshot_dir=3),
+            bad("snapshot_dir"),
+        ),
+        Case(
+            "TrainingGuard.log_callback=int",
+            lambda c: ns.TrainingGuard(log_callback=3),
+            bad("log_callback"),
+        ),
+    ]
+
+
 def backend_cases() -> Iterator[Case]:
     yield Case(
         "set_backend.name=unknown",
@@ -563,6 +638,7 @@ def all_cases() -> list[Case]:
         *array_cases(),
         *tree_cases(),
         *stateful_cases(),
+        *more_api_cases(),
         *backend_cases(),
     ]
     ids = [c.id for c in cases]
