@@ -58,6 +58,26 @@ class Decision(NamedTuple):
     step: Array  # int32: the index of this step
     layer_norms: Array | None = None  # float32 [layers] where the adapter computed them
 
+    @property
+    def reason_names(self) -> list[str]:
+        """``reasons`` as names (reads the value: not inside jit / tf.function)."""
+        return reason_names(int(self.reasons))
+
+    def __repr__(self) -> str:
+        """``Decision(step 7: skip [nonfinite_loss]; loss nan, grad_norm 3.2)``; the plain
+        tuple form while the values are traced (unreadable)."""
+        try:
+            verdict = "apply" if bool(self.apply) else "skip " + str(self.reason_names)
+            extra = ", rollback" if bool(self.rollback) else ""
+            extra += ", snapshot" if bool(self.snapshot) else ""
+            return (
+                f"Decision(step {int(self.step)}: {verdict}{extra}; loss {float(self.loss):.4g},"
+                f" grad_norm {float(self.grad_norm):.4g})"
+            )
+        except Exception:  # tracers (jit, tf.function) cannot be read
+            fields = ", ".join(f"{k}={x!r}" for k, x in zip(self._fields, self, strict=True))
+            return f"Decision({fields})"
+
 
 def init_state(guard: TrainingGuard, be: Backend, like: Array | None = None) -> GuardState:
     import numpy as np

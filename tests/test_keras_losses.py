@@ -1,0 +1,99 @@
+"""numstab's Keras Loss classes on every Keras backend (one subprocess per backend: Keras
+fixes its backend at import) against Keras' own losses, inside model.fit, and saved."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("keras")
+
+SCRIPT = r"""
+import numpy as np, keras
+from keras import ops
+from numstab.integrations.keras_losses import (
+    CategoricalCrossentropy, SparseCategoricalCrossentropy)
+
+rng = np.random.default_rng(0)
+logits = rng.normal(size=(8, 5)).astype("float32") * 3
+ids = rng.integers(0, 5, size=(8, 1)).astype("float32")  # Keras hands floats, shape (batch, 1)
+ids[2, 0] = 4
+weights = rng.uniform(0.5, 2.0, size=8).astype("float32")
+tol = dict(rtol=2e-6, atol=2e-6)  # float32 logsumexp of 5 classes: a few ulps
+
+ours, theirs = SparseCategoricalCrossentropy(), keras.losses.SparseCategoricalCrossentropy(
+    from_logits=True)
+np.testing.assert_allclose(ours(ids, logits), theirs(ids, logits), **tol)
+np.testing.assert_allclose(ours(ids, logits, weights), theirs(ids, logits, weights), **tol)
+ours = SparseCategoricalCrossentropy(ignore_index=4)
+theirs = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=4)
+np.testing.assert_allclose(ours(ids, logits), theirs(ids, logits), **tol)
+
+onehot = np.eye(5, dtype="float32")[ids[:, 0].astype(int)]
+ours = CategoricalCrossentropy(label_smoothing=0.1)
+theirs = keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1)
+np.testing.assert_allclose(ours(onehot, logits), theirs(onehot, logits), **tol)
+
+lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+z = SparseCategoricalCrossentropy(z_loss=1e-2)(ids, logits)
+plain = SparseCategoricalCrossentropy()(ids, logits)
+np.testing.assert_allclose(float(z) - float(plain), 1e-2 * np.mean(lse**2), rtol=1e-5)
+
+config = SparseCategoricalCrossentropy(label_smoothing=0.1, ignore_index=3).get_config()
+again = SparseCategoricalCrossentropy.from_config(config)
+assert (again.label_smoothing, again.ignore_index) == (0.1, 3), config
+
+keras.utils.set_random_seed(0)
+x = rng.normal(size=(64, 6)).astype("float32")
+y = (x[:, :1] > 0).astype("int64")  # (batch, 1) labels
+model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"),
+                          keras.layers.Dense(2)])
+model.compile(optimizer=keras.optimizers.Adam(1e-2),
+              loss=SparseCategoricalCrossentropy(label_smoothing=0.05, z_loss=1e-4))
+history = model.fit(x, y, batch_size=16, epochs=5, verbose=0).history["loss"]
+assert np.isfinite(history).all() and history[-1] < history[0], history
+print("ok", keras.backend.backend())
+"""
+
+
+@pytest.fixture(scope="module")
+def runs():
+    root = Path(__file__).resolve().parents[1]
+    procs = {}
+    for backend in ("tensorflow", "jax", "torch"):
+        env = {
+            **os.environ,
+            "KERAS_BACKEND": backend,
+            "PYTHONPATH": str(root),
+            "TF_CPP_MIN_LOG_LEVEL": "3",
+        }
+        procs[backend] = subprocess.Popen(
+            [sys.executable, "-c", SCRIPT],
+            env=env,
+            cwd=root,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+    outputs = {b: p.communicate(timeout=300) for b, p in procs.items()}  # drains the pipes
+    return {b: (procs[b].returncode, *outputs[b]) for b in procs}
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_keras_losses_match_keras_and_train(runs, backend):
+    code, out, err = runs[backend]
+    assert code == 0 and f"ok {backend}" in out, err[-3000:]
+
+
+def test_bad_arguments_are_typed_errors():
+    from numstab.errors import InvalidArgumentError
+    from numstab.integrations.keras_losses import SparseCategoricalCrossentropy
+
+    with pytest.raises(InvalidArgumentError, match="label_smoothing"):
+        SparseCategoricalCrossentropy(label_smoothing=2.0)
+    with pytest.raises(InvalidArgumentError, match="ignore_index"):
+        SparseCategoricalCrossentropy(ignore_index=1.5)
