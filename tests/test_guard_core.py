@@ -270,6 +270,18 @@ def test_sigkill_at_random_moments_leaves_every_snapshot_whole(tmp_path):
             assert tree["w"].shape == (2_000_000,) and (tree["w"] == step).all()
 
 
+def test_decision_prints_its_reasons_by_name():
+    guard = TrainingGuard()
+    state = guard.init_state()
+    good, state = guard.decide(state, 1.0, 0.5)
+    assert repr(good) == "Decision(step 0: apply; loss 1, grad_norm 0.5)"
+    bad, _ = guard.decide(state, float("nan"), math.inf)
+    assert bad.reason_names == ["nonfinite_loss", "nonfinite_grad"]
+    assert str(bad) == (
+        "Decision(step 1: skip ['nonfinite_loss', 'nonfinite_grad']; loss nan, grad_norm inf)"
+    )
+
+
 # -- JSON log ----------------------------------------------------------------------------------
 
 
