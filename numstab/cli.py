@@ -37,7 +37,13 @@ def _devices(name: str) -> str:
     return "?"
 
 
-def info(out=None) -> int:
+#: model libraries numstab integrates with, reported by ``numstab info`` (never imported)
+LIBRARIES = ("optax", "jmp", "keras", "flax", "equinox", "transformers", "lightning")
+
+
+def info(out=None, *, devices: bool = False) -> int:
+    """Versions from the installed distributions (nothing imported, well under a second);
+    with ``devices``, each framework is imported to list the devices it sees."""
     out = out or sys.stdout
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     print(f"numstab {numstab.__version__} on Python {platform.python_version()}", file=out)
@@ -49,12 +55,18 @@ def info(out=None) -> int:
                 f"  {name:<11} not installed (pip install 'numstab[{REGISTRY[name][2]}]')", file=out
             )
             continue
-        try:
-            load_backend(name)
-            devices = _devices(name)
-        except (NumstabError, ImportError, RuntimeError) as exc:
-            devices = f"failed to load: {exc}"
-        print(f"  {name:<11} {available[name]:<12} devices: {devices}", file=out)
+        if devices or name == "numpy":
+            try:
+                load_backend(name)
+                where = _devices(name)
+            except (NumstabError, ImportError, RuntimeError) as exc:
+                where = f"failed to load: {exc}"
+        else:
+            where = "not probed (numstab info --devices imports the framework)"
+        print(f"  {name:<11} {available[name]:<12} devices: {where}", file=out)
+    found = {lib: _library_version(lib) for lib in LIBRARIES}
+    listed = ", ".join(f"{lib} {v}" for lib, v in found.items() if v) or "none"
+    print(f"libraries: {listed}", file=out)
     choice = numstab.backend_choice()
     print(f"active backend: {choice.name} (from {choice.source})", file=out)
     if choice.name == "auto":
@@ -62,10 +74,24 @@ def info(out=None) -> int:
     return 0
 
 
+def _library_version(name: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="numstab", description=numstab.__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("info", help="frameworks, versions, devices and the active backend")
+    info_parser = commands.add_parser(
+        "info", help="frameworks, versions, devices and the active backend"
+    )
+    info_parser.add_argument(
+        "--devices", action="store_true", help="import each framework to list its devices"
+    )
     from numstab.bench import command as bench_command
 
     bench_command.add_arguments(
@@ -80,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "info":
-            return info()
+            return info(devices=args.devices)
         if args.command == "bench":
             command = ["numstab", *(sys.argv[1:] if argv is None else argv)]
             return bench_command.main(args, command)

@@ -212,6 +212,20 @@ def test_info_command_reports_the_active_backend_and_source(monkeypatch, capsys)
     assert "numpy " in out and "devices: cpu" in out
 
 
+def test_info_imports_no_framework_unless_devices_are_asked():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time; t = time.perf_counter(); from numstab import cli; cli.main(['info']);"
+        "print('imported', [m for m in ('torch', 'jax', 'tensorflow', 'flax', 'transformers')"
+        " if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "imported []" in out.stdout, out.stdout
+    assert "libraries:" in out.stdout and "not probed" in out.stdout
+
+
 def test_info_command_reports_bad_configuration(monkeypatch, capsys):
     from numstab import cli
 
