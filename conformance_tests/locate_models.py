@@ -378,3 +378,182 @@ def jax_loss(logits, targets):
 
     t, scale = targets
     return scale * jnp.mean(logits * t)
+
+
+# -- Equinox and Flax NNX: the same network as modules (their own layer names) --------------
+def _jnp_linear(x, w, b, fp16):
+    import jax.numpy as jnp
+
+    if fp16:
+        return (x.astype(jnp.float16) @ w.astype(jnp.float16) + b.astype(jnp.float16)).astype(
+            jnp.float32
+        )
+    return x @ w + b
+
+
+def _jnp_attention(q, k, v):
+    import jax.numpy as jnp
+
+    return jax_softmax(q @ jnp.swapaxes(k, -1, -2) / q.shape[-1] ** 0.5) @ v
+
+
+def equinox_model(params: dict, fault: str | None = None):
+    """Equinox modules; names are field paths: ``blocks[1].attn.v``."""
+    import equinox as eqx
+    import jax.numpy as jnp
+
+    half = fp16_layers(fault)
+
+    class Linear(eqx.Module):
+        w: jnp.ndarray
+        b: jnp.ndarray
+        fp16: bool = eqx.field(static=True)
+
+        def __call__(self, x):
+            return _jnp_linear(x, self.w, self.b, self.fp16)
+
+    class RMSNorm(eqx.Module):
+        g: jnp.ndarray
+        eps: float = eqx.field(static=True)
+
+        def __call__(self, x):
+            return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.g
+
+    class Attention(eqx.Module):
+        q: Linear
+        k: Linear
+        v: Linear
+        proj: Linear
+
+        def __call__(self, x):
+            return self.proj(_jnp_attention(self.q(x), self.k(x), self.v(x)))
+
+    class MLP(eqx.Module):
+        fc1: Linear
+        fc2: Linear
+
+        def __call__(self, x):
+            return self.fc2(jnp.tanh(self.fc1(x)))
+
+    class Block(eqx.Module):
+        norm1: RMSNorm
+        attn: Attention
+        norm2: RMSNorm
+        mlp: MLP
+
+        def __call__(self, x):
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+
+    class Embed(eqx.Module):
+        w: jnp.ndarray
+
+        def __call__(self, ids):
+            return self.w[ids]
+
+    class Model(eqx.Module):
+        embed: Embed
+        blocks: list
+        norm_f: RMSNorm
+        head: Linear
+
+        def __call__(self, ids):
+            x = self.embed(ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm_f(x))
+
+    def linear(p, name):
+        return Linear(jnp.asarray(p["w"]), jnp.asarray(p["b"]), name in half)
+
+    def norm(p):
+        return RMSNorm(jnp.asarray(p["g"]), p["eps"])
+
+    def block(p, name):
+        attn = Attention(
+            *(linear(p["attn"][k], f"{name}.attn.{k}") for k in ("q", "k", "v", "proj"))
+        )
+        mlp = MLP(
+            linear(p["mlp"]["fc1"], f"{name}.mlp.fc1"), linear(p["mlp"]["fc2"], f"{name}.mlp.fc2")
+        )
+        return Block(norm(p["norm1"]), attn, norm(p["norm2"]), mlp)
+
+    return Model(
+        Embed(jnp.asarray(params["embed"]["w"])),
+        [block(p, f"blocks.{i}") for i, p in enumerate(params["blocks"])],
+        norm(params["norm_f"]),
+        linear(params["head"], "head"),
+    )
+
+
+def nnx_model(params: dict, fault: str | None = None):
+    """Flax NNX modules; names are attribute paths: ``blocks.1.attn.v``, as in torch."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    half = fp16_layers(fault)
+
+    class Linear(nnx.Module):
+        def __init__(self, p, fp16):
+            self.w, self.b, self.fp16 = (
+                nnx.Param(jnp.asarray(p["w"])),
+                nnx.Param(jnp.asarray(p["b"])),
+                fp16,
+            )
+
+        def __call__(self, x):
+            return _jnp_linear(x, self.w[...], self.b[...], self.fp16)
+
+    class RMSNorm(nnx.Module):
+        def __init__(self, p):
+            self.g, self.eps = nnx.Param(jnp.asarray(p["g"])), p["eps"]
+
+        def __call__(self, x):
+            return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps) * self.g[...]
+
+    class Attention(nnx.Module):
+        def __init__(self, p, name):
+            for k in ("q", "k", "v", "proj"):
+                setattr(self, k, Linear(p[k], f"{name}.{k}" in half))
+
+        def __call__(self, x):
+            return self.proj(_jnp_attention(self.q(x), self.k(x), self.v(x)))
+
+    class MLP(nnx.Module):
+        def __init__(self, p, name):
+            self.fc1 = Linear(p["fc1"], f"{name}.fc1" in half)
+            self.fc2 = Linear(p["fc2"], f"{name}.fc2" in half)
+
+        def __call__(self, x):
+            return self.fc2(jnp.tanh(self.fc1(x)))
+
+    class Block(nnx.Module):
+        def __init__(self, p, name):
+            self.norm1, self.norm2 = RMSNorm(p["norm1"]), RMSNorm(p["norm2"])
+            self.attn, self.mlp = Attention(p["attn"], name + ".attn"), MLP(p["mlp"], name + ".mlp")
+
+        def __call__(self, x):
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+
+    class Embed(nnx.Module):
+        def __init__(self, w):
+            self.w = nnx.Param(jnp.asarray(w))
+
+        def __call__(self, ids):
+            return self.w[...][ids]
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.embed = Embed(params["embed"]["w"])
+            self.blocks = nnx.List(Block(p, f"blocks.{i}") for i, p in enumerate(params["blocks"]))
+            self.norm_f = RMSNorm(params["norm_f"])
+            self.head = Linear(params["head"], False)
+
+        def __call__(self, ids):
+            x = self.embed(ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm_f(x))
+
+    return Model()

@@ -60,6 +60,10 @@ def locate_nonfinite(
         return _keras.locate(model, inputs, loss_fn, targets)
     from numstab.locate import jax as _jax
 
+    if kind == "library":
+        from numstab.locate import _library_layers
+
+        model = _library_layers.as_layers(_library_layers.library_of(model), model)
     return _jax.locate(model, inputs, loss_fn, targets)
 
 
@@ -79,22 +83,31 @@ def _model_kind(model: Any, inputs: tuple, backend: str | None) -> str:
                 f"{keras.backend.backend()!r}"
             )
         kind = "keras"
+    elif _is_library_module(model):
+        kind = "library"  # Equinox, Flax NNX: JAX models whose sub-modules become layers
     elif callable(model) and (
         name == "jax" or (name == AUTO and detect(*_leaves(inputs)) == "jax")
     ):
         kind = "jax"
     else:
         raise InvalidArgumentError(
-            "Expected model to be a torch.nn.Module, a Keras 3 Layer/Model, or a function of "
-            "JAX arrays built from numstab.locate.jax.layer calls. Received: "
+            "Expected model to be a torch.nn.Module, a Keras 3 Layer/Model, an Equinox or Flax "
+            "NNX Module, or a function of JAX arrays built from numstab.locate.jax.layer "
+            "calls. Received: "
             f"model={_short(model)}"
         )
-    wanted = {"torch": "torch", "keras": "tensorflow", "jax": "jax"}[kind]
+    wanted = {"torch": "torch", "keras": "tensorflow", "jax": "jax", "library": "jax"}[kind]
     if name not in (AUTO, wanted):
         raise InvalidArgumentError(
             f"Expected backend={wanted!r} (or None) for a {kind} model. Received: backend={name!r}"
         )
     return kind
+
+
+def _is_library_module(model: Any) -> bool:
+    from numstab.locate._library_layers import library_of
+
+    return library_of(model) is not None
 
 
 def _leaves(inputs: tuple) -> list:

@@ -1,0 +1,204 @@
+"""Sub-module calls of a module library's model as ``numstab.locate.jax.layer`` calls, so that
+``locate_nonfinite`` takes Equinox and Flax NNX models as they are.
+
+While locating, the ``__call__`` of every module class in the model is replaced (and put back
+afterwards): a call on a direct child of the module that is running becomes
+``layer(child_name, fn, child, *args)``, where ``fn`` runs the original ``__call__`` on the
+(probed) child it is handed. Names are the library's own paths, relative to the parent and
+joined by ``layer`` into full paths. The root model is not a layer: its children are.
+
+- Equinox: the module is its own pytree of parameters; names are field paths (``layers[0]``,
+  ``mlp.linear1``).
+- Flax NNX: ``nnx.split`` gives the parameters' pytree (``State``) and ``fn`` merges it back;
+  names are NNX attribute paths joined by dots (``layers.0``, ``block.attn``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from numstab.locate.jax import layer
+
+#: id of each direct child of the running module -> its name relative to that module
+_CHILDREN: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
+    "numstab_locate_children", default=None
+)
+_MISSING = object()
+
+
+class Library:
+    """How one library exposes a module's children and its parameters."""
+
+    module_type: type
+
+    def children(self, module: Any) -> dict[int, str]:
+        """id -> name of the direct sub-modules (through lists, tuples and dicts)."""
+        out: dict[int, str] = {}
+        for name, value in self.fields(module):
+            self._collect(value, name, out)
+        return out
+
+    def _collect(self, value: Any, path: str, out: dict[int, str]) -> None:
+        # containers first: NNX's List and Dict are modules that hold modules
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            for i, item in enumerate(value):
+                self._collect(item, self.index(path, i), out)
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                self._collect(item, self.key(path, key), out)
+        elif isinstance(value, self.module_type):
+            out.setdefault(id(value), path)
+
+    def modules(self, model: Any) -> Iterator[Any]:
+        """Every module in the model, the root included."""
+        seen: set[int] = set()
+        stack = [model]
+        while stack:
+            module = stack.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            yield module
+            for _, value in self.fields(module):
+                self._collect_objects(value, stack)
+
+    def _collect_objects(self, value: Any, stack: list) -> None:
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            for item in value:
+                self._collect_objects(item, stack)
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                self._collect_objects(item, stack)
+        elif isinstance(value, self.module_type):
+            stack.append(value)
+
+    def fields(self, module: Any) -> list[tuple[str, Any]]:
+        raise NotImplementedError
+
+    def index(self, path: str, i: int) -> str:
+        raise NotImplementedError
+
+    def key(self, path: str, k: Any) -> str:
+        raise NotImplementedError
+
+    def call_as_layer(self, name: str, call: Callable, module: Any, args: tuple, kw: dict):
+        raise NotImplementedError
+
+
+class Equinox(Library):
+    def __init__(self) -> None:
+        import equinox
+
+        self.module_type = equinox.Module
+
+    def fields(self, module: Any) -> list[tuple[str, Any]]:
+        import dataclasses
+
+        return [(f.name, getattr(module, f.name, None)) for f in dataclasses.fields(module)]
+
+    def index(self, path: str, i: int) -> str:
+        return f"{path}[{i}]"
+
+    def key(self, path: str, k: Any) -> str:
+        return f"{path}[{k!r}]"
+
+    def call_as_layer(self, name, call, module, args, kw):
+        def fn(probed, *a, **k):
+            token = _CHILDREN.set(self.children(probed))
+            try:
+                return call(probed, *a, **k)
+            finally:
+                _CHILDREN.reset(token)
+
+        fn.__name__ = type(module).__name__  # the report's layer type
+        return layer(name, fn, module, *args, **kw)
+
+
+class FlaxNNX(Library):
+    def __init__(self) -> None:
+        from flax import nnx
+
+        self.nnx = nnx
+        self.module_type = nnx.Module
+
+    def fields(self, module: Any) -> list[tuple[str, Any]]:
+        return [(k, v) for k, v in vars(module).items() if not k.startswith("_")]
+
+    def index(self, path: str, i: int) -> str:
+        return f"{path}.{i}"
+
+    def key(self, path: str, k: Any) -> str:
+        return f"{path}.{k}"
+
+    def call_as_layer(self, name, call, module, args, kw):
+        nnx = self.nnx
+        graphdef, state = nnx.split(module)
+
+        def fn(state, *a, **k):
+            probed = nnx.merge(graphdef, state)
+            token = _CHILDREN.set(self.children(probed))
+            try:
+                return call(probed, *a, **k)
+            finally:
+                _CHILDREN.reset(token)
+
+        fn.__name__ = type(module).__name__  # the report's layer type
+        return layer(name, fn, state, *args, **kw)
+
+
+def library_of(model: Any) -> Library | None:
+    """The library whose module ``model`` is (only libraries already imported are asked)."""
+    import sys
+
+    if "equinox" in sys.modules and isinstance(model, sys.modules["equinox"].Module):
+        return Equinox()
+    if "flax.nnx" in sys.modules and isinstance(model, sys.modules["flax.nnx"].Module):
+        return FlaxNNX()
+    return None
+
+
+def as_layers(library: Library, model: Any) -> Callable[..., Any]:
+    """``model(*inputs)`` with every sub-module call made a ``layer``."""
+    classes = {type(m) for m in library.modules(model)}
+
+    def run(*inputs: Any) -> Any:
+        with _patched(library, classes):
+            token = _CHILDREN.set(library.children(model))
+            try:
+                return model(*inputs)
+            finally:
+                _CHILDREN.reset(token)
+
+    return run
+
+
+@contextlib.contextmanager
+def _patched(library: Library, classes: set[type]) -> Iterator[None]:
+    own = {cls: vars(cls).get("__call__", _MISSING) for cls in classes}
+    try:
+        for cls in classes:
+            cls.__call__ = _layer_call(library, cls.__call__)
+        yield
+    finally:
+        for cls, original in own.items():
+            if original is _MISSING:
+                delattr(cls, "__call__")
+            else:
+                cls.__call__ = original
+
+
+def _layer_call(library: Library, call: Callable) -> Callable:
+    def layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        name = (_CHILDREN.get() or {}).get(id(self))
+        if name is None:  # the root, a module called through super(), or one made on the fly
+            return call(self, *args, **kwargs)
+        token = _CHILDREN.set({})  # the child's own children are set by call_as_layer
+        try:
+            return library.call_as_layer(name, call, self, args, kwargs)
+        finally:
+            _CHILDREN.reset(token)
+
+    return layer_call
