@@ -84,8 +84,25 @@ class Library:
     def key(self, path: str, k: Any) -> str:
         raise NotImplementedError
 
-    def call_as_layer(self, name: str, call: Callable, module: Any, args: tuple, kw: dict):
+    def params_of(self, module: Any) -> tuple[Any, Callable[[Any], Any]]:
+        """(the module's parameters as a pytree, a function rebuilding the module from it)."""
         raise NotImplementedError
+
+    def call_as_layer(self, name: str, call: Callable, module: Any, args: tuple, kw: dict):
+        """``call(module, *args, **kw)`` as ``layer(name, ...)``, with the (probed) module's
+        own children named while it runs."""
+        params, rebuild = self.params_of(module)
+
+        def fn(params: Any, *a: Any, **k: Any) -> Any:
+            probed = rebuild(params)
+            token = _CHILDREN.set(self.children(probed))
+            try:
+                return call(probed, *a, **k)
+            finally:
+                _CHILDREN.reset(token)
+
+        fn.__name__ = type(module).__name__  # the report's layer type
+        return layer(name, fn, params, *args, **kw)
 
 
 class Equinox(Library):
@@ -105,16 +122,8 @@ class Equinox(Library):
     def key(self, path: str, k: Any) -> str:
         return f"{path}[{k!r}]"
 
-    def call_as_layer(self, name, call, module, args, kw):
-        def fn(probed, *a, **k):
-            token = _CHILDREN.set(self.children(probed))
-            try:
-                return call(probed, *a, **k)
-            finally:
-                _CHILDREN.reset(token)
-
-        fn.__name__ = type(module).__name__  # the report's layer type
-        return layer(name, fn, module, *args, **kw)
+    def params_of(self, module: Any) -> tuple[Any, Callable[[Any], Any]]:
+        return module, lambda probed: probed  # an Equinox module is its own pytree
 
 
 class FlaxNNX(Library):
@@ -133,20 +142,9 @@ class FlaxNNX(Library):
     def key(self, path: str, k: Any) -> str:
         return f"{path}.{k}"
 
-    def call_as_layer(self, name, call, module, args, kw):
-        nnx = self.nnx
-        graphdef, state = nnx.split(module)
-
-        def fn(state, *a, **k):
-            probed = nnx.merge(graphdef, state)
-            token = _CHILDREN.set(self.children(probed))
-            try:
-                return call(probed, *a, **k)
-            finally:
-                _CHILDREN.reset(token)
-
-        fn.__name__ = type(module).__name__  # the report's layer type
-        return layer(name, fn, state, *args, **kw)
+    def params_of(self, module: Any) -> tuple[Any, Callable[[Any], Any]]:
+        graphdef, state = self.nnx.split(module)
+        return state, lambda probed: self.nnx.merge(graphdef, probed)
 
 
 def library_of(model: Any) -> Library | None:
