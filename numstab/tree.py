@@ -39,6 +39,12 @@ def _children(
     if hasattr(node, "dtype") or node is None:  # an array of any framework, or a scalar
         return _sparse_children(node, sparse_as_dense)
     if isinstance(node, Mapping):
+        if type(node) is not dict and type(node).__module__ != "collections":
+            # a library's mapping that JAX knows (flax's State, FrozenDict): JAX's own
+            # flatten rebuilds it faithfully, where cls(pairs) may not (State nests dicts)
+            registered = _jax_children(node)
+            if registered is not None:
+                return registered
         keys = list(node)
         cls = type(node)
         return [(f"[{k!r}]", node[k]) for k in keys], lambda vs: cls(zip(keys, vs, strict=True))
@@ -87,10 +93,10 @@ def _jax_children(node: Any):
     tree_util = sys.modules.get("jax.tree_util")
     if tree_util is None:
         return None
-    children, treedef = tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+    pairs, treedef = tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
     if treedef.num_nodes == 1:  # jax sees a leaf too
         return None
-    return [(f"[{i}]", c) for i, c in enumerate(children)], treedef.unflatten
+    return [(tree_util.keystr(path), c) for path, c in pairs], treedef.unflatten
 
 
 def flatten(tree: Any, *, sparse_as_dense: bool = False) -> tuple[list[Leaf], TreeDef]:
