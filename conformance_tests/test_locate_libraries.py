@@ -80,3 +80,10 @@ def test_clean_run_and_forward_only(library):
 def test_unsupported_model_names_what_is_supported():
     with pytest.raises(InvalidArgumentError, match="Equinox or Flax NNX"):
         locate_nonfinite(object(), np.zeros(3))
+    linen = pytest.importorskip("flax.linen")
+    import jax
+
+    dense = linen.Dense(3)
+    bound = dense.bind(dense.init(jax.random.PRNGKey(0), np.ones((1, 2), np.float32)))
+    with pytest.raises(InvalidArgumentError, match="linen modules are not supported yet"):
+        locate_nonfinite(bound, np.ones((1, 2), np.float32))

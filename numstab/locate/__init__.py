@@ -83,6 +83,12 @@ def _model_kind(model: Any, inputs: tuple, backend: str | None) -> str:
                 f"{keras.backend.backend()!r}"
             )
         kind = "keras"
+    elif "flax.linen" in sys.modules and isinstance(model, sys.modules["flax.linen"].Module):
+        raise InvalidArgumentError(
+            "Expected a torch.nn.Module, a Keras 3 model on TensorFlow, an Equinox or Flax NNX "
+            "Module, or a function built from numstab.locate.jax.layer calls; Flax linen "
+            f"modules are not supported yet. Received: model of type {type(model).__name__}"
+        )
     elif _is_library_module(model):
         kind = "library"  # Equinox, Flax NNX: JAX models whose sub-modules become layers
     elif callable(model) and (
