@@ -110,3 +110,19 @@ def test_nnx_jit_step_and_optimizer_with_loss_scaling():
         for x, y in zip(X, Y, strict=True):
             step(model, optimizer, x, y)
         assert _finite(nnx.state(model, nnx.Param)) is scaled
+
+
+@pytest.mark.parametrize("library", ["equinox", "nnx"])
+def test_check_numerics_inside_the_libraries_jitted_steps(library):
+    x = jnp.ones((3, 4)).at[0, 0].set(jnp.nan)
+    if library == "equinox":
+        eqx = pytest.importorskip("equinox")
+        model = eqx.nn.MLP(4, 1, 8, 2, key=jax.random.PRNGKey(0))
+        step = eqx.filter_jit(lambda m, x: jnp.sum(jax.vmap(m)(x)))
+    else:
+        nnx = pytest.importorskip("flax.nnx")
+        model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+        step = nnx.jit(lambda m, x: jnp.sum(m(x)))
+    assert jnp.isnan(step(model, x))  # unchecked: a silent NaN
+    with pytest.raises(ns.NonFiniteError, match="forward"), ns.check_numerics(backend="jax"):
+        step(model, x)

@@ -20,7 +20,9 @@ Per batch, with one host transfer:
 Rollbacks restore the snapshot's weights and optimizer variables, then multiply the
 optimizer's learning rate by the LR factor (a ``LearningRateSchedule`` cannot be rescaled:
 the rollback is logged with ``"lr_factor_applied": false``). With ``steps_per_execution > 1``
-the callback sees, and undoes, whole executions. Backend-neutral (``keras.ops`` only).
+the callback sees, and undoes, whole executions. Backend-neutral (``keras.ops`` only): on
+the TensorFlow, JAX and torch backends. On JAX, Keras keeps the training state off the
+variables between steps; the callback syncs it back each batch (``model.jax_state_sync()``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class GuardCallback(keras.callbacks.Callback):
         self._prev_totals = self._read_tracker()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        # Keras on JAX trains on a copy of the state and purges the variables meanwhile:
+        # write it back so that the callback reads, and undoes, the real values
+        getattr(self.model, "jax_state_sync", lambda: None)()
         runner = self.runner
         steps_seen = int(self.state.step)
         if runner.consume_skip_batch(steps_seen):
@@ -117,8 +122,10 @@ class GuardCallback(keras.callbacks.Callback):
         return np.float32(ops.convert_to_numpy(value))
 
     def _undo(self) -> None:
+        # copies: the variables must not hold the shadow's buffers, which Keras on JAX
+        # donates to the next train step
         for var, value in zip(self._state_vars + self._metric_vars, self._shadow, strict=True):
-            var.assign(value)
+            var.assign(ops.copy(value))
 
     @property
     def history(self) -> Any:
