@@ -3,12 +3,9 @@ fixes its backend at import) against Keras' own losses, inside model.fit, and sa
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.keras_backends import KERAS_BACKENDS, run_per_keras_backend
 
 pytest.importorskip("keras")
 
@@ -62,28 +59,10 @@ print("ok", keras.backend.backend())
 
 @pytest.fixture(scope="module")
 def runs():
-    root = Path(__file__).resolve().parents[1]
-    procs = {}
-    for backend in ("tensorflow", "jax", "torch"):
-        env = {
-            **os.environ,
-            "KERAS_BACKEND": backend,
-            "PYTHONPATH": str(root),
-            "TF_CPP_MIN_LOG_LEVEL": "3",
-        }
-        procs[backend] = subprocess.Popen(
-            [sys.executable, "-c", SCRIPT],
-            env=env,
-            cwd=root,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-    outputs = {b: p.communicate(timeout=300) for b, p in procs.items()}  # drains the pipes
-    return {b: (procs[b].returncode, *outputs[b]) for b in procs}
+    return run_per_keras_backend(SCRIPT)
 
 
-@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+@pytest.mark.parametrize("backend", KERAS_BACKENDS)
 def test_keras_losses_match_keras_and_train(runs, backend):
     code, out, err = runs[backend]
     assert code == 0 and f"ok {backend}" in out, err[-3000:]

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from numstab.errors import InvalidArgumentError
 from numstab.guard.guard import TrainingGuard
 
 log = logging.getLogger("numstab")
@@ -42,6 +43,11 @@ class StepGuard:
     """A :class:`TrainingGuard` wrapped around an optimizer that someone else steps."""
 
     def __init__(self, guard: TrainingGuard | None = None, *, locate: bool = True) -> None:
+        if guard is not None and not isinstance(guard, TrainingGuard):
+            raise InvalidArgumentError(
+                f"Expected guard to be a numstab TrainingGuard or None. Received: guard of "
+                f"type {type(guard).__name__}"
+            )
         self.guard = guard if guard is not None else TrainingGuard()
         self.locate = locate
         self.torch_guard: Any = None
@@ -190,3 +196,18 @@ def _loss_of(output: Any) -> torch.Tensor:
     if loss is None:
         raise ValueError("the model's output holds no loss")
     return loss.float().sum()
+
+
+class GuardedCallback:
+    """What the Trainer and Lightning callbacks share: their ``StepGuard`` and its results."""
+
+    def __init__(self, guard: TrainingGuard | None = None, *, locate: bool = True) -> None:
+        self.step_guard = StepGuard(guard, locate=locate)
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.step_guard.skipped
+
+    @property
+    def first_nonfinite_report(self) -> Any:
+        return self.step_guard.first_nonfinite_report

@@ -29,29 +29,12 @@ from typing import Any
 import lightning.pytorch as pl
 
 from numstab.errors import InvalidArgumentError
-from numstab.guard.guard import TrainingGuard
-from numstab.integrations._torch_step_guard import StepGuard
+from numstab.integrations._torch_step_guard import GuardedCallback
 
 
-class NumstabCallback(pl.Callback):
+class NumstabCallback(GuardedCallback, pl.Callback):
     """See the module docstring. ``guard``: the :class:`TrainingGuard` settings;
     ``locate``: run ``locate_nonfinite`` on the first non-finite step."""
-
-    def __init__(self, guard: TrainingGuard | None = None, *, locate: bool = True) -> None:
-        if guard is not None and not isinstance(guard, TrainingGuard):
-            raise InvalidArgumentError(
-                f"Expected guard to be a numstab TrainingGuard or None. Received: guard of "
-                f"type {type(guard).__name__}"
-            )
-        self.step_guard = StepGuard(guard, locate=locate)
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.step_guard.skipped
-
-    @property
-    def first_nonfinite_report(self) -> Any:
-        return self.step_guard.first_nonfinite_report
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "deepspeed" in type(trainer.strategy).__name__.lower():

@@ -24,29 +24,16 @@ from transformers import TrainerCallback
 
 from numstab.errors import InvalidArgumentError
 from numstab.guard.guard import TrainingGuard
-from numstab.integrations._torch_step_guard import StepGuard
+from numstab.integrations._torch_step_guard import GuardedCallback
 
 
-class NumstabCallback(TrainerCallback):
+class NumstabCallback(GuardedCallback, TrainerCallback):
     """See the module docstring. ``guard``: the :class:`TrainingGuard` settings;
     ``locate``: run ``locate_nonfinite`` on the first non-finite step."""
 
     def __init__(self, guard: TrainingGuard | None = None, *, locate: bool = True) -> None:
-        if guard is not None and not isinstance(guard, TrainingGuard):
-            raise InvalidArgumentError(
-                f"Expected guard to be a numstab TrainingGuard or None. Received: guard of "
-                f"type {type(guard).__name__}"
-            )
-        self.step_guard = StepGuard(guard, locate=locate)
+        GuardedCallback.__init__(self, guard, locate=locate)
         self._optimizer: Any = None
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.step_guard.skipped
-
-    @property
-    def first_nonfinite_report(self) -> Any:
-        return self.step_guard.first_nonfinite_report
 
     def on_train_begin(
         self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs
