@@ -292,8 +292,8 @@ class LossScaler:
             )
         except (KeyError, TypeError) as exc:
             raise InvalidArgumentError(
-                f"Expected state_dict to be a LossScaler.state_dict(). Received: a mapping "
-                f"missing or mistyping {exc!r}"
+                f"Expected state_dict to be a numstab loss-scaler state dict "
+                f"(LossScaler.state_dict()). Received: a mapping missing or mistyping {exc!r}"
             ) from exc
         return scaler, state
 
