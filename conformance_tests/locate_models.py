@@ -176,7 +176,9 @@ def torch_loss(logits, targets):
 
 
 # -- Keras 3 (TensorFlow backend) ----------------------------------------------------------
-def keras_model(params: dict, fault: str | None = None):
+def keras_model(params: dict, fault: str | None = None, *, sep: str = "."):
+    """Keras 3 layers named as torch's modules (``blocks.1.attn.v``); ``sep="_"`` names the
+    blocks ``blocks_1`` instead, for Keras on torch, whose parameter names cannot hold dots."""
     import keras
     from keras import ops
 
@@ -264,7 +266,8 @@ def keras_model(params: dict, fault: str | None = None):
             super().__init__(name="model")
             self.embed = Embed(name="embed")
             self.blocks = [
-                Block(p, f"blocks.{i}", name=f"blocks.{i}") for i, p in enumerate(params["blocks"])
+                Block(p, f"blocks.{i}", name=f"blocks{sep}{i}")
+                for i, p in enumerate(params["blocks"])
             ]
             self.norm_f = RMSNorm(params["norm_f"], name="norm_f")
             self.head = Linear(params["head"], False, name="head")
@@ -557,3 +560,100 @@ def nnx_model(params: dict, fault: str | None = None):
             return self.head(self.norm_f(x))
 
     return Model()
+
+
+def linen_model(params: dict, fault: str | None = None):
+    """A bound Flax linen module; names are linen scope names: ``blocks_1.attn.v``."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    half = fp16_layers(fault)
+
+    given = nn.initializers.zeros_init()  # only for shapes: the weights are bound below
+    dim, vocab = params["embed"]["w"].shape[1], params["embed"]["w"].shape[0]
+    hidden = params["blocks"][0]["mlp"]["fc1"]["w"].shape[1]
+
+    class Linear(nn.Module):
+        features: int
+        fp16: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            w = self.param("w", given, (x.shape[-1], self.features))
+            return _jnp_linear(x, w, self.param("b", given, (self.features,)), self.fp16)
+
+    class RMSNorm(nn.Module):
+        eps: float
+
+        @nn.compact
+        def __call__(self, x):
+            g = self.param("g", given, (x.shape[-1],))
+            return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps) * g
+
+    class Attention(nn.Module):
+        where: str
+
+        def setup(self):
+            self.q, self.k, self.v, self.proj = (
+                Linear(dim, f"{self.where}.{k}" in half) for k in ("q", "k", "v", "proj")
+            )
+
+        def __call__(self, x):
+            return self.proj(_jnp_attention(self.q(x), self.k(x), self.v(x)))
+
+    class MLP(nn.Module):
+        where: str
+
+        def setup(self):
+            self.fc1 = Linear(hidden, f"{self.where}.fc1" in half)
+            self.fc2 = Linear(dim, f"{self.where}.fc2" in half)
+
+        def __call__(self, x):
+            return self.fc2(jnp.tanh(self.fc1(x)))
+
+    class Block(nn.Module):
+        where: str
+        eps1: float
+        eps2: float
+
+        def setup(self):
+            self.norm1, self.norm2 = RMSNorm(self.eps1), RMSNorm(self.eps2)
+            self.attn, self.mlp = Attention(self.where + ".attn"), MLP(self.where + ".mlp")
+
+        def __call__(self, x):
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+
+    class Embed(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            return self.param("w", given, (vocab, dim))[ids]
+
+    class Model(nn.Module):
+        def setup(self):
+            self.embed = Embed()
+            self.blocks = [
+                Block(f"blocks.{i}", p["norm1"]["eps"], p["norm2"]["eps"])
+                for i, p in enumerate(params["blocks"])
+            ]
+            self.norm_f = RMSNorm(params["norm_f"]["eps"])
+            self.head = Linear(vocab)
+
+        def __call__(self, ids):
+            x = self.embed(ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm_f(x))
+
+    def arrays(tree):
+        if isinstance(tree, dict):
+            return {k: arrays(v) for k, v in tree.items() if k != "eps"}
+        return jnp.asarray(tree)
+
+    variables = {
+        "embed": arrays(params["embed"]),
+        **{f"blocks_{i}": arrays(p) for i, p in enumerate(params["blocks"])},
+        "norm_f": arrays(params["norm_f"]),
+        "head": arrays(params["head"]),
+    }
+    return Model().bind({"params": variables})

@@ -20,14 +20,16 @@ if not {"jax", "torch"} <= set(requested_backends()):
 LIBRARIES = {
     "equinox": (lm.equinox_model, lambda name: re.sub(r"\.(\d+)", r"[\1]", name)),
     "nnx": (lm.nnx_model, lambda name: name),
+    "linen": (lm.linen_model, lambda name: re.sub(r"^blocks\.(\d+)", r"blocks_\1", name)),
 }
+_MODULES = {"equinox": "equinox", "nnx": "flax.nnx", "linen": "flax.linen"}
 _MODELS: dict = {}
 
 
 def _models(library: str, fault: str | None):
     key = (library, fault)
     if key not in _MODELS:
-        pytest.importorskip("equinox" if library == "equinox" else "flax.nnx")
+        pytest.importorskip(_MODULES[library])
         params = lm.weights(fault)
         _MODELS[key] = (LIBRARIES[library][0](params, fault), lm.torch_model(params, fault))
     return _MODELS[key]
@@ -78,12 +80,10 @@ def test_clean_run_and_forward_only(library):
 
 
 def test_unsupported_model_names_what_is_supported():
-    with pytest.raises(InvalidArgumentError, match="Equinox or Flax NNX"):
+    with pytest.raises(
+        InvalidArgumentError, match="Flax NNX Module or bound linen"
+    ):
         locate_nonfinite(object(), np.zeros(3))
     linen = pytest.importorskip("flax.linen")
-    import jax
-
-    dense = linen.Dense(3)
-    bound = dense.bind(dense.init(jax.random.PRNGKey(0), np.ones((1, 2), np.float32)))
-    with pytest.raises(InvalidArgumentError, match="linen modules are not supported yet"):
-        locate_nonfinite(bound, np.ones((1, 2), np.float32))
+    with pytest.raises(InvalidArgumentError, match=r"bound Flax linen module .*bind"):
+        locate_nonfinite(linen.Dense(3), np.ones((1, 2), np.float32))

@@ -3,11 +3,12 @@
 One forward pass (and, with ``loss_fn``, one backward pass) with every layer instrumented:
 
 - torch: any ``torch.nn.Module`` (hooks on every sub-module, ``named_modules`` names);
-- Keras 3 on TensorFlow: any ``keras.Layer`` / ``keras.Model`` (Sequential, functional or
-  subclassed; every sub-layer's ``call`` is wrapped while locating; names are the nesting
-  of layer names below the model, joined by ".");
-- JAX: a plain function whose sub-computations go through ``numstab.locate.jax.layer``
-  (flax and equinox are not supported: they are not installed where numstab is tested).
+- Keras 3 on TensorFlow, torch or JAX: any ``keras.Layer`` / ``keras.Model`` (Sequential,
+  functional or subclassed; every sub-layer's ``call`` is wrapped while locating; names are
+  the nesting of layer names below the model, joined by ".");
+- JAX: a plain function whose sub-computations go through ``numstab.locate.jax.layer``; an
+  Equinox module, a Flax NNX module or a bound Flax linen module as they are (their
+  sub-module calls become layers, named by the library's own paths).
 
 See docs/semantics.md §15 for the exact rules.
 """
@@ -49,65 +50,76 @@ def locate_nonfinite(
             "Expected loss_fn when targets are given (targets are only passed to loss_fn). "
             "Received: loss_fn=None"
         )
-    kind = _model_kind(model, inputs, backend)
+    kind, framework = _model_kind(model, inputs, backend)
     if kind == "torch":
         from numstab.locate import _torch
 
         return _torch.locate(model, inputs, loss_fn, targets)
-    if kind == "keras":
+    if kind == "keras" and framework != "jax":
         from numstab.locate import _keras
 
-        return _keras.locate(model, inputs, loss_fn, targets)
+        return _keras.locate(model, inputs, loss_fn, targets, framework)
     from numstab.locate import jax as _jax
 
-    if kind == "library":
+    if kind == "keras":
+        from numstab.locate import _keras_jax
+
+        model = _keras_jax.as_layers(model)
+    elif kind == "library":
         from numstab.locate import _library_layers
 
         model = _library_layers.as_layers(_library_layers.library_of(model), model)
+    elif kind == "linen":
+        from numstab.locate import _linen
+
+        model = _linen.as_layers(model)
     return _jax.locate(model, inputs, loss_fn, targets)
 
 
-def _model_kind(model: Any, inputs: tuple, backend: str | None) -> str:
-    """'torch', 'keras' or 'jax': from the model's type, checked against the backend."""
+_KERAS_BACKENDS = ("tensorflow", "torch", "jax")
+
+
+def _model_kind(model: Any, inputs: tuple, backend: str | None) -> tuple[str, str]:
+    """(kind, framework): kind 'torch', 'keras', 'linen', 'library' (Equinox, Flax NNX) or
+    'jax', from the model's type; the framework it runs on, checked against the backend."""
     name = configured_backend(backend)
     torch = sys.modules.get("torch")
     keras = sys.modules.get("keras")
-    if torch is not None and isinstance(model, torch.nn.Module):
-        kind = "torch"
-    elif keras is not None and isinstance(model, keras.Layer):
-        if keras.backend.backend() != "tensorflow":
+    if keras is not None and isinstance(model, keras.Layer):  # before torch: Keras on torch
+        framework = keras.backend.backend()  # layers are torch.nn.Modules too
+        if framework not in _KERAS_BACKENDS:
             raise InvalidArgumentError(
-                "Expected a Keras model on the TensorFlow backend (KERAS_BACKEND=tensorflow); "
-                "for Keras on JAX, locate the model's stateless call through "
-                "numstab.locate.jax. Received: keras.backend.backend()="
-                f"{keras.backend.backend()!r}"
+                f"Expected a Keras model on one of the backends {_KERAS_BACKENDS}. Received: "
+                f"keras.backend.backend()={framework!r}"
             )
         kind = "keras"
-    elif "flax.linen" in sys.modules and isinstance(model, sys.modules["flax.linen"].Module):
-        raise InvalidArgumentError(
-            "Expected a torch.nn.Module, a Keras 3 model on TensorFlow, an Equinox or Flax NNX "
-            "Module, or a function built from numstab.locate.jax.layer calls; Flax linen "
-            f"modules are not supported yet. Received: model of type {type(model).__name__}"
-        )
+    elif torch is not None and isinstance(model, torch.nn.Module):
+        kind, framework = "torch", "torch"
+    elif _is_linen_module(model):
+        kind, framework = "linen", "jax"
     elif _is_library_module(model):
-        kind = "library"  # Equinox, Flax NNX: JAX models whose sub-modules become layers
+        kind, framework = "library", "jax"
     elif callable(model) and (
         name == "jax" or (name == AUTO and detect(*_leaves(inputs)) == "jax")
     ):
-        kind = "jax"
+        kind, framework = "jax", "jax"
     else:
         raise InvalidArgumentError(
-            "Expected model to be a torch.nn.Module, a Keras 3 Layer/Model, an Equinox or Flax "
-            "NNX Module, or a function of JAX arrays built from numstab.locate.jax.layer "
-            "calls. Received: "
-            f"model={_short(model)}"
+            "Expected model to be a torch.nn.Module, a Keras 3 Layer/Model, an Equinox "
+            "Module, a Flax NNX Module or bound linen Module, or a function of JAX arrays "
+            f"built from numstab.locate.jax.layer calls. Received: model={_short(model)}"
         )
-    wanted = {"torch": "torch", "keras": "tensorflow", "jax": "jax", "library": "jax"}[kind]
-    if name not in (AUTO, wanted):
+    if name not in (AUTO, framework):
         raise InvalidArgumentError(
-            f"Expected backend={wanted!r} (or None) for a {kind} model. Received: backend={name!r}"
+            f"Expected backend={framework!r} (or None) for a {kind} model. "
+            f"Received: backend={name!r}"
         )
-    return kind
+    return kind, framework
+
+
+def _is_linen_module(model: Any) -> bool:
+    linen = sys.modules.get("flax.linen")  # never imported here: a linen model imported it
+    return linen is not None and isinstance(model, linen.Module)
 
 
 def _is_library_module(model: Any) -> bool:

@@ -1,113 +1,96 @@
-"""locate_nonfinite for Keras 3 models on TensorFlow.
+"""locate_nonfinite for Keras 3 models on TensorFlow and on torch (on JAX: ``_keras_jax``).
 
-While locating, every layer's ``call`` (the model's own included) is wrapped on the
-instance, so Sequential, functional and subclassed models all report each layer call; the
-wrappers are removed afterwards. A layer's name is the nesting of layer names below the
-model, joined by "." ("blocks.1.mlp.fc1"); the model itself is "".
+While locating, every layer's ``call`` is wrapped (``_keras_layers.wrapped_calls``) and
+records its floating inputs, outputs and own variables. A layer's name is the nesting of
+layer names below the model, joined by "." ("blocks.1.mlp.fc1"); the model itself is "".
 
-Backward: one ``tf.GradientTape`` pass gives the total gradient of the loss w.r.t. every
-layer's outputs, inputs and variables. A layer whose incoming gradient is finite but whose
-input or variable gradient is not is a candidate; candidates are replayed alone (latest
-started first: the backward order) and the first whose OWN vector-Jacobian product is
-non-finite is the culprit. A clean backward pass replays nothing.
+Backward: one pass of the framework's autodiff (a persistent ``tf.GradientTape``; one
+``torch.autograd.grad`` call) gives the total gradient of the loss w.r.t. every layer's
+outputs, inputs and variables. A layer whose incoming gradient is finite but whose input
+gradient is not is a candidate; candidates are replayed alone (latest started first: the
+backward order) and the first whose OWN vector-Jacobian product is non-finite is the
+culprit. A clean backward pass replays nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import Any
 
-import keras
-import tensorflow as tf
-
 from numstab.backends import load_backend
+from numstab.locate._keras_autodiff import autodiff_for
+from numstab.locate._keras_layers import own_variables, wrapped_calls
 from numstab.locate._report import LOSS, LayerCall, LocateReport, absmax, summarise
 from numstab.nonfinite import find_nonfinite
-from numstab.tree import flatten
-
-
-def _tensors(x: Any) -> list:
-    return [
-        t
-        for t in flatten(x)[0]
-        if isinstance(t, (tf.Tensor, tf.Variable)) and (t.dtype.is_floating)
-    ]
 
 
 class _Entry:
-    def __init__(self, call, layer, orig, args, kwargs, ins, outs, variables):
-        self.call, self.layer, self.orig = call, layer, orig
+    def __init__(self, call, orig, args, kwargs, ins, outs, variables):
+        self.call, self.orig = call, orig
         self.args, self.kwargs = args, kwargs
         self.ins, self.outs, self.variables = ins, outs, variables
+        self.grad_ins: list = []
+        self.grad_vars: dict = {}
 
 
-def _own_variables(layer: keras.Layer) -> list:
-    inner = {id(w) for sub in layer._flatten_layers(include_self=False) for w in sub.weights}
-    return [w for w in layer.weights if id(w) not in inner]
+class _Recorder:
+    """The wrapped calls' shared state: the entries so far and the running layer path."""
 
+    def __init__(self, be, autodiff, backward: bool):
+        self.be, self.autodiff, self.backward = be, autodiff, backward
+        self.entries: list[_Entry] = []
+        self.clock = itertools.count()
+        self.prefix: list[str] = []
+        self.recording = True
 
-def locate(model: keras.Layer, inputs: tuple, loss_fn, targets) -> LocateReport:
-    be = load_backend("tensorflow")
-    entries: list[_Entry] = []
-    clock = itertools.count()
-    prefix: list[str] = []
-    recording = [True]
-    tape_box: list[tf.GradientTape | None] = [None]
-
-    def wrap(layer: keras.Layer, orig, is_root: bool):
+    def wrap(self, layer, orig, is_root: bool):
         def call(*args, **kwargs):
-            if not recording[0]:
+            if not self.recording:
                 return orig(*args, **kwargs)
-            name = "" if is_root else ".".join([*prefix, layer.name])
-            record = LayerCall(name, type(layer).__name__, start=next(clock))
-            ins = _tensors((args, kwargs))
-            if tape_box[0] is not None:
-                tape_box[0].watch(ins)
+            name = "" if is_root else ".".join([*self.prefix, layer.name])
+            record = LayerCall(name, type(layer).__name__, start=next(self.clock))
+            if self.backward:
+                args, kwargs = self.autodiff.differentiable(args, kwargs)
+            ins = self.autodiff.floating((args, kwargs))
             if not is_root:
-                prefix.append(layer.name)
+                self.prefix.append(layer.name)
             try:
                 out = orig(*args, **kwargs)
             finally:
                 if not is_root:
-                    prefix.pop()
-            record.end = next(clock)
-            outs = _tensors(out)
-            variables = _own_variables(layer)
+                    self.prefix.pop()
+            record.end = next(self.clock)
+            outs = self.autodiff.floating(out)
+            variables = own_variables(layer)
+            be = self.be
             record.inputs, record.outputs = absmax(be, ins), absmax(be, outs)
             record.params = absmax(be, [w.value for w in variables])
-            entries.append(_Entry(record, layer, orig, args, kwargs, ins, outs, variables))
+            self.entries.append(_Entry(record, orig, args, kwargs, ins, outs, variables))
             return out
 
         return call
 
-    layers = list(model._flatten_layers(include_self=True, recursive=True))
-    for layer in layers:
-        object.__setattr__(layer, "call", wrap(layer, layer.call, layer is model))
-    try:
-        with tf.GradientTape(persistent=True) if loss_fn is not None else _no_tape() as tape:
-            tape_box[0] = tape
-            output = model(*inputs)
-            loss_entry = None
-            if loss_fn is not None:
-                record = LayerCall(LOSS, "loss_fn", start=next(clock))
-                loss = loss_fn(output) if targets is None else loss_fn(output, targets)
-                record.end = next(clock)
-                outs = _tensors(output)
-                record.inputs, record.outputs = absmax(be, outs), absmax(be, _tensors(loss))
-                loss_entry = _Entry(record, None, None, (), {}, outs, _tensors(loss), [])
-                entries.append(loss_entry)
-        tape_box[0] = None
-        if loss_fn is not None:
-            recording[0] = False
-            _backward(be, tape, loss, entries, loss_entry)
-    finally:
-        recording[0] = False
-        for layer in layers:
-            with contextlib.suppress(AttributeError):
-                object.__delattr__(layer, "call")
 
-    by_call = {id(e.call): e for e in entries}
+def locate(model: Any, inputs: tuple, loss_fn, targets, framework: str) -> LocateReport:
+    be, autodiff = load_backend(framework), autodiff_for(framework)
+    recorder = _Recorder(be, autodiff, backward=loss_fn is not None)
+    loss_entry = None
+    with wrapped_calls(model, recorder.wrap):
+        with autodiff.recording(loss_fn is not None):
+            output = model(*inputs)
+            if loss_fn is not None:
+                record = LayerCall(LOSS, "loss_fn", start=next(recorder.clock))
+                loss = loss_fn(output) if targets is None else loss_fn(output, targets)
+                record.end = next(recorder.clock)
+                outs, losses = autodiff.floating(output), autodiff.floating(loss)
+                record.inputs, record.outputs = absmax(be, outs), absmax(be, losses)
+                loss_entry = _Entry(record, None, (), {}, outs, losses, [])
+                recorder.entries.append(loss_entry)
+                loss = autodiff.scalar(loss)
+        recorder.recording = False
+        if loss_fn is not None:
+            _backward(be, autodiff, loss, recorder.entries, loss_entry)
+    by_call = {id(e.call): e for e in recorder.entries}
 
     def counts(call: LayerCall, phase: str) -> tuple[int, int]:
         e = by_call[id(call)]
@@ -124,45 +107,36 @@ def locate(model: keras.Layer, inputs: tuple, loss_fn, targets) -> LocateReport:
 
     return summarise(
         be,
-        [e.call for e in entries],
+        [e.call for e in recorder.entries],
         backward_checked=loss_fn is not None,
         counts=counts,
         param_paths=param_paths,
     )
 
 
-@contextlib.contextmanager
-def _no_tape():
-    yield None
-
-
-def _backward(be, tape, loss, entries: list[_Entry], loss_entry: _Entry) -> None:
+def _backward(be, autodiff, loss, entries: list[_Entry], loss_entry: _Entry) -> None:
     unique: dict[int, Any] = {}
     for e in entries:
         for t in [*e.ins, *e.outs, *(w.value for w in e.variables)]:
             unique.setdefault(id(t), t)
-    sources = list(unique.values())
-    scalar = tf.reduce_sum(tf.cast(loss, tf.float32)) if loss.shape.rank else loss
-    grads = tape.gradient(scalar, sources)
-    total = {k: g for k, g in zip(unique, grads, strict=True)}
+    grads = autodiff.gradients(loss, list(unique.values()))
+    total = dict(zip(unique, grads, strict=True))
     for e in entries:
-        e.grad_ins, e.grad_vars = [], {}
         if e is loss_entry:
             e.grad_ins = [total[id(t)] for t in e.ins]
             e.call.backward = -float("inf")
             e.call.grad_inputs = absmax(be, e.grad_ins)
             continue
         e.call.backward = -float(e.call.start)
-        grad_outs = [total[id(t)] for t in e.outs]
-        e.call.grad_outputs = absmax(be, grad_outs)
+        e.grad_outs = [total[id(t)] for t in e.outs]
+        e.call.grad_outputs = absmax(be, e.grad_outs)
         e.grad_vars = {w.path: total[id(w.value)] for w in e.variables}
         e.call.grad_params = absmax(be, list(e.grad_vars.values()))
         e.total_in = absmax(be, [total[id(t)] for t in e.ins])
-        e.grad_outs = grad_outs
-    _replay_candidates(be, entries, loss_entry)
+    _replay_candidates(be, autodiff, entries, loss_entry)
 
 
-def _replay_candidates(be, entries: list[_Entry], loss_entry: _Entry) -> None:
+def _replay_candidates(be, autodiff, entries: list[_Entry], loss_entry: _Entry) -> None:
     """Own VJPs of the layers whose incoming gradient is finite but whose input gradient is
     not, latest started first, until one is non-finite (one host read per candidate)."""
     candidates = [e for e in entries if e is not loss_entry and e.total_in is not None and e.ins]
@@ -176,17 +150,7 @@ def _replay_candidates(be, entries: list[_Entry], loss_entry: _Entry) -> None:
         e for e, (out_ok, in_ok) in zip(candidates, stacked, strict=True) if out_ok and not in_ok
     ]
     for e in sorted(chosen, key=lambda e: -e.call.start):
-        with tf.GradientTape() as tape:
-            tape.watch(e.ins)
-            y = e.orig(*e.args, **e.kwargs)
-        outs = _tensors(y)
-        seeds = [
-            g if g is not None else tf.zeros_like(o)
-            for g, o in zip(e.grad_outs, outs, strict=False)
-        ]
-        e.grad_ins = [
-            g for g in tape.gradient(outs, e.ins, output_gradients=seeds) if g is not None
-        ]
+        e.grad_ins = autodiff.own_vjp(e.orig, e.args, e.kwargs, e.ins, e.grad_outs)
         e.call.grad_inputs = absmax(be, e.grad_ins)
         if not bool(be.to_numpy(_finite(be, e.call.grad_inputs))):
             return

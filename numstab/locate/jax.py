@@ -93,9 +93,9 @@ class _Recorder:
         self.clock = itertools.count()
 
     def call(self, name, fn, params, args, kwargs):
-        full = ".".join([*self.prefix, name])
+        full = ".".join(part for part in [*self.prefix, name] if part)  # "": the model
         record = _Call(full, getattr(fn, "__name__", type(fn).__name__), next(self.clock))
-        record.param_paths = [
+        record.param_paths = getattr(fn, "param_paths", None) or [
             full + jax.tree_util.keystr(path)
             for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
             if _is_float(x)

@@ -1,0 +1,53 @@
+"""Sub-module calls of a bound Flax linen module as ``numstab.locate.jax.layer`` calls, so
+that ``locate_nonfinite`` takes ``module.bind(variables)`` as it is.
+
+While locating, ``flax.linen.intercept_methods`` sees every module method call: a
+``__call__`` on a sub-module (not the root) becomes ``layer(name, fn, variables, *args)``,
+where ``variables`` are the sub-module's own (all collections) and ``fn`` applies an unbound
+clone of it to them, so its own sub-modules are intercepted in turn. Names are linen scope
+names, joined by dots: ``blocks_1.attn.v`` for a list attribute made in ``setup``,
+``Dense_0`` for an unnamed ``nn.compact`` sub-module.
+
+Sub-modules are applied with their variables immutable and without RNGs: call the model in
+its deterministic mode (no dropout, BatchNorm on running averages) while locating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from numstab.errors import InvalidArgumentError
+from numstab.locate.jax import layer
+
+
+def as_layers(model: Any) -> Callable[..., Any]:
+    """``model(*inputs)`` with every sub-module ``__call__`` made a ``layer``."""
+    import flax.linen as nn
+
+    if model.scope is None:
+        raise InvalidArgumentError(
+            "Expected a bound Flax linen module (module.bind(variables)); an unbound module "
+            "has no parameters to run. Received: model of type "
+            f"{type(model).__name__} with model.scope=None"
+        )
+
+    def run(*inputs: Any) -> Any:
+        with nn.intercept_methods(_as_layer):
+            return model(*inputs)
+
+    return run
+
+
+def _as_layer(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+    module = context.module
+    path = module.scope.path if module.scope is not None else ()
+    if context.method_name != "__call__" or not path:  # setup, other methods, the root
+        return next_fun(*args, **kwargs)
+    unbound = module.clone(parent=None)
+
+    def fn(variables: Any, *a: Any, **k: Any) -> Any:
+        return unbound.apply(variables, *a, **k)
+
+    fn.__name__ = type(module).__name__  # the report's layer type
+    return layer(".".join(path), fn, module.variables, *args, **kwargs)
