@@ -80,9 +80,7 @@ def test_clean_run_and_forward_only(library):
 
 
 def test_unsupported_model_names_what_is_supported():
-    with pytest.raises(
-        InvalidArgumentError, match="Flax NNX Module or bound linen"
-    ):
+    with pytest.raises(InvalidArgumentError, match="Flax NNX Module or bound linen"):
         locate_nonfinite(object(), np.zeros(3))
     linen = pytest.importorskip("flax.linen")
     with pytest.raises(InvalidArgumentError, match=r"bound Flax linen module .*bind"):
