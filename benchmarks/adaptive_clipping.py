@@ -44,7 +44,7 @@ def bench_zclip(layers, width, repeats):
     import torch
     import zclip
 
-    from numstab.integrations.torch import ZClip
+    from numstab.frameworks.torch.grad_scaler import ZClip
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
@@ -80,7 +80,7 @@ def bench_agc(layers, width, repeats):
     import jax.numpy as jnp
     import optax
 
-    from numstab.integrations.optax import agc
+    from numstab.frameworks.jax.optax import agc
 
     rng = np.random.default_rng(0)
     params, grads = {}, {}

@@ -46,7 +46,7 @@ import optax
 
 import numstab
 from numstab import LossScaler
-from numstab.integrations.optax import loss_scaled
+from numstab.frameworks.jax.optax import loss_scaled
 
 SCALE = 2.0**15
 

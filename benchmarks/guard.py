@@ -101,8 +101,8 @@ def jax_case(args: argparse.Namespace) -> dict:
     import numpy as np
     import optax
 
+    from numstab.frameworks.jax.guard import guarded_step
     from numstab.guard import TrainingGuard
-    from numstab.guard._optax import guarded_step
 
     keys = jax.random.split(jax.random.PRNGKey(0), args.layers + 1)
     sizes = [32] + [args.width] * args.layers + [1]

@@ -298,7 +298,7 @@ def jax_model(fault: str | None = None):
     """(model(params, ids), params as jax arrays). eps values stay static Python floats."""
     import jax.numpy as jnp
 
-    from numstab.locate.jax import layer
+    from numstab.frameworks.jax.locate import layer
 
     half = fp16_layers(fault)
 

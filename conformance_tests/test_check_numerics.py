@@ -270,7 +270,7 @@ def _state(name):
     if name == "tensorflow":
         import tensorflow as tf
 
-        from numstab.numerics._tensorflow import is_enabled
+        from numstab.frameworks.tensorflow.numerics import is_enabled
 
         return (is_enabled(), tf.config.functions_run_eagerly())
     return tuple(sorted(np.geterr().items()))
@@ -391,7 +391,7 @@ def test_tensorflow_xla_function_is_checked():
 
 def test_tensorflow_needs_nan_and_inf_together():
     pytest.importorskip("tensorflow")
-    from numstab.numerics._tensorflow import is_enabled
+    from numstab.frameworks.tensorflow.numerics import is_enabled
 
     with pytest.raises(InvalidArgumentError, match="nan == inf"):
         check_numerics(inf=False, backend="tensorflow").__enter__()

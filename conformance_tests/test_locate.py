@@ -299,7 +299,7 @@ def test_jax_layer_is_plain_call_outside_locate():
     import jax
     import jax.numpy as jnp
 
-    from numstab.locate.jax import layer
+    from numstab.frameworks.jax.locate import layer
 
     def f(p, x):
         return layer("scale", lambda p, x: p * x, p, x).sum()

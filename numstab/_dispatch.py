@@ -6,34 +6,29 @@ produced the arrays passed in. Results are cached per Python type.
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any
 
 from numstab._config import AUTO, backend_choice, configured_backend
 from numstab.backends import load_backend
 from numstab.errors import BackendMismatchError, InvalidArgumentError, MixedBackendsError
+from numstab.frameworks import FRAMEWORKS, imported_class
 
 if TYPE_CHECKING:
     from numstab.backends._base import Backend
 
 #: framework -> (module, attribute) pairs naming its array types; JAX tracers are not
 #: jax.Array instances, and tf.Variable is not a tf.Tensor, so both are listed.
-ARRAY_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
-    "torch": (("torch", "Tensor"),),
-    "tensorflow": (("tensorflow", "Tensor"), ("tensorflow", "Variable")),
-    "jax": (("jax", "Array"), ("jax.core", "Tracer")),
-}
 
 HOST = "host"  # NumPy arrays, Python scalars and sequences: they adopt the call's backend
 _type_cache: dict[type, str] = {}
 
 
 def _framework_of_type(cls: type) -> str:
-    for framework, names in ARRAY_TYPES.items():
-        for module_name, attr in names:
-            module = sys.modules.get(module_name)
-            if module is not None and issubclass(cls, getattr(module, attr)):
-                return framework
+    for framework in FRAMEWORKS.values():
+        for module_name, attr in framework.array_types:
+            array_type = imported_class(module_name, attr)
+            if array_type is not None and issubclass(cls, array_type):
+                return framework.name
     return HOST
 
 

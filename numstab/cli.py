@@ -9,36 +9,14 @@ import platform
 import sys
 
 import numstab
-from numstab.backends import REGISTRY, load_backend
+from numstab import frameworks
+from numstab.backends import load_backend
 from numstab.errors import NumstabError
 
 
 def _devices(name: str) -> str:
     """Devices the framework sees (importing it: ``info`` is a diagnostic, not a hot path)."""
-    if name == "numpy":
-        return "cpu"
-    if name == "torch":
-        import torch
-
-        devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            devices.append("mps")
-        return ", ".join(devices)
-    if name == "tensorflow":
-        import tensorflow as tf
-
-        return ", ".join(
-            d.name.replace("/physical_device:", "") for d in tf.config.list_physical_devices()
-        )
-    if name == "jax":
-        import jax
-
-        return ", ".join(str(d) for d in jax.devices())
-    return "?"
-
-
-#: model libraries numstab integrates with, reported by ``numstab info`` (never imported)
-LIBRARIES = ("optax", "jmp", "keras", "flax", "equinox", "transformers", "lightning")
+    return ", ".join(frameworks.module(name, "devices").devices())
 
 
 def info(out=None, *, devices: bool = False) -> int:
@@ -49,10 +27,10 @@ def info(out=None, *, devices: bool = False) -> int:
     print(f"numstab {numstab.__version__} on Python {platform.python_version()}", file=out)
     available = numstab.available_backends()
     print("backends:", file=out)
-    for name in REGISTRY:
+    for name, framework in frameworks.FRAMEWORKS.items():
         if name not in available:
             print(
-                f"  {name:<11} not installed (pip install 'numstab[{REGISTRY[name][2]}]')", file=out
+                f"  {name:<11} not installed (pip install 'numstab[{framework.extra}]')", file=out
             )
             continue
         if devices or name == "numpy":
@@ -64,7 +42,7 @@ def info(out=None, *, devices: bool = False) -> int:
         else:
             where = "not probed (numstab info --devices imports the framework)"
         print(f"  {name:<11} {available[name]:<12} devices: {where}", file=out)
-    found = {lib: _library_version(lib) for lib in LIBRARIES}
+    found = {lib: _library_version(lib) for lib in frameworks.LIBRARIES}
     listed = ", ".join(f"{lib} {v}" for lib, v in found.items() if v) or "none"
     print(f"libraries: {listed}", file=out)
     choice = numstab.backend_choice()

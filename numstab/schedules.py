@@ -154,7 +154,7 @@ class WarmupCosineSchedule:
 
     def keras(self) -> Any:
         """A Keras 3 ``LearningRateSchedule`` (serialisable, any Keras backend)."""
-        from numstab.integrations.keras_schedules import WarmupCosineDecay
+        from numstab.frameworks.keras.schedules import WarmupCosineDecay
 
         return WarmupCosineDecay(**self.get_config())
 

@@ -69,7 +69,7 @@ def _sparse_children(node: Any, dense: bool):
     tf = sys.modules.get("tensorflow")
     if tf is None or type(node) is not tf.IndexedSlices:
         return None
-    from numstab.backends.tensorflow import indexed_slices_children
+    from numstab.frameworks.tensorflow.backend import indexed_slices_children
 
     return indexed_slices_children(node, dense)
 

@@ -29,7 +29,7 @@ def _spy(monkeypatch, cls, name):
 def test_generic_and_native_paths_are_compiled_apart(monkeypatch):
     """NUMSTAB_FORCE_GENERIC flipped in one process (as the conformance suite does) must
     trace the generic composites, not reuse the native kernel's trace of the same shapes."""
-    from numstab.backends.jax import JaxBackend
+    from numstab.frameworks.jax.backend import JaxBackend
 
     x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 7)), jnp.float32)
     y = jnp.asarray([0, 6, 2, 3, 1])
@@ -89,7 +89,7 @@ LABEL_CASES = [
 def test_label_summaries_agree_with_the_numpy_reference(labels, ignore_index):
     """Every ``label_summary`` (the generic NumPy read, JAX through it, torch on CPU, and
     torch's on-device form that GPUs take, run here on CPU) gives the same three numbers."""
-    from numstab.backends.numpy import BACKEND as reference
+    from numstab.frameworks.numpy.backend import BACKEND as reference
 
     y = np.array(labels, dtype=np.int64)
     want = reference.label_summary(y, ignore_index)

@@ -11,7 +11,7 @@ optax = pytest.importorskip("optax")
 import jax.numpy as jnp  # noqa: E402
 
 import numstab as ns  # noqa: E402
-from numstab.guard._optax import guarded_step  # noqa: E402
+from numstab.frameworks.jax.guard import guarded_step  # noqa: E402
 from numstab.integrations.optax import loss_scaled, scale_loss  # noqa: E402
 
 GUARD = ns.TrainingGuard(snapshot_every=1000)

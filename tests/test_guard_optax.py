@@ -15,8 +15,8 @@ optax = pytest.importorskip("optax")
 
 from numstab.backends import load_backend  # noqa: E402
 from numstab.errors import InvalidArgumentError  # noqa: E402
+from numstab.frameworks.jax.guard import guarded_step  # noqa: E402
 from numstab.guard import SpikeDetector, TrainingGuard  # noqa: E402
-from numstab.guard._optax import guarded_step  # noqa: E402
 
 STEPS, BATCH = 150, 32
 X = jax.random.normal(jax.random.PRNGKey(0), (256, 8))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import numstab as ns
 from numstab import backends
 from numstab._dispatch import detect
+from numstab.frameworks import FRAMEWORKS
 
 X = np.zeros((2, 3), np.float32)
 Y = np.array([0, 2])
@@ -140,7 +142,8 @@ def test_bad_config_file_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_unavailable_backend_names_the_pip_extra(monkeypatch):
-    monkeypatch.setitem(backends.REGISTRY, "torch", ("numstab_no_such_module", ("torch",), "torch"))
+    missing = dataclasses.replace(FRAMEWORKS["torch"], name="numstab_no_such_module")
+    monkeypatch.setitem(FRAMEWORKS, "torch", missing)
     monkeypatch.delitem(backends._loaded, "torch", raising=False)
     with pytest.raises(ns.BackendUnavailableError, match=r"pip install 'numstab\[torch\]'"):
         ns.cross_entropy(X, Y, backend="torch")

@@ -218,7 +218,7 @@ def test_torch_scale_and_norms_take_the_generic_path_for_mixed_dtypes():
 
 def test_torch_on_device_checks_every_tensor():
     torch = pytest.importorskip("torch")
-    from numstab.backends.torch import _on_device
+    from numstab.frameworks.torch.backend import _on_device
 
     cpu, meta = torch.device("cpu"), torch.device("meta")
     a, b = torch.ones(2), torch.ones(2, device="meta")

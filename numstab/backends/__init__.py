@@ -1,27 +1,21 @@
-"""The backend registry: names map to module paths; a backend's framework is imported only
+"""Backends by name: each framework's ``backend`` module (``numstab/frameworks/<name>/``,
+found through the one registry, ``numstab.frameworks``), whose framework is imported only
 when that backend is first used."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import sys
 from typing import TYPE_CHECKING
 
 from numstab.errors import BackendUnavailableError, UnknownBackendError
+from numstab.frameworks import FRAMEWORKS
 
 if TYPE_CHECKING:
     from numstab.backends._base import Backend
 
-#: backend name -> (module implementing it, distributions it needs, pip extra)
-REGISTRY: dict[str, tuple[str, tuple[str, ...], str | None]] = {
-    "numpy": ("numstab.backends.numpy", ("numpy",), None),
-    "torch": ("numstab.backends.torch", ("torch",), "torch"),
-    "tensorflow": ("numstab.backends.tensorflow", ("tensorflow",), "tensorflow"),
-    "jax": ("numstab.backends.jax", ("jax", "optax"), "jax"),
-}
-ALIASES = {"tf": "tensorflow", "pytorch": "torch", "np": "numpy"}
-BACKEND_NAMES = tuple(REGISTRY)
+ALIASES = {alias: f.name for f in FRAMEWORKS.values() for alias in f.aliases}
+BACKEND_NAMES = tuple(FRAMEWORKS)
 
 _loaded: dict[str, Backend] = {}
 
@@ -30,10 +24,11 @@ def canonical_name(name: str) -> str:
     """Normalise a user-given backend name (case, aliases) or raise UnknownBackendError."""
     key = str(name).strip().lower()
     key = ALIASES.get(key, key)
-    if key not in REGISTRY:
+    if key not in FRAMEWORKS:
         valid = ", ".join(repr(n) for n in (*BACKEND_NAMES, "auto"))
+        aliases = ", ".join(repr(a) for a in ALIASES)
         raise UnknownBackendError(
-            f"Unknown backend {name!r}. Valid names: {valid} (aliases: 'tf', 'pytorch', 'np')."
+            f"Unknown backend {name!r}. Valid names: {valid} (aliases: {aliases})."
         )
     return key
 
@@ -43,14 +38,16 @@ def load_backend(name: str) -> Backend:
     backend = _loaded.get(name)
     if backend is not None:
         return backend
-    module_name, dists, extra = REGISTRY[name]
+    framework = FRAMEWORKS[name]
     try:
-        module = importlib.import_module(module_name)
+        module = framework.module("backend")
     except ImportError as exc:
-        hint = f" Install it with: pip install 'numstab[{extra}]'" if extra else ""
+        hint = (
+            f" Install it with: pip install 'numstab[{framework.extra}]'" if framework.extra else ""
+        )
         raise BackendUnavailableError(
-            f"numstab backend {name!r} needs {' and '.join(dists)}, which could not be "
-            f"imported ({exc}).{hint}"
+            f"numstab backend {name!r} needs {' and '.join(framework.distributions)}, which "
+            f"could not be imported ({exc}).{hint}"
         ) from exc
     backend = module.BACKEND
     _loaded[name] = backend
@@ -63,8 +60,8 @@ def preload_imported_frameworks() -> None:
     Cheap (their framework is in memory) and it keeps the import out of the first numstab
     call, which may be traced by torch.compile(fullgraph=True), where imports cannot run.
     """
-    for name, (_, dists, _) in REGISTRY.items():
-        if name != "numpy" and all(d in sys.modules for d in dists):
+    for name, framework in FRAMEWORKS.items():
+        if name != "numpy" and all(d in sys.modules for d in framework.distributions):
             with contextlib.suppress(BackendUnavailableError):
                 load_backend(name)
 
@@ -77,7 +74,8 @@ def available_backends() -> dict[str, str]:
     import importlib.util
 
     found = {}
-    for name, (_, dists, _) in REGISTRY.items():
+    for name, framework in FRAMEWORKS.items():
+        dists = framework.distributions
         if all(importlib.util.find_spec(d) is not None for d in dists):
             found[name] = _version(dists[0])
     return found

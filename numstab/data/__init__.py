@@ -49,7 +49,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "TFDataGuard":  # imports tensorflow: only when asked for
-        from numstab.data.tf_data import TFDataGuard
+        from numstab.frameworks.tensorflow.data import TFDataGuard
 
         return TFDataGuard
     raise AttributeError(f"module 'numstab.data' has no attribute {name!r}")

@@ -2,9 +2,9 @@
 
     guard = TrainingGuard(snapshot_every=100, rollback_after=3, lr_factor=0.5,
                           log_path="guard.jsonl")
-    tg = guard.for_torch(model, optimizer)       # PyTorch loop  (numstab.guard._torch)
-    og = guard.for_optax()                       # optax loop    (numstab.guard._optax)
-    cb = guard.keras_callback()                  # model.fit     (numstab.guard._keras)
+    tg = guard.for_torch(model, optimizer)       # PyTorch loop  (numstab.frameworks.torch.guard)
+    og = guard.for_optax()                       # optax loop    (numstab.frameworks.jax.guard)
+    cb = guard.keras_callback()                  # model.fit     (numstab.frameworks.keras.guard)
 
 Per step: the decision of ``numstab.guard.policy`` (non-finite loss or gradient, or a spike:
 skip; ``rollback_after`` bad steps within ``rollback_window``: roll back). The runner below
@@ -123,9 +123,9 @@ class TrainingGuard:
         sharded: bool = False,
         process_group: Any = None,
     ) -> Any:
-        """A :class:`numstab.guard._torch.TorchGuard` for a PyTorch loop; under
+        """A :class:`numstab.frameworks.torch.guard.TorchGuard` for a PyTorch loop; under
         ``torch.distributed`` every rank decides on the mean loss and the global norm."""
-        from numstab.guard._torch import TorchGuard
+        from numstab.frameworks.torch.guard import TorchGuard
 
         return TorchGuard(
             self,
@@ -137,14 +137,14 @@ class TrainingGuard:
         )
 
     def for_optax(self) -> Any:
-        """A :class:`numstab.guard._optax.OptaxGuard` for a functional optax loop."""
-        from numstab.guard._optax import OptaxGuard
+        """A :class:`numstab.frameworks.jax.guard.OptaxGuard` for a functional optax loop."""
+        from numstab.frameworks.jax.guard import OptaxGuard
 
         return OptaxGuard(self)
 
     def keras_callback(self) -> Any:
-        """A :class:`numstab.guard._keras.GuardCallback` for ``model.fit``."""
-        from numstab.guard._keras import GuardCallback
+        """A :class:`numstab.frameworks.keras.guard.GuardCallback` for ``model.fit``."""
+        from numstab.frameworks.keras.guard import GuardCallback
 
         return GuardCallback(self)
 

@@ -15,10 +15,12 @@ See docs/semantics.md §15 for the exact rules.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from numstab import frameworks
 from numstab._config import AUTO, configured_backend
 from numstab._dispatch import detect
 from numstab.errors import InvalidArgumentError
@@ -50,82 +52,50 @@ def locate_nonfinite(
             "Expected loss_fn when targets are given (targets are only passed to loss_fn). "
             "Received: loss_fn=None"
         )
-    kind, framework = _model_kind(model, inputs, backend)
-    if kind == "torch":
-        from numstab.locate import _torch
-
-        return _torch.locate(model, inputs, loss_fn, targets)
-    if kind == "keras" and framework != "jax":
-        from numstab.locate import _keras
-
-        return _keras.locate(model, inputs, loss_fn, targets, framework)
-    from numstab.locate import jax as _jax
-
-    if kind == "keras":
-        from numstab.locate import _keras_jax
-
-        model = _keras_jax.as_layers(model)
-    elif kind == "library":
-        from numstab.locate import _library_layers
-
-        model = _library_layers.as_layers(_library_layers.library_of(model), model)
-    elif kind == "linen":
-        from numstab.locate import _linen
-
-        model = _linen.as_layers(model)
-    return _jax.locate(model, inputs, loss_fn, targets)
+    library = _model_library(model, inputs, backend)
+    if library is None:  # a plain function of JAX arrays made of numstab.locate.jax.layer calls
+        return frameworks.module("jax", "locate").locate(model, inputs, loss_fn, targets)
+    code = importlib.import_module(f"{frameworks.__name__}.{library.code}")
+    return code.locate_model(model, inputs, loss_fn, targets)
 
 
 _KERAS_BACKENDS = ("tensorflow", "torch", "jax")
 
 
-def _model_kind(model: Any, inputs: tuple, backend: str | None) -> tuple[str, str]:
-    """(kind, framework): kind 'torch', 'keras', 'linen', 'library' (Equinox, Flax NNX) or
-    'jax', from the model's type; the framework it runs on, checked against the backend."""
+def _model_library(
+    model: Any, inputs: tuple, backend: str | None
+) -> frameworks.ModelLibrary | None:
+    """The model's library (None for a plain JAX function), from the model's type
+    (``numstab.frameworks.MODEL_LIBRARIES``); the framework it runs on must agree with the
+    configured backend."""
     name = configured_backend(backend)
-    torch = sys.modules.get("torch")
-    keras = sys.modules.get("keras")
-    if keras is not None and isinstance(model, keras.Layer):  # before torch: Keras on torch
-        framework = keras.backend.backend()  # layers are torch.nn.Modules too
+    library = frameworks.model_library(model)
+    if library is None:
+        if not callable(model) or (
+            name != "jax" and (name != AUTO or detect(*_leaves(inputs)) != "jax")
+        ):
+            raise InvalidArgumentError(
+                "Expected model to be a torch.nn.Module, a Keras 3 Layer/Model, an Equinox "
+                "Module, a Flax NNX Module or bound linen Module, or a function of JAX arrays "
+                f"built from numstab.locate.jax.layer calls. Received: model={_short(model)}"
+            )
+        framework = "jax"
+    elif library.runs_on is None:  # Keras: the backend it was imported with
+        framework = sys.modules["keras"].backend.backend()
         if framework not in _KERAS_BACKENDS:
             raise InvalidArgumentError(
                 f"Expected a Keras model on one of the backends {_KERAS_BACKENDS}. Received: "
                 f"keras.backend.backend()={framework!r}"
             )
-        kind = "keras"
-    elif torch is not None and isinstance(model, torch.nn.Module):
-        kind, framework = "torch", "torch"
-    elif _is_linen_module(model):
-        kind, framework = "linen", "jax"
-    elif _is_library_module(model):
-        kind, framework = "library", "jax"
-    elif callable(model) and (
-        name == "jax" or (name == AUTO and detect(*_leaves(inputs)) == "jax")
-    ):
-        kind, framework = "jax", "jax"
     else:
-        raise InvalidArgumentError(
-            "Expected model to be a torch.nn.Module, a Keras 3 Layer/Model, an Equinox "
-            "Module, a Flax NNX Module or bound linen Module, or a function of JAX arrays "
-            f"built from numstab.locate.jax.layer calls. Received: model={_short(model)}"
-        )
+        framework = library.runs_on
     if name not in (AUTO, framework):
+        kind = "jax" if library is None else library.name
         raise InvalidArgumentError(
             f"Expected backend={framework!r} (or None) for a {kind} model. "
             f"Received: backend={name!r}"
         )
-    return kind, framework
-
-
-def _is_linen_module(model: Any) -> bool:
-    linen = sys.modules.get("flax.linen")  # never imported here: a linen model imported it
-    return linen is not None and isinstance(model, linen.Module)
-
-
-def _is_library_module(model: Any) -> bool:
-    from numstab.locate._library_layers import library_of
-
-    return library_of(model) is not None
+    return library
 
 
 def _leaves(inputs: tuple) -> list:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import threading
 from typing import Any
 
@@ -27,15 +26,13 @@ from numstab._dispatch import detect
 from numstab._validate import check_choice
 from numstab.backends import canonical_name, load_backend
 from numstab.errors import InvalidArgumentError, NonFiniteError, NumstabError
+from numstab.frameworks import FRAMEWORKS, module
 from numstab.numerics.summary import FiniteSummary, finite_summary
 
 __all__ = ["MODES", "CheckNumerics", "FiniteSummary", "check_numerics", "finite_summary"]
 
 #: "op": check every op as it runs (native switches); "sentinel": cheap device-side summaries
 MODES = ("op", "sentinel")
-#: the frameworks, in the order they are armed; numpy is always armed under "auto"
-FRAMEWORKS = ("torch", "jax", "tensorflow", "numpy")
-_FRAMEWORK_MODULES = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,20 +62,13 @@ def _frameworks_for(backend: str | None) -> tuple[str, ...]:
     if name != AUTO:
         load_backend(name)  # BackendUnavailableError when it cannot be imported
         return (name,)
-    found = [fw for fw, mod in _FRAMEWORK_MODULES.items() if mod in sys.modules]
+    found = [fw.name for fw in FRAMEWORKS.values() if fw.name != "numpy" and fw.imported()]
     return (*found, "numpy")
 
 
 def _arm_module(framework: str):
-    if framework == "torch":
-        from numstab.numerics import _torch as module
-    elif framework == "jax":
-        from numstab.numerics import _jax as module
-    elif framework == "tensorflow":
-        from numstab.numerics import _tensorflow as module
-    else:
-        from numstab.numerics import _numpy as module
-    return module
+    """The framework's check-numerics code (``numstab/frameworks/<name>/numerics.py``)."""
+    return module(framework, "numerics")
 
 
 class Recorder:

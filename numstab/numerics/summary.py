@@ -66,6 +66,6 @@ def finite_summary(tree: Any) -> FiniteSummary:
             "step; for torch, TensorFlow and NumPy values pass them to watch() directly). "
             f"Received: tree with {', '.join(kinds[:4])}"
         )
-    from numstab.numerics import _jax
+    from numstab.frameworks.jax import numerics as _jax
 
     return FiniteSummary(_jax.leaf_sums(leaves))

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from numstab.errors import InvalidArgumentError
-from numstab.locate.jax import layer
+from numstab.frameworks.jax.locate import layer, locate
+from numstab.locate._report import LocateReport
 
 
 def as_layers(model: Any) -> Callable[..., Any]:
@@ -51,3 +52,8 @@ def _as_layer(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> An
 
     fn.__name__ = type(module).__name__  # the report's layer type
     return layer(".".join(path), fn, module.variables, *args, **kwargs)
+
+
+def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
+    """The registry's entry point: a bound linen module, located as ``layer`` calls."""
+    return locate(as_layers(model), inputs, loss_fn, targets)

@@ -44,12 +44,12 @@ import torch
 import torch.distributed as dist
 
 from numstab.backends import load_backend
-from numstab.backends.torch import is_dtensor
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.torch.backend import is_dtensor
+from numstab.frameworks.torch.grad_scaler import reduction_group
 from numstab.guard import policy
 from numstab.guard.guard import GuardRunner, TrainingGuard
 from numstab.guard.monitor import layer_norms
-from numstab.integrations.torch import reduction_group
 
 
 class TorchGuard:

@@ -20,7 +20,8 @@ import contextvars
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from numstab.locate.jax import layer
+from numstab.frameworks.jax.locate import layer, locate
+from numstab.locate._report import LocateReport
 
 #: id of each direct child of the running module -> its name relative to that module
 _CHILDREN: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
@@ -200,3 +201,8 @@ def _layer_call(library: Library, call: Callable) -> Callable:
             _CHILDREN.reset(token)
 
     return layer_call
+
+
+def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
+    """The registry's entry point: an Equinox or Flax NNX module, located as ``layer`` calls."""
+    return locate(as_layers(library_of(model), model), inputs, loss_fn, targets)

@@ -18,8 +18,8 @@ import itertools
 from typing import Any
 
 from numstab.backends import load_backend
-from numstab.locate._keras_autodiff import autodiff_for
-from numstab.locate._keras_layers import own_variables, wrapped_calls
+from numstab.frameworks.keras.layers import own_variables, wrapped_calls
+from numstab.frameworks.keras.locate_autodiff import autodiff_for
 from numstab.locate._report import LOSS, LayerCall, LocateReport, absmax, summarise
 from numstab.nonfinite import find_nonfinite
 
@@ -71,7 +71,21 @@ class _Recorder:
         return call
 
 
+def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
+    """The registry's entry point: a Keras model on its Keras backend."""
+    import keras
+
+    framework = keras.backend.backend()
+    if framework == "jax":
+        from numstab.frameworks.jax.locate import locate as locate_jax
+        from numstab.frameworks.keras.locate_jax import as_layers
+
+        return locate_jax(as_layers(model), inputs, loss_fn, targets)
+    return locate(model, inputs, loss_fn, targets, framework)
+
+
 def locate(model: Any, inputs: tuple, loss_fn, targets, framework: str) -> LocateReport:
+    """A Keras model on TensorFlow or torch: wrapped calls and one autodiff pass."""
     be, autodiff = load_backend(framework), autodiff_for(framework)
     recorder = _Recorder(be, autodiff, backward=loss_fn is not None)
     loss_entry = None

@@ -330,3 +330,6 @@ class _Backward:
 
 def _key(edge: GradientEdge) -> tuple[int, int]:
     return id(edge.node), edge.output_nr
+
+
+locate_model = locate  # the registry's entry point (numstab.frameworks.MODEL_LIBRARIES)

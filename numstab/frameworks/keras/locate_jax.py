@@ -16,8 +16,8 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
-from numstab.locate._keras_layers import wrapped_calls
-from numstab.locate.jax import layer as as_layer
+from numstab.frameworks.jax.locate import layer as as_layer
+from numstab.frameworks.keras.layers import wrapped_calls
 
 #: id(variable) -> the value the running layer was handed for it
 _VALUES: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(

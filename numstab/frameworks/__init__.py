@@ -1,0 +1,121 @@
+"""The one registry of frameworks: what each one is, and where its code lives.
+
+Each framework's code is in its own folder, ``numstab/frameworks/<name>/``, under the same
+module names for the same job (``backend.py``: the array primitives; ``numerics.py``:
+check-numerics; ``locate.py``; ``guard.py``; ``devices.py``; then its integrations).
+Feature packages hold the framework-free logic and reach a framework's code through
+:func:`module`; nothing here imports a framework.
+
+Adding a framework: a new folder, one :class:`Framework` entry below, one conformance entry
+(docs/architecture.md lists the steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from types import ModuleType
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Framework:
+    """One framework numstab runs on.
+
+    ``distributions``: what must be installed for its backend; ``extra``: the pip extra that
+    installs them; ``array_types``: ``(module, attribute)`` of its array classes, compared
+    only once that module is imported; ``aliases``: other names users type for it.
+    """
+
+    name: str
+    distributions: tuple[str, ...]
+    extra: str | None
+    array_types: tuple[tuple[str, str], ...] = ()
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def package(self) -> str:
+        return f"{__name__}.{self.name}"
+
+    def module(self, name: str) -> ModuleType:
+        """This framework's module ``name`` (``"backend"``, ``"numerics"``, ...), imported."""
+        return importlib.import_module(f"{self.package}.{name}")
+
+    def imported(self) -> bool:
+        """Whether the process has already imported the framework itself."""
+        return self.distributions[0] in sys.modules
+
+
+#: the array frameworks; NumPy is the readable reference
+FRAMEWORKS: dict[str, Framework] = {
+    f.name: f
+    for f in (
+        Framework("numpy", ("numpy",), None, (), ("np",)),
+        Framework("torch", ("torch",), "torch", (("torch", "Tensor"),), ("pytorch",)),
+        Framework(
+            "tensorflow",
+            ("tensorflow",),
+            "tensorflow",
+            (("tensorflow", "Tensor"), ("tensorflow", "Variable")),
+            ("tf",),
+        ),
+        Framework("jax", ("jax", "optax"), "jax", (("jax", "Array"), ("jax.core", "Tracer"))),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLibrary:
+    """A library whose models ``locate_nonfinite`` takes as they are: ``model_type`` is
+    ``(module, attribute)`` of its module class; ``code`` is the numstab module (under
+    ``numstab.frameworks``) that locates its models; ``runs_on`` the framework that runs
+    them (None: the Keras backend decides)."""
+
+    name: str
+    model_type: tuple[str, str]
+    code: str
+    runs_on: str | None
+    distribution: str
+    extra: str | None
+
+
+#: model libraries, in the order a model's type is tested (Keras before torch: a Keras layer
+#: on torch is also a torch.nn.Module)
+MODEL_LIBRARIES: tuple[ModelLibrary, ...] = (
+    ModelLibrary("keras", ("keras", "Layer"), "keras.locate", None, "keras", "tensorflow"),
+    ModelLibrary("torch", ("torch.nn", "Module"), "torch.locate", "torch", "torch", "torch"),
+    ModelLibrary("linen", ("flax.linen", "Module"), "jax.locate_linen", "jax", "flax", "flax"),
+    ModelLibrary("nnx", ("flax.nnx", "Module"), "jax.locate_modules", "jax", "flax", "flax"),
+    ModelLibrary(
+        "equinox", ("equinox", "Module"), "jax.locate_modules", "jax", "equinox", "equinox"
+    ),
+)
+
+#: other libraries numstab integrates with (reported by ``numstab info``, never imported)
+LIBRARIES = ("optax", "jmp", "keras", "flax", "equinox", "transformers", "lightning")
+
+
+def get(name: str) -> Framework:
+    return FRAMEWORKS[name]
+
+
+def module(framework: str, name: str) -> ModuleType:
+    """``numstab.frameworks.<framework>.<name>``, imported (and its framework with it)."""
+    return FRAMEWORKS[framework].module(name)
+
+
+def imported_class(module_name: str, attribute: str) -> type | None:
+    """The class ``module_name.attribute`` if that module is already imported, else None:
+    a value of a framework's type can only exist once the framework is imported."""
+    loaded = sys.modules.get(module_name)
+    return None if loaded is None else getattr(loaded, attribute, None)
+
+
+def model_library(model: Any) -> ModelLibrary | None:
+    """The first library whose module class ``model`` is an instance of, or None."""
+    for library in MODEL_LIBRARIES:
+        cls = imported_class(*library.model_type)
+        if cls is not None and isinstance(model, cls):
+            return library
+    return None

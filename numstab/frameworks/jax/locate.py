@@ -1,0 +1,258 @@
+"""Named layers for plain JAX models, and locate_nonfinite for them.
+
+JAX has no module objects to hook, so a model marks its sub-computations::
+
+    from numstab.frameworks.jax.locate import layer
+
+    def model(params, tokens):
+        x = layer("embed", embed, params["embed"], tokens)
+        for i, p in enumerate(params["blocks"]):
+            x = layer(f"blocks.{i}", block, p, x)   # block may call layer() itself
+        return layer("head", linear, params["head"], x)
+
+``layer(name, fn, params, *args, **kwargs)`` is just ``fn(params, *args, **kwargs)`` outside
+``locate_nonfinite`` (free under jit and grad). Names nest: a ``layer("fc1", ...)`` inside
+``layer("blocks.1.mlp", ...)`` is ``"blocks.1.mlp.fc1"``. ``fn`` must depend only on its
+arguments (no closed-over arrays), because locating replays it alone.
+
+Locating jit-compiles one instrumented pass per (model, loss_fn, input structure and shapes)
+and reuses it. Each layer call adds a zero "probe" to its floating parameters, to its other
+floating arguments (as this call sees them) and to its outputs; one backward pass then
+gives, per call, the gradient the layer received (output probe) and the gradients it
+produced itself (input and parameter probes), as torch's full backward hooks do. Only
+maxima and NaN/inf counts come back to the host, in one transfer.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from numstab.backends import load_backend
+from numstab.locate._report import LOSS, LayerCall, LocateReport, summarise
+from numstab.nonfinite import find_nonfinite
+
+__all__ = ["layer"]
+
+_RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
+    "numstab_locate_jax", default=None
+)
+
+
+def layer(name: str, fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(params, *args, **kwargs)``, seen by ``locate_nonfinite`` as the layer ``name``."""
+    recorder = _RECORDER.get()
+    if recorder is None:
+        return fn(params, *args, **kwargs)
+    return recorder.call(name, fn, params, args, kwargs)
+
+
+def _is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _split(tree: Any) -> tuple[list, Callable[[list], Any]]:
+    """The floating leaves of ``tree`` and a function putting new ones in their place."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    where = [i for i, x in enumerate(leaves) if _is_float(x)]
+
+    def put(new: list) -> Any:
+        out = list(leaves)
+        for i, x in zip(where, new, strict=True):
+            out[i] = x
+        return treedef.unflatten(out)
+
+    return [leaves[i] for i in where], put
+
+
+class _Call:
+    """One layer call seen while tracing: its name and order, and its floating parameters,
+    other arguments and outputs (traced values, returned through the pass's aux data)."""
+
+    def __init__(self, name: str, kind: str, start: int):
+        self.name, self.kind, self.start, self.end = name, kind, start, -1
+        self.params: list = []
+        self.inputs: list = []
+        self.outputs: list = []
+        self.param_paths: list[str] = []
+
+
+class _Recorder:
+    """Installed while the model runs; ``probes[k]`` = (params, inputs, outputs) zero probes
+    of the k-th call, or None for a forward-only pass."""
+
+    def __init__(self, probes: list | None):
+        self.probes = probes
+        self.calls: list[_Call] = []
+        self.prefix: list[str] = []
+        self.clock = itertools.count()
+
+    def call(self, name, fn, params, args, kwargs):
+        full = ".".join(part for part in [*self.prefix, name] if part)  # "": the model
+        record = _Call(full, getattr(fn, "__name__", type(fn).__name__), next(self.clock))
+        record.param_paths = getattr(fn, "param_paths", None) or [
+            full + jax.tree_util.keystr(path)
+            for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+            if _is_float(x)
+        ]
+        index = len(self.calls)
+        self.calls.append(record)
+        p_leaves, put_p = _split(params)
+        in_leaves, put_in = _split((args, kwargs))
+        if self.probes is not None:
+            dp, din, _ = self.probes[index]
+            p_leaves = [x + d for x, d in zip(p_leaves, dp, strict=True)]
+            in_leaves = [x + d for x, d in zip(in_leaves, din, strict=True)]
+            params, (args, kwargs) = put_p(p_leaves), put_in(in_leaves)
+        record.params, record.inputs = p_leaves, in_leaves
+        self.prefix.append(name)
+        try:
+            out = fn(params, *args, **kwargs)
+        finally:
+            self.prefix.pop()
+        record.end = next(self.clock)
+        out_leaves, put_out = _split(out)
+        if self.probes is not None:
+            out_leaves = [x + d for x, d in zip(out_leaves, self.probes[index][2], strict=True)]
+            out = put_out(out_leaves)
+        record.outputs = out_leaves
+        return out
+
+
+def _absmax(xs: list) -> jax.Array | None:
+    xs = [x for x in xs if x.size]
+    if not xs:
+        return None
+    return jnp.max(jnp.stack([jnp.max(jnp.abs(x.astype(jnp.float32))) for x in xs]))
+
+
+def _run(model, loss_fn, inputs, targets, probes):
+    """The model and the loss (recorded as the call "<loss>"), with a recorder installed."""
+    recorder = _Recorder(probes)
+    token = _RECORDER.set(recorder)
+    try:
+        output = model(*inputs)
+        if loss_fn is not None:
+
+            def loss_of(_, output):
+                loss = loss_fn(output) if targets is None else loss_fn(output, targets)
+                return jnp.sum(jnp.asarray(loss, jnp.float32))
+
+            recorder.prefix = []
+            loss = recorder.call(LOSS, loss_of, {}, (output,), {})
+            recorder.calls[-1].kind = "loss_fn"
+            return recorder, loss
+    finally:
+        _RECORDER.reset(token)
+    return recorder, None
+
+
+_CACHE: dict[Any, tuple[Callable, list]] = {}
+
+
+def _spec(tree: Any) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple(
+        (x.shape, str(x.dtype)) if hasattr(x, "shape") else type(x).__name__ for x in leaves
+    )
+
+
+def _instrumented(model, loss_fn, inputs, targets):
+    """A jitted ``(inputs, targets) -> per-call maxima and counts`` and a list whose last
+    element is the recorder of its trace (names and order). Cached per model, loss_fn and
+    input structure, shapes and dtypes (the cache holds the last 16)."""
+    key = (model, loss_fn, _spec((inputs, targets)))
+    if key in _CACHE:
+        return _CACHE[key]
+
+    def shapes(inputs, targets):
+        recorder, _ = _run(model, loss_fn, inputs, targets, None)
+        spec = lambda xs: [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
+        return [(spec(r.params), spec(r.inputs), spec(r.outputs)) for r in recorder.calls]
+
+    probe_shapes = jax.eval_shape(shapes, inputs, targets) if loss_fn is not None else None
+    static: list = []
+    layout: list = []
+
+    def analyze(inputs, targets):
+        def forward(probes):
+            recorder, loss = _run(model, loss_fn, inputs, targets, probes)
+            static.append(recorder)
+            aux = [(r.params, r.inputs, r.outputs) for r in recorder.calls]
+            return (loss if loss is not None else jnp.float32(0)), aux
+
+        if probe_shapes is None:
+            _, values = forward(None)
+            grads = None
+        else:
+            zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), probe_shapes)
+            _, pullback, values = jax.vjp(forward, zeros, has_aux=True)
+            (grads,) = pullback(jnp.ones((), jnp.float32))
+        maxima, tensors = [], []
+        for k, (params, ins, outs) in enumerate(values):
+            entry = {"inputs": _absmax(ins), "outputs": _absmax(outs), "params": _absmax(params)}
+            kept = {"outputs": outs, "params": params}
+            if grads is not None:
+                g_params, g_ins, g_outs = grads[k]
+                entry.update(
+                    grad_outputs=_absmax(g_outs),
+                    grad_inputs=_absmax(g_ins),
+                    grad_params=_absmax(g_params),
+                )
+                kept.update(grad_inputs=g_ins, grad_params=g_params)
+            maxima.append(entry)
+            tensors.append(kept)
+        # one vector of every maximum (read in one transfer); where each one goes is static
+        present = [(k, f, x) for k, e in enumerate(maxima) for f, x in e.items() if x is not None]
+        layout[:] = [(k, f) for k, f, _ in present]
+        vector = jnp.stack([x for _, _, x in present]) if present else jnp.zeros((0,))
+        return vector, tensors  # the tensors stay on the device for the details
+
+    jitted = jax.jit(analyze)
+    _CACHE[key] = (jitted, static, layout)
+    if len(_CACHE) > 16:
+        _CACHE.pop(next(iter(_CACHE)))
+    return jitted, static, layout
+
+
+def locate(model: Callable, inputs: tuple, loss_fn, targets) -> LocateReport:
+    load_backend("jax")
+    jitted, static, layout = _instrumented(model, loss_fn, inputs, targets)
+    vector, tensors = jitted(inputs, targets)
+    values = jax.device_get(vector)  # the one host transfer
+    recorder = static[-1]
+    calls, details = [], {}
+    for record, kept in zip(recorder.calls, tensors, strict=True):
+        call = LayerCall(record.name, record.kind, start=record.start, end=record.end)
+        calls.append(call)
+        details[id(call)] = (record, kept)
+    for (k, field), value in zip(layout, values, strict=True):
+        setattr(calls[k], field, value)
+    for call, record in zip(calls, recorder.calls, strict=True):
+        if loss_fn is not None:
+            call.backward = -float(record.start)  # backward runs in reverse start order
+
+    def counts(call: LayerCall, phase: str) -> tuple[int, int]:
+        kept = details[id(call)][1]
+        xs = kept["outputs"] if phase == "forward" else kept["grad_inputs"] + kept["grad_params"]
+        found = find_nonfinite(list(xs))
+        return sum(r.nan_count for r in found), sum(r.inf_count for r in found)
+
+    def param_paths(call: LayerCall, phase: str) -> list[str]:
+        record, kept = details[id(call)]
+        xs = kept["params" if phase == "forward" else "grad_params"]
+        return [record.param_paths[int(r.path[1:-1])] for r in find_nonfinite(list(xs))]
+
+    return summarise(
+        load_backend("numpy"),
+        calls,
+        backward_checked=loss_fn is not None,
+        counts=counts,
+        param_paths=param_paths,
+        framework="jax",
+    )

@@ -1,0 +1,321 @@
+"""Dynamic loss scaling and gradient clipping as an ``optax.GradientTransformation``.
+
+    scaler = numstab.LossScaler.preset("jmp")             # or LossScaler() (torch defaults)
+    tx = loss_scaled(optax.adam(1e-3), scaler, max_norm=1.0)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(lambda p: scale_loss(loss_fn(p, batch), opt_state))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)   # grads are SCALED
+        return optax.apply_updates(params, updates), opt_state
+
+``update`` unscales the gradients (``LossScaler.unscale``), checks that they are finite, clips
+the unscaled gradients by their global norm (``numstab.clip_by_global_norm``) when ``max_norm``
+is given, and calls the inner transformation. On a non-finite step it returns zero updates and
+leaves the inner state untouched (its step count too, so schedules freeze), as
+``optax.apply_if_finite`` and Keras 3's ``LossScaleOptimizer`` do. The scale then follows
+``LossScaler.update``: the state machine lives only in ``numstab.loss_scale``.
+
+Everything is traced: ``jax.lax.cond`` picks the branch, nothing reads a value on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from numstab import _validate as v
+from numstab.clipping import clip_by_global_norm, global_norm
+from numstab.errors import InvalidArgumentError
+from numstab.loss_scale import LossScaler, LossScaleState
+
+__all__ = [
+    "LossScaledState",
+    "current_scale",
+    "find_loss_scale_state",
+    "loss_scaled",
+    "scale_loss",
+]
+
+
+class LossScaledState(NamedTuple):
+    """State of :func:`loss_scaled`: a pytree whose leaves are all arrays.
+
+    The scaler's configuration is not in here: it is static, closed over by the
+    transformation, so it survives ``jit``, ``scan`` and checkpointing of this state.
+    """
+
+    inner_state: Any  # the inner transformation's state, untouched on non-finite steps
+    loss_scale: LossScaleState  # scale, growth_tracker, hysteresis_left
+    last_finite: jax.Array  # bool, 0-d: were the last step's unscaled gradients finite
+    total_notfinite: jax.Array  # int32, 0-d: number of skipped steps since init
+    grad_norm: jax.Array | None  # float32, 0-d: last pre-clip norm; None without max_norm
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    scaler: LossScaler | None = None,
+    *,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    axis_name: Hashable | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap ``inner`` so that it receives unscaled, checked and (optionally) clipped gradients.
+
+    Args:
+      inner: the optimizer to protect, e.g. ``optax.adam(1e-3)``.
+      scaler: the loss-scaling configuration; default ``LossScaler()`` (torch's defaults).
+        ``LossScaler.preset("jmp")`` reproduces ``jmp.DynamicLossScale(2**15)``.
+      max_norm: clip the unscaled gradients to this global norm (after unscaling, never on
+        the scaled values); ``None`` does not clip.
+      norm_type: the p of the global p-norm (``math.inf`` for the max-norm).
+      axis_name: a mapped axis (``shard_map``, ``pmap``, ``vmap``) over which the gradients
+        are sharded, each device holding a disjoint slice (as after a reduce-scatter): the
+        finite flag is AND-reduced (``lax.pmin``) and the norm is that of the whole tree
+        (``lax.psum`` of the slices' ``|g|**p``; ``pmax`` for inf), so every device takes the
+        same decision, and clips by the same factor, even when only one of them overflows.
+        Leaves replicated on every device would be counted once per device in the norm:
+        gradients that are already all-reduced need no ``axis_name`` (they agree anyway).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScaledState`.
+      ``update(grads, state, params=None, **extra_args)`` expects the gradients of the scaled
+      loss (:func:`scale_loss`).
+
+    Edge cases: a non-finite global norm (elements beyond about 1e19 overflow a float32 sum of
+    squares) counts as a non-finite step. With a fixed scaler (``dynamic=False``, e.g.
+    ``LossScaler.for_dtype(jnp.bfloat16)``) non-finite steps are still skipped, without limit.
+    """
+    if not isinstance(inner, optax.GradientTransformation):
+        raise InvalidArgumentError(
+            f"Expected an optax.GradientTransformation as inner. Received: {type(inner).__name__}"
+        )
+    if scaler is None:
+        scaler = LossScaler()
+    elif not isinstance(scaler, LossScaler):
+        raise InvalidArgumentError(
+            f"Expected a numstab.LossScaler or None. Received: scaler of type "
+            f"{type(scaler).__name__}"
+        )
+    if max_norm is not None:
+        max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+    if norm_type != math.inf:
+        norm_type = v.check_number("norm_type", norm_type, low=0.0, low_open=True)
+    if axis_name is not None and not isinstance(axis_name, Hashable):
+        raise InvalidArgumentError(f"Expected a hashable axis_name. Received: {axis_name!r}")
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params: Any) -> LossScaledState:
+        return LossScaledState(
+            inner_state=inner.init(params),
+            loss_scale=scaler.init(backend="jax"),
+            last_finite=jnp.asarray(True),
+            total_notfinite=jnp.zeros([], jnp.int32),
+            grad_norm=None if max_norm is None else jnp.zeros([], jnp.float32),
+        )
+
+    def update(
+        updates: Any, state: LossScaledState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LossScaledState]:
+        if not isinstance(state, LossScaledState):
+            raise InvalidArgumentError(
+                f"Expected the LossScaledState made by this transformation's init. Received: "
+                f"{type(state).__name__}"
+            )
+        _check_matches(updates, params)
+        grads, finite = scaler.unscale(updates, state.loss_scale, backend="jax")
+        finite = jnp.asarray(finite)
+        if axis_name is not None:
+            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+        norm = None
+        if max_norm is not None:
+            if axis_name is None:
+                grads, norm = clip_by_global_norm(
+                    grads, max_norm, norm_type=norm_type, backend="jax"
+                )
+            else:
+                grads, norm = _clip_across(grads, max_norm, norm_type, axis_name)
+            finite = finite & jnp.isfinite(norm)
+
+        def apply(_: None) -> tuple[Any, Any]:
+            return inner.update(grads, state.inner_state, params, **extra_args)
+
+        out_shapes = jax.eval_shape(apply, None)
+
+        def skip(_: None) -> tuple[Any, Any]:
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes[0])
+            return zeros, state.inner_state
+
+        apply, skip = _same_varying_axes(apply, skip)
+        new_updates, inner_state = jax.lax.cond(finite, apply, skip, None)
+        loss_scale = scaler.update(state.loss_scale, finite, backend="jax")
+        return new_updates, LossScaledState(
+            inner_state=inner_state,
+            loss_scale=loss_scale,
+            last_finite=finite,
+            total_notfinite=state.total_notfinite + jnp.where(finite, 0, 1).astype(jnp.int32),
+            grad_norm=norm,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _same_varying_axes(*branches: Callable[[None], Any]) -> list[Callable[[None], Any]]:
+    """The branches, each output leaf cast to vary over the union of the manual axes (shard_map)
+    that the branches' leaves vary over: ``lax.cond`` needs equal types, and zeros or the
+    untouched inner state may vary over fewer axes than the inner update's outputs."""
+    shapes = [jax.eval_shape(branch, None) for branch in branches]
+    union = jax.tree.map(lambda *avals: frozenset().union(*map(_varying, avals)), *shapes)
+    if not any(jax.tree.leaves(union, is_leaf=lambda x: isinstance(x, frozenset))):
+        return list(branches)  # outside shard_map: nothing to cast
+
+    def aligned(branch: Callable[[None], Any], avals: Any) -> Callable[[None], Any]:
+        def run(_: None) -> Any:
+            return jax.tree.map(
+                lambda x, aval, axes: _pvary(x, axes - _varying(aval)), branch(None), avals, union
+            )
+
+        return run
+
+    return [aligned(b, s) for b, s in zip(branches, shapes, strict=True)]
+
+
+def _varying(aval: Any) -> frozenset:
+    """The manual axes a traced value varies over (jax >= 0.10: manual_axis_type; older: vma)."""
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(getattr(manual, "varying", ()) or ())
+    return frozenset(getattr(aval, "vma", None) or ())
+
+
+def _pvary(x: jax.Array, axes: frozenset) -> jax.Array:
+    if not axes:
+        return x
+    axes = tuple(sorted(axes, key=str))
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
+
+
+def _check_matches(grads: Any, params: Any) -> None:
+    """InvalidArgumentError unless grads and params (when given) have one structure and shapes.
+
+    Integer or other non-floating gradients are rejected by ``LossScaler.unscale``.
+    """
+    if params is None:
+        return
+    g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
+    p_leaves, p_def = jax.tree.flatten(params)
+    if g_def != p_def:
+        raise InvalidArgumentError(
+            f"Expected gradients with the structure of params. Received: grads {g_def}, "
+            f"params {p_def}"
+        )
+    for (path, g), p in zip(g_leaves, p_leaves, strict=True):
+        if jnp.shape(g) != jnp.shape(p):
+            raise InvalidArgumentError(
+                f"Expected gradient shapes equal to param shapes. Received: at "
+                f"{jax.tree_util.keystr(path)} grad shape {jnp.shape(g)}, param shape "
+                f"{jnp.shape(p)}"
+            )
+
+
+def _clip_across(
+    grads: Any, max_norm: float, norm_type: float, axis_name: Hashable
+) -> tuple[Any, jax.Array]:
+    """clip_by_global_norm where each device holds part of the tree: the norm is combined
+    over ``axis_name`` before the (identical) scale factor is applied."""
+    local = global_norm(grads, norm_type, backend="jax")
+    if norm_type == math.inf:
+        norm = jax.lax.pmax(local, axis_name)
+    elif norm_type == 2.0:
+        norm = jnp.sqrt(jax.lax.psum(local * local, axis_name))
+    elif norm_type == 1.0:
+        norm = jax.lax.psum(local, axis_name)
+    else:
+        norm = jax.lax.psum(local**norm_type, axis_name) ** (1.0 / norm_type)
+    return clip_by_global_norm(grads, max_norm, norm_type=norm_type, norm=norm, backend="jax")
+
+
+def find_loss_scale_state(opt_state: Any) -> LossScaleState:
+    """The ``LossScaleState`` inside ``opt_state``: a :class:`LossScaledState`, or any optax
+    state holding exactly one (``optax.chain``, ``MultiSteps``, ``inject_hyperparams``)."""
+    if isinstance(opt_state, LossScaledState):
+        return opt_state.loss_scale
+    if isinstance(opt_state, LossScaleState):
+        return opt_state
+    found = [
+        node
+        for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaledState))
+        if isinstance(node, LossScaledState)
+    ]
+    if len(found) != 1:
+        raise InvalidArgumentError(
+            f"Expected an optimizer state holding exactly one LossScaledState (from "
+            f"numstab.integrations.optax.loss_scaled). Received: one holding {len(found)}"
+        )
+    return found[0].loss_scale
+
+
+def current_scale(opt_state: Any) -> jax.Array:
+    """The current loss scale (float32, 0-d array; no host sync) of ``opt_state``."""
+    return find_loss_scale_state(opt_state).scale
+
+
+# LossScaler.scale reads only the state, never the configuration
+_ANY_SCALER = LossScaler()
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """``loss * current_scale(opt_state)``, multiplied in float32, in the loss's dtype.
+
+    Differentiate this scaled loss and pass its gradients to ``update``.
+    """
+    return _ANY_SCALER.scale(loss, find_loss_scale_state(opt_state), backend="jax")
+
+
+# -- adaptive clipping (ZClip, AGC) --------------------------------------------------------------
+def zclip(**kwargs: Any) -> optax.GradientTransformation:
+    """``numstab.adaptive_clipping.ZClip(**kwargs)`` as a GradientTransformation; its state
+    is a ``ZClipState`` (``state.norm``: the last raw global norm). Chain it before the
+    optimizer: ``optax.chain(zclip(), optax.adamw(schedule))``."""
+    from numstab.adaptive_clipping import ZClip
+
+    policy = ZClip(**kwargs)
+
+    def init_fn(params: Any) -> Any:
+        return policy.init(params, backend="jax")
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        return policy.update(updates, state, backend="jax")
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def agc(
+    clip_factor: float = 0.01, eps: float = 1e-3, *, layout: str = "io", axis: Any = None
+) -> optax.GradientTransformation:
+    """``numstab.adaptive_clipping.AGC`` as a GradientTransformation: the values of
+    ``optax.adaptive_grad_clip(clip_factor, eps)`` (16-bit gradients normed in float32)."""
+    from numstab.adaptive_clipping import AGC
+
+    policy = AGC(clip_factor, eps, layout=layout, axis=axis)
+
+    def init_fn(params: Any) -> optax.EmptyState:
+        return optax.EmptyState()
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if params is None:
+            raise InvalidArgumentError(
+                "Expected params for AGC (its limit is relative to the parameter norms). "
+                "Received: params=None"
+            )
+        return policy.clip(updates, params, backend="jax"), state
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,107 @@
+"""numstab's cross-entropy as Keras 3 ``Loss`` classes, on every Keras backend (TensorFlow,
+JAX, torch): ``model.compile(loss=SparseCategoricalCrossentropy(label_smoothing=0.1))``.
+
+They follow Keras' conventions: ``call(y_true, y_pred)`` (that order), logits in ``y_pred``
+(``from_logits`` is always true: numstab's losses take logits), per-sample losses reduced by
+Keras (``reduction``, ``sample_weight``, masks), ``get_config`` for saving.
+
+- ``SparseCategoricalCrossentropy``: integer class ids of shape ``(batch,)`` or, as Keras'
+  own sparse loss accepts, ``(batch, 1)``. Keras converts ``y_true`` to the loss's float
+  dtype before ``call``; the ids are cast back to int32. ``ignore_index`` (Keras:
+  ``ignore_class``): those rows get loss 0 and a Keras mask, so ``"sum_over_batch_size"``
+  averages over the other rows, as Keras' ``ignore_class`` does.
+- ``CategoricalCrossentropy``: probability (or one-hot) targets of ``y_pred``'s shape.
+- ``label_smoothing`` spreads over the unmasked classes (docs/semantics.md §4.4); ``z_loss``
+  adds ``z * logsumexp(y_pred) ** 2`` per sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+
+from numstab import _validate as v
+from numstab.losses import cross_entropy
+
+
+class _NumstabCrossentropy(keras.losses.Loss):
+    def __init__(
+        self,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        reduction: str = "sum_over_batch_size",
+        name: str | None = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+        self.label_smoothing = v.check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
+        self.z_loss = v.check_number("z_loss", z_loss, low=0.0)
+
+    def _loss(self, y_pred: Any, labels: Any, ignore_index: int) -> Any:
+        return cross_entropy(
+            y_pred,
+            labels,
+            label_smoothing=self.label_smoothing,
+            z_loss=self.z_loss,
+            ignore_index=ignore_index,
+            reduction="none",
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            **super().get_config(),
+            "label_smoothing": self.label_smoothing,
+            "z_loss": self.z_loss,
+        }
+
+
+class SparseCategoricalCrossentropy(_NumstabCrossentropy):
+    """Cross-entropy of integer class ids; see the module docstring."""
+
+    def __init__(
+        self,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        ignore_index: int | None = None,
+        reduction: str = "sum_over_batch_size",
+        name: str = "numstab_sparse_categorical_crossentropy",
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(label_smoothing, z_loss, reduction, name, dtype)
+        self.ignore_index = (
+            None if ignore_index is None else v.check_int("ignore_index", ignore_index)
+        )
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        if len(y_true.shape) == len(y_pred.shape) and y_true.shape[-1] == 1:
+            y_true = ops.squeeze(y_true, axis=-1)  # (batch, 1), as Keras' sparse loss takes
+        labels = ops.cast(y_true, "int32")
+        ignore = -100 if self.ignore_index is None else self.ignore_index
+        losses = self._loss(y_pred, labels, ignore)
+        if self.ignore_index is not None:
+            from keras.src.backend import set_keras_mask  # as Keras' own ignore_class
+
+            set_keras_mask(losses, ops.not_equal(labels, self.ignore_index))
+        return losses
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "ignore_index": self.ignore_index}
+
+
+class CategoricalCrossentropy(_NumstabCrossentropy):
+    """Cross-entropy of probability (or one-hot) targets; see the module docstring."""
+
+    def __init__(
+        self,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        reduction: str = "sum_over_batch_size",
+        name: str = "numstab_categorical_crossentropy",
+        dtype: Any = None,
+    ) -> None:
+        super().__init__(label_smoothing, z_loss, reduction, name, dtype)
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        return self._loss(y_pred, ops.cast(y_true, y_pred.dtype), -100)

@@ -1,0 +1,75 @@
+"""The training guard as a ``lightning.pytorch.Callback``.
+
+    trainer = lightning.Trainer(callbacks=[NumstabCallback()], precision="bf16-mixed")
+
+The same behaviour as the Hugging Face callback (``numstab.integrations.transformers``), from
+one implementation (``numstab.frameworks.torch.step_guard``): a step whose loss or
+gradients are non-finite, or that spikes, does not reach the weights or the optimizer's state;
+the run goes on; the first non-finite step is located (``locate_nonfinite`` replays that
+batch's ``training_step``); rollbacks as ``TrainingGuard`` says. Logged with ``self.log``
+every step: ``numstab/grad_norm``, ``numstab/skipped_steps``, and ``numstab/loss_scale``
+under "16-mixed".
+
+- The loss is the one Lightning hands to ``on_before_backward`` (mean over accumulated
+  micro-batches); the optimizer's ``step`` is wrapped, so automatic and manual optimization
+  both work.
+- "16-mixed": Lightning's GradScaler skips non-finite steps itself (and the guard never sees
+  them: the scaler does not call ``step``); the guard skips the spikes.
+- Lightning steps its LR schedulers after every optimizer step it asked for, also a skipped
+  one (as after its own GradScaler's skips).
+- One optimizer; DeepSpeed is not supported (its engine steps the optimizer): both raise
+  ``InvalidArgumentError`` when training starts.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import lightning.pytorch as pl
+
+from numstab.errors import InvalidArgumentError
+from numstab.frameworks.torch.step_guard import GuardedCallback
+
+
+class NumstabCallback(GuardedCallback, pl.Callback):
+    """See the module docstring. ``guard``: the :class:`TrainingGuard` settings;
+    ``locate``: run ``locate_nonfinite`` on the first non-finite step."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "deepspeed" in type(trainer.strategy).__name__.lower():
+            raise InvalidArgumentError(
+                "Expected a Lightning strategy other than DeepSpeed: NumstabCallback skips a "
+                "bad step by not calling optimizer.step(), and DeepSpeed's engine steps the "
+                f"optimizer itself. Received: strategy={type(trainer.strategy).__name__}"
+            )
+        if len(trainer.optimizers) != 1:
+            raise InvalidArgumentError(
+                f"Expected one optimizer in configure_optimizers. Received: "
+                f"{len(trainer.optimizers)} optimizers"
+            )
+        if self.step_guard.torch_guard is not None:  # a second fit() with the same callback
+            return
+        optimizer = trainer.optimizers[0]
+        configs = trainer.lr_scheduler_configs
+        scheduler = configs[0].scheduler if configs else None
+        self.step_guard.attach(pl_module, optimizer, scheduler, hook_loss=False)
+        self.step_guard.wrap(optimizer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
+        self.step_guard.replay = functools.partial(pl_module.training_step, batch, batch_idx)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.step_guard.record_loss(loss)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int):
+        sg = self.step_guard
+        pl_module.log("numstab/skipped_steps", float(sg.skipped), on_step=True)
+        if sg.grad_norm is not None:
+            pl_module.log("numstab/grad_norm", sg.grad_norm, on_step=True)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            pl_module.log("numstab/loss_scale", float(scaler.get_scale()), on_step=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step_guard.torch_guard.flush()
