@@ -1,10 +1,9 @@
-"""Public import path of ``numstab.frameworks.torch.grad_scaler``.
+"""PyTorch integration, public import path: the drop-in ``GradScaler``, ``clip_grad_norm_``,
+the adaptive clippers ``ZClip`` and ``agc_``, and ``reduction_group`` (their code lives in
+``numstab/frameworks/torch/``)."""
 
-The code lives there, with the rest of its framework's code; this module IS that module
-(every name, private ones included, resolves as before)."""
+from numstab.frameworks.torch.clipping import ZClip, agc_, clip_grad_norm_
+from numstab.frameworks.torch.distributed import reduction_group
+from numstab.frameworks.torch.grad_scaler import GradScaler
 
-import sys
-
-from numstab.frameworks.torch import grad_scaler as _module
-
-sys.modules[__name__] = _module
+__all__ = ["GradScaler", "ZClip", "agc_", "clip_grad_norm_", "reduction_group"]

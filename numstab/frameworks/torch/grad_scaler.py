@@ -19,55 +19,40 @@ does), except for optimizers that skip by themselves (``fused=True`` Adam/AdamW/
 which receive the flag as a tensor. ``step_and_update`` returns a Python bool: one sync.
 ``get_scale`` and ``state_dict`` read values on the host.
 
-Distributed: when ``torch.distributed`` is initialized (or ``process_group`` is given), the
-non-finite flag is all-reduced with MAX before anything depends on it, so every rank skips and
-backs off together even when only one rank overflowed. With ``sharded=True`` (each rank holds
-a disjoint part of the parameters, FSDP-style, as plain local tensors), ``clip_grad_norm_``
-all-reduces the per-rank ``sum |g|**p`` (``max |g|`` for p = inf), so every rank clips by the
-true global norm. Both travel in one collective per step. Every rank must make the same calls
-in the same order; a scaler used by only some ranks of an initialized group would hang (pass a
-process group holding just those ranks).
+Distributed (``distributed.py``): when ``torch.distributed`` is initialized (or
+``process_group`` is given), the non-finite flag is all-reduced with MAX before anything
+depends on it, so every rank skips and backs off together. With ``sharded=True`` (FSDP-style
+disjoint local parameters) ``clip_grad_norm_`` all-reduces ``sum |g|**p`` too, in the same
+collective. Every rank must make the same calls in the same order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import math
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from numstab import _validate as v
-from numstab.clipping import _check_norm_type, clip_coefficient, global_norm
-from numstab.errors import InvalidArgumentError, NonFiniteError
-from numstab.frameworks.torch.backend import BACKEND as TORCH
-from numstab.frameworks.torch.backend import is_dtensor
+from numstab.clipping import clip_coefficient, global_norm
+from numstab.errors import InvalidArgumentError
+from numstab.frameworks.torch.clipping import dense_grads, norm_type_of, scale_groups_
+from numstab.frameworks.torch.distributed import (
+    OptimizerState,
+    Stage,
+    reduce_norm,
+    reduced_found_inf,
+    reduction_group,
+)
+from numstab.frameworks.torch.grad_scaler_state import numstab_state_dict, torch_state_dict
+from numstab.frameworks.torch.unscale import check_and_unscale, check_new_scale
 from numstab.loss_scale import LossScaler, LossScaleState
 
-__all__ = ["GradScaler", "clip_grad_norm_"]
+__all__ = ["GradScaler"]
 
 T = TypeVar("T")
-
-
-class _Stage(enum.Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-class _OptimizerState:
-    """Per optimizer and iteration: its stage and its non-finite flag (0-d float32)."""
-
-    __slots__ = ("found_inf", "reduced", "stage")
-
-    def __init__(self) -> None:
-        self.stage = _Stage.READY
-        self.found_inf: torch.Tensor | None = None  # on the scale's device
-        self.reduced = False  # True once all-reduced across ranks (or nothing to reduce)
 
 
 class GradScaler:
@@ -139,7 +124,7 @@ class GradScaler:
         self._sharded = sharded
         self._state: LossScaleState | None = None  # created by the first scale()
         self._pending: dict[str, Any] | None = None  # a loaded state dict awaiting scale()
-        self._opt_states: dict[int, _OptimizerState] = {}
+        self._opt_states: dict[int, OptimizerState] = {}
         self._last_grad_norm: torch.Tensor | None = None
 
     # -- introspection -----------------------------------------------------------------------
@@ -236,19 +221,19 @@ class GradScaler:
         if not self._enabled:
             return
         state = self._require_state("unscale_")
-        opt_state = self._opt_states.get(id(optimizer)) or _OptimizerState()
-        if opt_state.stage is _Stage.UNSCALED:
+        opt_state = self._opt_states.get(id(optimizer)) or OptimizerState()
+        if opt_state.stage is Stage.UNSCALED:
             raise InvalidArgumentError(
                 "unscale_() has already been called on this optimizer since the last update()."
             )
-        if opt_state.stage is _Stage.STEPPED:
+        if opt_state.stage is Stage.STEPPED:
             raise InvalidArgumentError("unscale_() is being called after step().")
         # The float64 reciprocal rounded to float32 is the correctly rounded 1/scale (53 >=
         # 2*24+2 bits), i.e. LossScaler.unscale's 1.0 / scale, whatever the compiler does.
         inv_scale = state.scale.double().reciprocal().float()
-        opt_state.found_inf = self._check_and_unscale(optimizer, inv_scale, allow_fp16=False)
+        opt_state.found_inf = check_and_unscale(optimizer, inv_scale, state.scale.device, False)
         opt_state.reduced = False
-        opt_state.stage = _Stage.UNSCALED
+        opt_state.stage = Stage.UNSCALED
         self._opt_states[id(optimizer)] = opt_state
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -274,7 +259,7 @@ class GradScaler:
             return
         state = self._require_state("update")
         if new_scale is not None:
-            scale = self._check_new_scale(new_scale, state.scale.device)
+            scale = check_new_scale(new_scale, state.scale.device)
             self._state = state._replace(scale=scale)
         else:
             recorded = [s for s in self._opt_states.values() if s.found_inf is not None]
@@ -283,9 +268,9 @@ class GradScaler:
                     "No inf checks were recorded prior to update(): call step(optimizer) "
                     "(or unscale_) after backward() first."
                 )
-            found = self._reduced_found_inf(recorded[0])
+            found = reduced_found_inf(recorded[0], self._group())
             for opt_state in recorded[1:]:
-                found = found + self._reduced_found_inf(opt_state).to(found.device)
+                found = found + reduced_found_inf(opt_state, self._group()).to(found.device)
             self._state = self._scaler.update(state, found == 0, backend="torch")
         self._opt_states = {}
 
@@ -300,16 +285,7 @@ class GradScaler:
             _, state = LossScaler.from_state_dict(self._pending_dict(), backend="torch")
         else:
             state = self._state
-        data = self._scaler.state_dict(state, backend="torch")
-        values = data["state"]
-        return {
-            "scale": float(values["scale"]),
-            "growth_factor": self._scaler.growth_factor,
-            "backoff_factor": self._scaler.backoff_factor,
-            "growth_interval": self._scaler.growth_interval,
-            "_growth_tracker": int(values["growth_tracker"]),
-            "numstab": data,
-        }
+        return torch_state_dict(self._scaler, self._scaler.state_dict(state, backend="torch"))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load ``state_dict()`` of this class or of ``torch.amp.GradScaler`` (whose missing
@@ -317,29 +293,7 @@ class GradScaler:
         changes; a no-op when disabled, as in torch."""
         if not self._enabled:
             return
-        if not isinstance(state_dict, Mapping) or len(state_dict) == 0:
-            raise InvalidArgumentError(
-                "Expected a non-empty GradScaler state dict (an empty one comes from a disabled "
-                f"scaler). Received: {state_dict!r}"
-            )
-        if "numstab" in state_dict:
-            data = state_dict["numstab"]
-        else:
-            try:
-                config = dataclasses.asdict(self._scaler)
-                config.update(
-                    growth_factor=state_dict["growth_factor"],
-                    backoff_factor=state_dict["backoff_factor"],
-                    growth_interval=state_dict["growth_interval"],
-                )
-                values = {
-                    "scale": state_dict["scale"],
-                    "growth_tracker": state_dict["_growth_tracker"],
-                    "hysteresis_left": config["hysteresis"],
-                }
-            except KeyError as exc:
-                raise InvalidArgumentError(f"Not a GradScaler state dict: missing {exc}") from exc
-            data = {"config": config, "state": values}
+        data = numstab_state_dict(self._scaler, state_dict)
         like = None if self._state is None else self._state.scale
         scaler, state = LossScaler.from_state_dict(data, backend="torch", like=like)
         self._scaler = scaler
@@ -358,25 +312,25 @@ class GradScaler:
         (non-finite norm, or a non-finite gradient on any rank). Returns the global norm
         (0-d tensor, float32 at least; across ranks when ``sharded``). No host sync."""
         max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
-        norm_type = _norm_type(norm_type)
-        grads = _dense_grads(optimizer)  # checked before anything changes
+        norm_type = norm_type_of(norm_type)
+        grads = dense_grads(optimizer)  # checked before anything changes
         opt_state = None
         if self._enabled:
             self._require_state("clip_grad_norm_")
             opt_state = self._opt_states.get(id(optimizer))
-            if opt_state is not None and opt_state.stage is _Stage.STEPPED:
+            if opt_state is not None and opt_state.stage is Stage.STEPPED:
                 raise InvalidArgumentError("clip_grad_norm_() is being called after step().")
-            if opt_state is None or opt_state.stage is _Stage.READY:
+            if opt_state is None or opt_state.stage is Stage.READY:
                 self.unscale_(optimizer)
                 opt_state = self._opt_states[id(optimizer)]
         norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")
-        norm, found = self._reduce_norm(norm, float(norm_type), opt_state)
+        norm, found = reduce_norm(norm, float(norm_type), opt_state, self._group(), self._sharded)
         # In place (optimizers and DDP buckets hold views of these gradients), with the
         # coefficient numstab.clip_by_global_norm uses: max_norm / max(norm, max_norm), or 1.
         coef = clip_coefficient(norm, max_norm, backend="torch")
         if found is not None:
             coef = torch.where(found.to(norm.device) == 0, coef, 1.0)
-        _mul_(grads, coef)
+        scale_groups_(grads, coef)
         self._last_grad_norm = norm
         return norm
 
@@ -415,20 +369,20 @@ class GradScaler:
         if "closure" in kwargs:
             raise InvalidArgumentError("Closure use is not supported if GradScaler is enabled.")
         state = self._require_state("step")
-        opt_state = self._opt_states.get(id(optimizer)) or _OptimizerState()
-        if opt_state.stage is _Stage.STEPPED:
+        opt_state = self._opt_states.get(id(optimizer)) or OptimizerState()
+        if opt_state.stage is Stage.STEPPED:
             raise InvalidArgumentError("step() has already been called since the last update().")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # the optimizer unscales and skips inside its kernel: no host sync
-            if opt_state.stage is _Stage.READY:
+            if opt_state.stage is Stage.READY:
                 ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
-                opt_state.found_inf = self._check_and_unscale(optimizer, ones, allow_fp16=True)
+                opt_state.found_inf = check_and_unscale(optimizer, ones, state.scale.device, True)
                 opt_state.reduced = False
                 grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
             else:
                 grad_scale = getattr(optimizer, "grad_scale", None)
             self._opt_states[id(optimizer)] = opt_state
-            found = self._reduced_found_inf(opt_state)
+            found = reduced_found_inf(opt_state, self._group())
             optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
             optimizer.found_inf = found  # type: ignore[attr-defined]
             try:
@@ -436,14 +390,14 @@ class GradScaler:
             finally:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
-            opt_state.stage = _Stage.STEPPED
+            opt_state.stage = Stage.STEPPED
             return retval, _Lazy(found)
-        if opt_state.stage is _Stage.READY:
+        if opt_state.stage is Stage.READY:
             self.unscale_(optimizer)
             opt_state = self._opt_states[id(optimizer)]
-        applied = not bool(self._reduced_found_inf(opt_state).item())  # the host sync
+        applied = not bool(reduced_found_inf(opt_state, self._group()).item())  # the host sync
         retval = optimizer.step(*args, **kwargs) if applied else None
-        opt_state.stage = _Stage.STEPPED
+        opt_state.stage = Stage.STEPPED
         return retval, applied
 
     def _require_state(self, name: str) -> LossScaleState:
@@ -477,120 +431,6 @@ class GradScaler:
     def _group(self) -> Any:
         return reduction_group(self._process_group)
 
-    def _reduced_found_inf(self, opt_state: _OptimizerState) -> torch.Tensor:
-        found = opt_state.found_inf
-        assert found is not None
-        if not opt_state.reduced:
-            group = self._group()
-            if group is not None:
-                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-            opt_state.reduced = True
-        return found
-
-    def _reduce_norm(
-        self, norm: torch.Tensor, norm_type: float, opt_state: _OptimizerState | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(global norm, global non-finite flag or None when disabled), in one collective.
-        The norm of DTensor gradients (FSDP2) is global already: it is read as replicated."""
-        group = self._group()
-        found = None if opt_state is None else opt_state.found_inf
-        sharded = self._sharded
-        if is_dtensor(norm):
-            norm, sharded = norm.full_tensor(), False
-        if group is None or not sharded:
-            if opt_state is not None and not opt_state.reduced:
-                # a non-finite unscaled norm (scale < 1 overflow) skips too, on every rank
-                assert found is not None
-                opt_state.found_inf = torch.maximum(found, (~torch.isfinite(norm)).to(found))
-                found = self._reduced_found_inf(opt_state)
-            return norm, found
-        # sharded: one SUM of [sum |g|**p, flag] (MAX of [max |g|, flag] for p = inf)
-        device = norm.device if found is None else found.device
-        flag = torch.zeros((), device=device) if found is None else found
-        if norm_type == math.inf:
-            # MAX may drop a NaN (gloo's max is order-dependent): report it as inf
-            local = torch.where(torch.isnan(norm), math.inf, norm)
-            packed = torch.stack([local.to(device), flag.to(local.dtype)])
-            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-            norm = packed[0]
-        else:
-            packed = torch.stack([norm.to(device) ** norm_type, flag.to(norm.dtype)])
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-            norm = packed[0] ** (1.0 / norm_type) if norm_type != 1.0 else packed[0]
-        if opt_state is not None:
-            opt_state.found_inf = (packed[1] != 0).to(torch.float32)
-            opt_state.reduced = True
-            found = opt_state.found_inf
-        return norm, found
-
-    def _check_and_unscale(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, allow_fp16: bool
-    ) -> torch.Tensor:
-        """Validate every gradient, then run torch's fused check-and-unscale once per device
-        and dtype; one flag on the scale's device, 0.0 or exactly 1.0 (fused optimizers test
-        ``found_inf == 1``)."""
-        assert self._state is not None
-        allowed = _UNSCALE_DTYPES_FP16 if allow_fp16 else _UNSCALE_DTYPES
-        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
-        sparse = []
-        for group in optimizer.param_groups:  # validate all before changing anything
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if grad.dtype not in allowed:
-                    _raise_bad_grad(optimizer, allowed)
-                if grad.is_sparse:
-                    sparse.append(param)
-                else:
-                    groups.setdefault(grad.device, {}).setdefault(grad.dtype, []).append(grad)
-        with torch.no_grad():
-            for param in sparse:
-                # check the coalesced values: duplicates summed may overflow float16
-                if param.grad.dtype == torch.float16:
-                    param.grad = param.grad.coalesce()
-                values = param.grad._values()
-                groups.setdefault(values.device, {}).setdefault(values.dtype, []).append(values)
-            home = self._state.scale.device
-            found_total = None
-            for device, per_dtype in groups.items():
-                found = torch.zeros((), dtype=torch.float32, device=device)
-                inv = inv_scale.to(device, non_blocking=True)
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-                found = found.to(home, non_blocking=True)
-                found_total = found if found_total is None else torch.maximum(found_total, found)
-        if found_total is None:  # no gradients at all: nothing can be non-finite
-            found_total = torch.zeros((), dtype=torch.float32, device=home)
-        return found_total
-
-    @staticmethod
-    def _check_new_scale(new_scale: Any, device: torch.device) -> torch.Tensor:
-        if isinstance(new_scale, torch.Tensor):
-            if (
-                new_scale.numel() != 1
-                or new_scale.requires_grad
-                or not new_scale.is_floating_point()
-            ):
-                raise InvalidArgumentError(
-                    "Expected new_scale to be a positive float or a 1-element floating tensor "
-                    f"without grad. Received: {new_scale!r}"
-                )
-            return new_scale.detach().reshape(()).to(device, torch.float32, copy=True)
-        value = v.check_number("new_scale", new_scale, low=0.0, low_open=True)
-        return torch.full((), value, dtype=torch.float32, device=device)
-
-
-def reduction_group(process_group: Any = None) -> Any:
-    """The process group to reduce over: ``process_group``, else the default group when
-    ``torch.distributed`` is initialized; None for a single process (world size 1)."""
-    group = process_group
-    if group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        group = dist.group.WORLD
-    return group if dist.get_world_size(group) > 1 else None
-
 
 class _Lazy:
     """A step's "applied" flag read on the host only when converted to bool."""
@@ -604,200 +444,5 @@ class _Lazy:
         return not bool(self.found.item())
 
 
-_UNSCALE_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16})
-_UNSCALE_DTYPES_FP16 = _UNSCALE_DTYPES | {torch.float16}
-
-
-def _raise_bad_grad(optimizer: torch.optim.Optimizer, allowed: frozenset) -> None:
-    for gi, group in enumerate(optimizer.param_groups):
-        for pi, param in enumerate(group["params"]):
-            grad = param.grad
-            if grad is None or grad.dtype in allowed:
-                continue
-            where = f"param_groups[{gi}]['params'][{pi}].grad"
-            if grad.dtype == torch.float16:
-                raise InvalidArgumentError(
-                    "Expected float32, float64 or bfloat16 gradients to unscale (keep the "
-                    "parameters in float32 and let autocast compute in float16). "
-                    f"Received: {where} with dtype=torch.float16"
-                )
-            raise InvalidArgumentError(
-                "Expected floating-point gradients (float32, float64, bfloat16"
-                f"{', float16' if torch.float16 in allowed else ''}). Received: {where} with "
-                f"dtype={grad.dtype}"
-            )
-
-
 def _host(state: LossScaleState) -> dict[str, Any]:
     return {f: getattr(state, f).item() for f in LossScaleState._fields}
-
-
-def clip_grad_norm_(
-    parameters: torch.Tensor | Iterable[torch.Tensor],
-    max_norm: float,
-    norm_type: float | str = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
-) -> torch.Tensor:
-    """Drop-in for ``torch.nn.utils.clip_grad_norm_`` with ``numstab.clip_by_global_norm``'s
-    semantics, in place: ``g *= max_norm / max(norm, max_norm)``.
-
-    Takes torch's arguments: ``norm_type`` as torch reads it (``float(norm_type)``: 2.0,
-    ``'inf'``, ``math.inf``, ...; numstab refuses what is not a norm: <= 0, -inf, NaN);
-    ``error_if_nonfinite=True`` raises NonFiniteError on a non-finite norm, before any
-    gradient changes (one host sync); ``foreach`` is accepted and ignored (numstab picks the
-    multi-tensor kernels itself). Unlike torch: the norm accumulates in float32 for
-    float16/bfloat16 gradients (torch's overflows to inf and zeroes them), there is no
-    ``1e-6`` epsilon (gradients under the limit are exactly unchanged), and a non-finite norm
-    leaves every gradient untouched (torch multiplies by NaN or 0). Returns the global norm
-    as a 0-d tensor; no host sync unless ``error_if_nonfinite``.
-    """
-    max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
-    norm_type = _norm_type(norm_type)
-    if foreach is not None and not isinstance(foreach, bool):
-        raise InvalidArgumentError(
-            f"Expected foreach a bool or None. Received: foreach={foreach!r}"
-        )
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = _grads_by_device_dtype(params)
-    norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")
-    if error_if_nonfinite and not torch.isfinite(norm):
-        raise NonFiniteError(
-            f"The total norm of order {norm_type} of the gradients is {norm.item()}: "
-            f"nothing was clipped (error_if_nonfinite=True)",
-            framework="torch",
-        )
-    _mul_(grads, clip_coefficient(norm, max_norm, backend="torch"))
-    return norm
-
-
-def _norm_type(norm_type: Any) -> float:
-    """``norm_type`` read as torch reads it, ``float(norm_type)`` (so ``'inf'`` is math.inf),
-    then checked as numstab's clipping checks it (> 0, inf allowed)."""
-    if isinstance(norm_type, str):
-        try:
-            norm_type = float(norm_type)
-        except ValueError:
-            raise InvalidArgumentError(
-                f"Expected norm_type a number > 0 or 'inf'. Received: norm_type={norm_type!r}"
-            ) from None
-    return _check_norm_type(norm_type)
-
-
-def _dense_grads(optimizer: torch.optim.Optimizer) -> dict[tuple, list[torch.Tensor]]:
-    """The optimizer's gradients by (device, dtype); sparse ones raise."""
-    return _grads_by_device_dtype(p for group in optimizer.param_groups for p in group["params"])
-
-
-def _grads_by_device_dtype(params: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
-    """The parameters' gradients (None skipped) by (device, dtype); sparse ones raise."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for param in params:
-        grad = param.grad
-        if grad is None:
-            continue
-        if grad.is_sparse:
-            raise InvalidArgumentError(
-                "Expected dense gradients to clip. Received: a sparse gradient."
-            )
-        groups.setdefault((grad.device, grad.dtype), []).append(grad)
-    return groups
-
-
-def _mul_(groups: dict[tuple, list[torch.Tensor]], coef: torch.Tensor) -> None:
-    """grads *= coef (a clipping factor) in place, per device and dtype; float16/bfloat16
-    multiply in float32 and round toward zero (``Backend.cast_toward_zero``), so that the
-    clipped norm never exceeds the float32 one."""
-    with torch.no_grad():
-        for (device, dtype), grads in groups.items():
-            local = coef.to(device, non_blocking=True)
-            if dtype in (torch.float32, torch.float64):
-                torch._foreach_mul_(grads, local.to(dtype))  # one multi-tensor kernel
-            else:
-                for g in grads:
-                    g.copy_(TORCH.cast_toward_zero(g.float() * local, TORCH.dtype_name(g)))
-
-
-# -- adaptive clipping (ZClip, AGC) --------------------------------------------------------------
-def _grads_of(parameters: Any) -> list[torch.Tensor]:
-    if isinstance(parameters, torch.nn.Module):
-        parameters = parameters.parameters()
-    elif isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    return [p.grad for p in parameters if p.grad is not None]
-
-
-class ZClip:
-    """ZClip on the ``.grad`` of a model's parameters, in place, as the ``zclip`` package:
-
-        zclip = ZClip()                       # zclip's defaults (alpha=0.97, z_thresh=2.5, ...)
-        loss.backward()
-        norm = zclip.step(model)              # or a list of parameters
-        optimizer.step()
-
-    Same arguments and results as ``zclip.ZClip`` (see numstab.adaptive_clipping.ZClip),
-    but ``step`` returns the raw global norm as a 0-d float32 tensor without a host sync, and
-    the statistics are tensors (``self.state``; ``state_dict`` / ``load_state_dict``).
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        from numstab.adaptive_clipping import ZClip as Policy
-
-        self.policy = Policy(**kwargs)
-        self.state: Any = None
-
-    def step(self, parameters: Any) -> torch.Tensor:
-        from numstab.clipping import global_norm as _norm
-
-        grads = _grads_of(parameters)
-        if self.state is None:
-            self.state = self.policy.init(grads, backend="torch")
-        norm = _norm(grads, backend="torch") if grads else torch.zeros(())
-        coef, self.state = self.policy.coefficient(norm, self.state, backend="torch")
-        _scale_grads_(grads, coef)
-        return norm
-
-    def state_dict(self) -> dict[str, Any]:
-        return {} if self.state is None else {k: t.clone() for k, t in self.state._asdict().items()}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        from numstab.adaptive_clipping import ZClipState
-
-        self.state = ZClipState(**state_dict) if state_dict else None
-
-
-def agc_(
-    parameters: Any,
-    clip_factor: float = 0.01,
-    eps: float = 1e-3,
-    *,
-    layout: str = "oi",
-    axis: Any = None,
-) -> None:
-    """AGC on the ``.grad`` of ``parameters`` (a module, a tensor or an iterable), in place.
-
-    ``layout="oi"`` (default here): torch weights put the output axis first, so a unit is a
-    row of an ``nn.Linear`` weight or an output channel of a ``ConvNd`` weight (as timm).
-    """
-    from numstab.adaptive_clipping import AGC
-
-    if isinstance(parameters, torch.nn.Module):
-        parameters = parameters.parameters()
-    elif isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return
-    grads = [p.grad for p in params]
-    policy = AGC(clip_factor, eps, layout=layout, axis=axis)
-    clipped = policy.clip(grads, [p.detach() for p in params], backend="torch")
-    with torch.no_grad():
-        torch._foreach_copy_(grads, clipped)
-
-
-def _scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
-    """grads *= coef in place (``_mul_``)."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    _mul_(groups, coef)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.backend import is_dtensor
-from numstab.frameworks.torch.grad_scaler import reduction_group
+from numstab.frameworks.torch.distributed import reduction_group
 from numstab.guard import policy
 from numstab.guard.guard import GuardRunner, TrainingGuard
 from numstab.guard.monitor import layer_norms

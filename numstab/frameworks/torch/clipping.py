@@ -1,0 +1,188 @@
+"""torch gradient clipping in place, on ``.grad``: a drop-in ``clip_grad_norm_`` with
+numstab's semantics, and the adaptive policies ZClip and AGC (the algorithms live in
+``numstab.clipping`` and ``numstab.adaptive_clipping``; here they meet torch's gradients)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from numstab import _validate as v
+from numstab.clipping import _check_norm_type, clip_coefficient, global_norm
+from numstab.errors import InvalidArgumentError, NonFiniteError
+from numstab.frameworks.torch.backend import BACKEND as TORCH
+
+__all__ = ["ZClip", "agc_", "clip_grad_norm_"]
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Drop-in for ``torch.nn.utils.clip_grad_norm_`` with ``numstab.clip_by_global_norm``'s
+    semantics, in place: ``g *= max_norm / max(norm, max_norm)``.
+
+    Takes torch's arguments: ``norm_type`` as torch reads it (``float(norm_type)``: 2.0,
+    ``'inf'``, ``math.inf``, ...; numstab refuses what is not a norm: <= 0, -inf, NaN);
+    ``error_if_nonfinite=True`` raises NonFiniteError on a non-finite norm, before any
+    gradient changes (one host sync); ``foreach`` is accepted and ignored (numstab picks the
+    multi-tensor kernels itself). Unlike torch: the norm accumulates in float32 for
+    float16/bfloat16 gradients (torch's overflows to inf and zeroes them), there is no
+    ``1e-6`` epsilon (gradients under the limit are exactly unchanged), and a non-finite norm
+    leaves every gradient untouched (torch multiplies by NaN or 0). Returns the global norm
+    as a 0-d tensor; no host sync unless ``error_if_nonfinite``.
+    """
+    max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+    norm_type = norm_type_of(norm_type)
+    if foreach is not None and not isinstance(foreach, bool):
+        raise InvalidArgumentError(
+            f"Expected foreach a bool or None. Received: foreach={foreach!r}"
+        )
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = _grads_by_device_dtype(params)
+    norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise NonFiniteError(
+            f"The total norm of order {norm_type} of the gradients is {norm.item()}: "
+            f"nothing was clipped (error_if_nonfinite=True)",
+            framework="torch",
+        )
+    scale_groups_(grads, clip_coefficient(norm, max_norm, backend="torch"))
+    return norm
+
+
+def norm_type_of(norm_type: Any) -> float:
+    """``norm_type`` read as torch reads it, ``float(norm_type)`` (so ``'inf'`` is math.inf),
+    then checked as numstab's clipping checks it (> 0, inf allowed)."""
+    if isinstance(norm_type, str):
+        try:
+            norm_type = float(norm_type)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"Expected norm_type a number > 0 or 'inf'. Received: norm_type={norm_type!r}"
+            ) from None
+    return _check_norm_type(norm_type)
+
+
+def dense_grads(optimizer: torch.optim.Optimizer) -> dict[tuple, list[torch.Tensor]]:
+    """The optimizer's gradients by (device, dtype); sparse ones raise."""
+    return _grads_by_device_dtype(p for group in optimizer.param_groups for p in group["params"])
+
+
+def _grads_by_device_dtype(params: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    """The parameters' gradients (None skipped) by (device, dtype); sparse ones raise."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if grad.is_sparse:
+            raise InvalidArgumentError(
+                "Expected dense gradients to clip. Received: a sparse gradient."
+            )
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    return groups
+
+
+def scale_groups_(groups: dict[tuple, list[torch.Tensor]], coef: torch.Tensor) -> None:
+    """grads *= coef (a clipping factor) in place, per device and dtype; float16/bfloat16
+    multiply in float32 and round toward zero (``Backend.cast_toward_zero``), so that the
+    clipped norm never exceeds the float32 one."""
+    with torch.no_grad():
+        for (device, dtype), grads in groups.items():
+            local = coef.to(device, non_blocking=True)
+            if dtype in (torch.float32, torch.float64):
+                torch._foreachscale_groups_(grads, local.to(dtype))  # one multi-tensor kernel
+            else:
+                for g in grads:
+                    g.copy_(TORCH.cast_toward_zero(g.float() * local, TORCH.dtype_name(g)))
+
+
+# -- adaptive clipping (ZClip, AGC) --------------------------------------------------------------
+def _grads_of(parameters: Any) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.nn.Module):
+        parameters = parameters.parameters()
+    elif isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+class ZClip:
+    """ZClip on the ``.grad`` of a model's parameters, in place, as the ``zclip`` package:
+
+        zclip = ZClip()                       # zclip's defaults (alpha=0.97, z_thresh=2.5, ...)
+        loss.backward()
+        norm = zclip.step(model)              # or a list of parameters
+        optimizer.step()
+
+    Same arguments and results as ``zclip.ZClip`` (see numstab.adaptive_clipping.ZClip),
+    but ``step`` returns the raw global norm as a 0-d float32 tensor without a host sync, and
+    the statistics are tensors (``self.state``; ``state_dict`` / ``load_state_dict``).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        from numstab.adaptive_clipping import ZClip as Policy
+
+        self.policy = Policy(**kwargs)
+        self.state: Any = None
+
+    def step(self, parameters: Any) -> torch.Tensor:
+        from numstab.clipping import global_norm as _norm
+
+        grads = _grads_of(parameters)
+        if self.state is None:
+            self.state = self.policy.init(grads, backend="torch")
+        norm = _norm(grads, backend="torch") if grads else torch.zeros(())
+        coef, self.state = self.policy.coefficient(norm, self.state, backend="torch")
+        _scale_grads_(grads, coef)
+        return norm
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.state is None else {k: t.clone() for k, t in self.state._asdict().items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        from numstab.adaptive_clipping import ZClipState
+
+        self.state = ZClipState(**state_dict) if state_dict else None
+
+
+def agc_(
+    parameters: Any,
+    clip_factor: float = 0.01,
+    eps: float = 1e-3,
+    *,
+    layout: str = "oi",
+    axis: Any = None,
+) -> None:
+    """AGC on the ``.grad`` of ``parameters`` (a module, a tensor or an iterable), in place.
+
+    ``layout="oi"`` (default here): torch weights put the output axis first, so a unit is a
+    row of an ``nn.Linear`` weight or an output channel of a ``ConvNd`` weight (as timm).
+    """
+    from numstab.adaptive_clipping import AGC
+
+    if isinstance(parameters, torch.nn.Module):
+        parameters = parameters.parameters()
+    elif isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return
+    grads = [p.grad for p in params]
+    policy = AGC(clip_factor, eps, layout=layout, axis=axis)
+    clipped = policy.clip(grads, [p.detach() for p in params], backend="torch")
+    with torch.no_grad():
+        torch._foreach_copy_(grads, clipped)
+
+
+def _scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """grads *= coef in place (``_mul_``)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    scale_groups_(groups, coef)

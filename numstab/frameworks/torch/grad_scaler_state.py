@@ -1,0 +1,53 @@
+"""GradScaler state dicts: torch's format (``scale``, ``growth_factor``, ``backoff_factor``,
+``growth_interval``, ``_growth_tracker``) with numstab's full state under ``"numstab"``,
+and back; a ``torch.amp.GradScaler`` state dict loads too."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from numstab.errors import InvalidArgumentError
+from numstab.loss_scale import LossScaler
+
+
+def torch_state_dict(scaler: LossScaler, data: dict[str, Any]) -> dict[str, Any]:
+    """torch's fields from ``LossScaler.state_dict``'s ``data``, which rides along."""
+    values = data["state"]
+    return {
+        "scale": float(values["scale"]),
+        "growth_factor": scaler.growth_factor,
+        "backoff_factor": scaler.backoff_factor,
+        "growth_interval": scaler.growth_interval,
+        "_growth_tracker": int(values["growth_tracker"]),
+        "numstab": data,
+    }
+
+
+def numstab_state_dict(scaler: LossScaler, state_dict: Any) -> dict[str, Any]:
+    """``LossScaler.from_state_dict``'s input from a numstab or torch GradScaler state dict;
+    torch's lacks hysteresis and the other settings: they keep ``scaler``'s (hysteresis
+    restarts full)."""
+    if not isinstance(state_dict, Mapping) or len(state_dict) == 0:
+        raise InvalidArgumentError(
+            "Expected a non-empty GradScaler state dict (an empty one comes from a disabled "
+            f"scaler). Received: {state_dict!r}"
+        )
+    if "numstab" in state_dict:
+        return state_dict["numstab"]
+    try:
+        config = dataclasses.asdict(scaler)
+        config.update(
+            growth_factor=state_dict["growth_factor"],
+            backoff_factor=state_dict["backoff_factor"],
+            growth_interval=state_dict["growth_interval"],
+        )
+        values = {
+            "scale": state_dict["scale"],
+            "growth_tracker": state_dict["_growth_tracker"],
+            "hysteresis_left": config["hysteresis"],
+        }
+    except KeyError as exc:
+        raise InvalidArgumentError(f"Not a GradScaler state dict: missing {exc}") from exc
+    return {"config": config, "state": values}

@@ -1,0 +1,90 @@
+"""The GradScaler's gradient checks: validate every gradient, then torch's fused
+check-and-unscale once per device and dtype; and the check of a user-given scale."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from numstab import _validate as v
+from numstab.errors import InvalidArgumentError
+
+UNSCALE_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16})
+UNSCALE_DTYPES_FP16 = UNSCALE_DTYPES | {torch.float16}
+
+
+def check_and_unscale(
+    optimizer: torch.optim.Optimizer,
+    inv_scale: torch.Tensor,
+    home: torch.device,
+    allow_fp16: bool,
+) -> torch.Tensor:
+    """Validate every gradient, then run torch's fused check-and-unscale once per device
+    and dtype; one flag on ``home`` (the scale's device), 0.0 or exactly 1.0 (fused
+    optimizers test ``found_inf == 1``)."""
+    allowed = UNSCALE_DTYPES_FP16 if allow_fp16 else UNSCALE_DTYPES
+    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+    sparse = []
+    for group in optimizer.param_groups:  # validate all before changing anything
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.dtype not in allowed:
+                _raise_bad_grad(optimizer, allowed)
+            if grad.is_sparse:
+                sparse.append(param)
+            else:
+                groups.setdefault(grad.device, {}).setdefault(grad.dtype, []).append(grad)
+    with torch.no_grad():
+        for param in sparse:
+            # check the coalesced values: duplicates summed may overflow float16
+            if param.grad.dtype == torch.float16:
+                param.grad = param.grad.coalesce()
+            values = param.grad._values()
+            groups.setdefault(values.device, {}).setdefault(values.dtype, []).append(values)
+        found_total = None
+        for device, per_dtype in groups.items():
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            inv = inv_scale.to(device, non_blocking=True)
+            for grads in per_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            found = found.to(home, non_blocking=True)
+            found_total = found if found_total is None else torch.maximum(found_total, found)
+    if found_total is None:  # no gradients at all: nothing can be non-finite
+        found_total = torch.zeros((), dtype=torch.float32, device=home)
+    return found_total
+
+
+def _raise_bad_grad(optimizer: torch.optim.Optimizer, allowed: frozenset) -> None:
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, param in enumerate(group["params"]):
+            grad = param.grad
+            if grad is None or grad.dtype in allowed:
+                continue
+            where = f"param_groups[{gi}]['params'][{pi}].grad"
+            if grad.dtype == torch.float16:
+                raise InvalidArgumentError(
+                    "Expected float32, float64 or bfloat16 gradients to unscale (keep the "
+                    "parameters in float32 and let autocast compute in float16). "
+                    f"Received: {where} with dtype=torch.float16"
+                )
+            raise InvalidArgumentError(
+                "Expected floating-point gradients (float32, float64, bfloat16"
+                f"{', float16' if torch.float16 in allowed else ''}). Received: {where} with "
+                f"dtype={grad.dtype}"
+            )
+
+
+def check_new_scale(new_scale: Any, device: torch.device) -> torch.Tensor:
+    """``update(new_scale)``'s argument as a 0-d float32 tensor on ``device``."""
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
+            raise InvalidArgumentError(
+                "Expected new_scale to be a positive float or a 1-element floating tensor "
+                f"without grad. Received: {new_scale!r}"
+            )
+        return new_scale.detach().reshape(()).to(device, torch.float32, copy=True)
+    value = v.check_number("new_scale", new_scale, low=0.0, low_open=True)
+    return torch.full((), value, dtype=torch.float32, device=device)
