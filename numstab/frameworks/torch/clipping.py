@@ -97,7 +97,7 @@ def scale_groups_(groups: dict[tuple, list[torch.Tensor]], coef: torch.Tensor) -
         for (device, dtype), grads in groups.items():
             local = coef.to(device, non_blocking=True)
             if dtype in (torch.float32, torch.float64):
-                torch._foreachscale_groups_(grads, local.to(dtype))  # one multi-tensor kernel
+                torch._foreach_mul_(grads, local.to(dtype))  # one multi-tensor kernel
             else:
                 for g in grads:
                     g.copy_(TORCH.cast_toward_zero(g.float() * local, TORCH.dtype_name(g)))
