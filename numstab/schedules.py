@@ -154,9 +154,9 @@ class WarmupCosineSchedule:
 
     def keras(self) -> Any:
         """A Keras 3 ``LearningRateSchedule`` (serialisable, any Keras backend)."""
-        from numstab.frameworks.keras.schedules import WarmupCosineDecay
+        from numstab import frameworks
 
-        return WarmupCosineDecay(**self.get_config())
+        return frameworks.module("keras", "schedules").WarmupCosineDecay(**self.get_config())
 
 
 def warmup_cosine_schedule(

@@ -69,9 +69,9 @@ def _sparse_children(node: Any, dense: bool):
     tf = sys.modules.get("tensorflow")
     if tf is None or type(node) is not tf.IndexedSlices:
         return None
-    from numstab.frameworks.tensorflow.backend import indexed_slices_children
+    from numstab import frameworks
 
-    return indexed_slices_children(node, dense)
+    return frameworks.module("tensorflow", "backend").indexed_slices_children(node, dense)
 
 
 def _all_plain_leaves(nodes: list | tuple) -> bool:

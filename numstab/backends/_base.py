@@ -9,6 +9,7 @@ variable ``NUMSTAB_FORCE_GENERIC=1`` asks for the generic path (the test suite r
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import math
@@ -47,44 +48,44 @@ def numpy_dtype_name(dtype: Any) -> str:
     return dtype.name
 
 
-class Backend:
-    """Primitives over one framework's arrays. Subclasses implement every method below that
-    raises NotImplementedError; the composites at the end are generic."""
+class Backend(abc.ABC):
+    """Primitives over one framework's arrays. Subclasses implement every abstract method;
+    the composites at the end are generic (a subclass may add ``native_<name>`` versions)."""
 
     name: str = "abstract"
     #: dtype of class indices (JAX without x64 has no int64)
     index_dtype: str = "int64"
 
     # -- conversion and metadata ------------------------------------------------------------
+    @abc.abstractmethod
     def asarray(self, x: Any, dtype: str | None = None, like: Array | None = None) -> Array:
         """Convert host data (NumPy, scalars) to this framework, on the device of ``like``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def to_numpy(self, x: Array) -> Any:
         """A NumPy copy (bfloat16 becomes float32, which holds it exactly)."""
-        raise NotImplementedError
 
     def replicated(self, x: Array) -> Array:
         """``x`` as a plain array holding its whole (global) value on this process. Only a
         torch ``DTensor`` changes: its ``full_tensor()``, a collective every rank joins."""
         return x
 
+    @abc.abstractmethod
     def dtype_name(self, x: Array) -> str:
         """Canonical dtype name: 'float16', 'bfloat16', 'float32', 'int64', 'bool', ..."""
-        raise NotImplementedError
 
-    def cast(self, x: Array, dtype: str) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def cast(self, x: Array, dtype: str) -> Array: ...
 
+    @abc.abstractmethod
     def shape(self, x: Array) -> tuple[int | None, ...]:
         """Static shape; None marks a dimension unknown while tracing."""
-        raise NotImplementedError
 
-    def reshape(self, x: Array, shape: tuple[int, ...]) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def reshape(self, x: Array, shape: tuple[int, ...]) -> Array: ...
 
-    def moveaxis(self, x: Array, source: int, destination: int) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def moveaxis(self, x: Array, source: int, destination: int) -> Array: ...
 
     def size(self, x: Array, dtype: str) -> int | Array:
         """Number of elements: a Python int when static, else a scalar array of ``dtype``."""
@@ -96,17 +97,17 @@ class Backend:
         kept: an empty one adds nothing to a sum and scaling it is a no-op."""
         return [x for x in arrays if _maybe_nonempty(self.size(x, "float32"))]
 
+    @abc.abstractmethod
     def unflatten_rows(self, rows: Array, like: Array) -> Array:
         """Reshape a vector of per-row values to ``like.shape[:-1]`` (dynamic shapes too)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def arange(self, n: int, like: Array | None = None) -> Array:
         """Integers 0..n-1, on the device of ``like``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def is_tracing(self, x: Array) -> bool:
         """True inside jit / tf.function / torch.compile, where values cannot be read."""
-        raise NotImplementedError
 
     def can_read(self, x: Array) -> bool:
         """True when ``x``'s values can be read on the host now (not traced)."""
@@ -134,59 +135,59 @@ class Backend:
         return contextlib.nullcontext()
 
     # -- elementwise and reductions ----------------------------------------------------------
-    def where(self, condition: Array, x: Array | float, y: Array | float) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def where(self, condition: Array, x: Array | float, y: Array | float) -> Array: ...
 
-    def exp(self, x: Array) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def exp(self, x: Array) -> Array: ...
 
     def stop_gradient(self, x: Array) -> Array:
         """``x``, treated as a constant by automatic differentiation (identity without it)."""
         return x
 
-    def log(self, x: Array) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def log(self, x: Array) -> Array: ...
 
-    def isfinite(self, x: Array) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def isfinite(self, x: Array) -> Array: ...
 
-    def abs(self, x: Array) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def abs(self, x: Array) -> Array: ...
 
-    def sqrt(self, x: Array) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def sqrt(self, x: Array) -> Array: ...
 
-    def maximum(self, x: Array, y: Array | float) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def maximum(self, x: Array, y: Array | float) -> Array: ...
 
-    def clip(self, x: Array, low: float, high: float) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def clip(self, x: Array, low: float, high: float) -> Array: ...
 
+    @abc.abstractmethod
     def all(self, x: Array) -> Array:
         """Logical AND of every element, as a 0-d boolean array (no host sync)."""
-        raise NotImplementedError
 
-    def stack(self, arrays: list[Array]) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def stack(self, arrays: list[Array]) -> Array: ...
 
-    def sum(self, x: Array, axis: int | None = None, keepdims: bool = False) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def sum(self, x: Array, axis: int | None = None, keepdims: bool = False) -> Array: ...
 
-    def max(self, x: Array, axis: int | None = None, keepdims: bool = False) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def max(self, x: Array, axis: int | None = None, keepdims: bool = False) -> Array: ...
 
+    @abc.abstractmethod
     def any(self, x: Array) -> bool:
         """Host-side truth of any element: a device sync, for eager validation only."""
-        raise NotImplementedError
 
     # -- indexing ----------------------------------------------------------------------------
+    @abc.abstractmethod
     def take_rows(self, x: Array, index: Array) -> Array:
         """``out[i] = x[i, index[i]]`` for a 2-D ``x`` and in-range integer ``index``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def gather(self, vector: Array, index: Array) -> Array:
         """``vector[index]`` for a 1-D ``vector`` and in-range integer ``index``."""
-        raise NotImplementedError
 
     # -- generic composites (backends may add native_* fused versions) ------------------------
     def leaf_norms(self, leaves: list[Array], ord: float, dtype: str) -> Array:
@@ -245,11 +246,11 @@ class Backend:
         away = self.abs(self.cast(rounded, "float32")) > self.abs(x)
         return self.where(away, self.step_toward_zero(rounded), rounded)
 
+    @abc.abstractmethod
     def step_toward_zero(self, x: Array) -> Array:
         """The next representable value toward 0 of each element of a 16-bit float array,
         for nonzero ``x`` (elsewhere the result is unspecified): the bits read as int16,
         minus 1 (sign and magnitude: one less magnitude, whatever the sign)."""
-        raise NotImplementedError
 
     def leaf_finite(self, leaves: list[Array]) -> Array:
         """A boolean vector, one entry per (non-empty) leaf: every element of that leaf is
@@ -312,6 +313,13 @@ class Backend:
         """Per-row -log_softmax(logits)[label] for 2-D logits and in-range labels."""
         return -self.take_rows(self.log_softmax(logits), labels)
 
+    def softmax_nll_grad(self, x: Array, labels: Array) -> tuple[Array, Array]:
+        """``(lse(x) - x[y], softmax(x) - onehot(y))`` per row of a 2-D ``x``: hard-label
+        cross-entropy and its gradient w.r.t. ``x``, from one log-softmax."""
+        log_p = self.log_softmax(x)
+        onehot = self.one_hot(labels, self.shape(x)[-1], self.dtype_name(x))
+        return -self.take_rows(log_p, labels), self.exp(log_p) - onehot
+
     def smoothed_nll(self, x: Array, labels: Array, eps: float, weight: Array | None) -> Array:
         """Per row, label smoothing over ALL K classes (torch's ``label_smoothing`` rows):
         ``(1 - eps) * w[y] * (lse - x[y]) + eps / K * sum_c w[c] * (lse - x[c])``, w = 1
@@ -340,19 +348,19 @@ class Backend:
         return exact() if self.any(~self.isfinite(candidate)) else candidate
 
     # -- schedules and adaptive clipping --
-    def cos(self, x: Array) -> Array:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def cos(self, x: Array) -> Array: ...
 
     # -- fused cross-entropy --
+    @abc.abstractmethod
     def matmul(
         self, a: Array, b: Array, transpose_a: bool = False, transpose_b: bool = False
     ) -> Array:
         """``op(a) @ op(b)`` for 2-D arrays of one dtype, op = transpose where asked."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def concat(self, arrays: list[Array]) -> Array:
         """Join arrays along axis 0."""
-        raise NotImplementedError
 
     def add_at_rows(self, x: Array, index: Array, values: Array) -> Array:
         """``x`` with ``values[i]`` added at ``[i, index[i]]`` (2-D ``x``, in-range index).
@@ -427,10 +435,10 @@ class Backend:
         return forward(args, (False,) * len(args))[0]
 
     # -- data firewall --
+    @abc.abstractmethod
     def compress(self, x: Array, keep: Array, axis: int) -> Array:
         """The slices of ``x`` along ``axis`` where ``keep`` is true; ``keep`` is a host (NumPy)
         1-D boolean array. Eager only: the result's size depends on ``keep``."""
-        raise NotImplementedError
 
 
 def _maybe_nonempty(size: Any) -> bool:

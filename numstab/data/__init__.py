@@ -49,7 +49,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "TFDataGuard":  # imports tensorflow: only when asked for
-        from numstab.frameworks.tensorflow.data import TFDataGuard
+        from numstab import frameworks
 
-        return TFDataGuard
+        return frameworks.module("tensorflow", "data").TFDataGuard
     raise AttributeError(f"module 'numstab.data' has no attribute {name!r}")

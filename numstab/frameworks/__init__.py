@@ -101,8 +101,9 @@ def get(name: str) -> Framework:
 
 
 def module(framework: str, name: str) -> ModuleType:
-    """``numstab.frameworks.<framework>.<name>``, imported (and its framework with it)."""
-    return FRAMEWORKS[framework].module(name)
+    """``numstab.frameworks.<framework>.<name>``, imported (and its framework with it).
+    ``framework`` may also be a folder that is not a backend (``"keras"``)."""
+    return importlib.import_module(f"{__name__}.{framework}.{name}")
 
 
 def imported_class(module_name: str, attribute: str) -> type | None:

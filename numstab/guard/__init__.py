@@ -7,9 +7,10 @@ framework and not even NumPy.
 """
 
 from numstab.guard.events import EventLog, read_log
-from numstab.guard.guard import GuardRunner, TrainingGuard
+from numstab.guard.guard import TrainingGuard
 from numstab.guard.monitor import NormHistory, layer_norms
 from numstab.guard.policy import REASONS, Decision, GuardState, reason_names
+from numstab.guard.runner import GuardRunner
 from numstab.guard.snapshots import (
     SnapshotDirectory,
     SnapshotRing,

@@ -66,6 +66,6 @@ def finite_summary(tree: Any) -> FiniteSummary:
             "step; for torch, TensorFlow and NumPy values pass them to watch() directly). "
             f"Received: tree with {', '.join(kinds[:4])}"
         )
-    from numstab.frameworks.jax import numerics as _jax
+    from numstab import frameworks
 
-    return FiniteSummary(_jax.leaf_sums(leaves))
+    return FiniteSummary(frameworks.module("jax", "numerics").leaf_sums(leaves))

@@ -29,7 +29,7 @@ return the restored params and optimizer state.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,10 @@ import optax
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
 from numstab.guard import policy
-from numstab.guard.guard import GuardRunner, TrainingGuard
+from numstab.guard.runner import GuardRunner
+
+if TYPE_CHECKING:
+    from numstab.guard.guard import TrainingGuard
 from numstab.guard.monitor import layer_norms
 
 

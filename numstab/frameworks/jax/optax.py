@@ -92,24 +92,7 @@ def loss_scaled(
     squares) counts as a non-finite step. With a fixed scaler (``dynamic=False``, e.g.
     ``LossScaler.for_dtype(jnp.bfloat16)``) non-finite steps are still skipped, without limit.
     """
-    if not isinstance(inner, optax.GradientTransformation):
-        raise InvalidArgumentError(
-            f"Expected an optax.GradientTransformation as inner. Received: {type(inner).__name__}"
-        )
-    if scaler is None:
-        scaler = LossScaler()
-    elif not isinstance(scaler, LossScaler):
-        raise InvalidArgumentError(
-            f"Expected a numstab.LossScaler or None. Received: scaler of type "
-            f"{type(scaler).__name__}"
-        )
-    if max_norm is not None:
-        max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
-    if norm_type != math.inf:
-        norm_type = v.check_number("norm_type", norm_type, low=0.0, low_open=True)
-    if axis_name is not None and not isinstance(axis_name, Hashable):
-        raise InvalidArgumentError(f"Expected a hashable axis_name. Received: {axis_name!r}")
-    inner = optax.with_extra_args_support(inner)
+    inner, scaler, max_norm, norm_type = _checked(inner, scaler, max_norm, norm_type, axis_name)
 
     def init(params: Any) -> LossScaledState:
         return LossScaledState(
@@ -129,19 +112,9 @@ def loss_scaled(
                 f"{type(state).__name__}"
             )
         _check_matches(updates, params)
-        grads, finite = scaler.unscale(updates, state.loss_scale, backend="jax")
-        finite = jnp.asarray(finite)
-        if axis_name is not None:
-            finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-        norm = None
-        if max_norm is not None:
-            if axis_name is None:
-                grads, norm = clip_by_global_norm(
-                    grads, max_norm, norm_type=norm_type, backend="jax"
-                )
-            else:
-                grads, norm = _clip_across(grads, max_norm, norm_type, axis_name)
-            finite = finite & jnp.isfinite(norm)
+        grads, finite, norm = _unscaled_and_clipped(
+            updates, scaler, state.loss_scale, max_norm, norm_type, axis_name
+        )
 
         def apply(_: None) -> tuple[Any, Any]:
             return inner.update(grads, state.inner_state, params, **extra_args)
@@ -164,6 +137,45 @@ def loss_scaled(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _checked(inner: Any, scaler: Any, max_norm: Any, norm_type: Any, axis_name: Any) -> tuple:
+    """loss_scaled's arguments, checked: (inner with extra args, scaler, max_norm, norm_type)."""
+    if not isinstance(inner, optax.GradientTransformation):
+        raise InvalidArgumentError(
+            f"Expected an optax.GradientTransformation as inner. Received: {type(inner).__name__}"
+        )
+    if scaler is None:
+        scaler = LossScaler()
+    elif not isinstance(scaler, LossScaler):
+        raise InvalidArgumentError(
+            f"Expected a numstab.LossScaler or None. Received: scaler of type "
+            f"{type(scaler).__name__}"
+        )
+    if max_norm is not None:
+        max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+    if norm_type != math.inf:
+        norm_type = v.check_number("norm_type", norm_type, low=0.0, low_open=True)
+    if axis_name is not None and not isinstance(axis_name, Hashable):
+        raise InvalidArgumentError(f"Expected a hashable axis_name. Received: {axis_name!r}")
+    return optax.with_extra_args_support(inner), scaler, max_norm, norm_type
+
+
+def _unscaled_and_clipped(updates, scaler, loss_scale, max_norm, norm_type, axis_name):
+    """(gradients unscaled and, with max_norm, clipped; the step's finite flag, agreed over
+    ``axis_name``; the global norm or None)."""
+    grads, finite = scaler.unscale(updates, loss_scale, backend="jax")
+    finite = jnp.asarray(finite)
+    if axis_name is not None:
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+    norm = None
+    if max_norm is not None:
+        if axis_name is None:
+            grads, norm = clip_by_global_norm(grads, max_norm, norm_type=norm_type, backend="jax")
+        else:
+            grads, norm = _clip_across(grads, max_norm, norm_type, axis_name)
+        finite = finite & jnp.isfinite(norm)
+    return grads, finite, norm
 
 
 def _same_varying_axes(*branches: Callable[[None], Any]) -> list[Callable[[None], Any]]:

@@ -27,7 +27,7 @@ variables between steps; the callback syncs it back each batch (``model.jax_stat
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -35,7 +35,10 @@ from keras import ops
 
 from numstab.backends import load_backend
 from numstab.guard import policy
-from numstab.guard.guard import GuardRunner, TrainingGuard
+from numstab.guard.runner import GuardRunner
+
+if TYPE_CHECKING:
+    from numstab.guard.guard import TrainingGuard
 
 
 class GuardCallback(keras.callbacks.Callback):

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,7 +48,10 @@ from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.backend import is_dtensor
 from numstab.frameworks.torch.distributed import reduction_group
 from numstab.guard import policy
-from numstab.guard.guard import GuardRunner, TrainingGuard
+from numstab.guard.runner import GuardRunner
+
+if TYPE_CHECKING:
+    from numstab.guard.guard import TrainingGuard
 from numstab.guard.monitor import layer_norms
 
 

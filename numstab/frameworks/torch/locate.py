@@ -120,14 +120,11 @@ class _Call:
         self.out_edges: list[GradientEdge] = []
 
 
-def locate(model: torch.nn.Module, inputs: tuple, loss_fn, targets) -> LocateReport:
-    """``locate_nonfinite`` for a torch module (arguments checked by the caller)."""
-    ext = _Extrema()
+def _record_forward(model, inputs, names: dict, grad: bool, ext: _Extrema, clock) -> tuple:
+    """Run the model with a pre and a post hook on every module: (its calls, in the order
+    they finished, each with its inputs, outputs and their gradient edges; the output)."""
     records: list[_Call] = []
     opened: dict[Any, list[_Call]] = {}
-    clock = itertools.count()
-    names = {m: n for n, m in model.named_modules()}
-    grad = loss_fn is not None and torch.is_grad_enabled()
 
     def pre(mod, args, kwargs):
         ins = _tensors(args) + (_tensors(kwargs) if kwargs else [])
@@ -155,6 +152,16 @@ def locate(model: torch.nn.Module, inputs: tuple, loss_fn, targets) -> LocateRep
     finally:
         for h in handles:
             h.remove()
+    return records, output
+
+
+def locate(model: torch.nn.Module, inputs: tuple, loss_fn, targets) -> LocateReport:
+    """``locate_nonfinite`` for a torch module (arguments checked by the caller)."""
+    ext = _Extrema()
+    clock = itertools.count()
+    names = {m: n for n, m in model.named_modules()}
+    grad = loss_fn is not None and torch.is_grad_enabled()
+    records, output = _record_forward(model, inputs, names, grad, ext, clock)
     backward = None
     if loss_fn is not None:
         backward = _Backward(model, names, records, output, loss_fn, targets, clock, ext)

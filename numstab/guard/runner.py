@@ -1,0 +1,188 @@
+"""The host side of a guard: the step history, the event log, snapshots and rollbacks, over
+an :class:`Adapter` that each framework's guard code provides (numstab/frameworks/*/guard.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from numstab.backends._base import Backend
+from numstab.errors import InvalidArgumentError, NonFiniteError
+from numstab.guard import policy
+from numstab.guard.events import EventLog
+from numstab.guard.monitor import NormHistory
+from numstab.guard.snapshots import Snapshot, SnapshotDirectory, SnapshotRing
+
+if TYPE_CHECKING:
+    from numstab.guard.guard import TrainingGuard
+
+
+class Adapter(Protocol):
+    """What a framework gives the runner."""
+
+    def capture(self) -> Any: ...  # a copy of the training state (model, optimizer, ...)
+
+    def restore(self, payload: Any) -> None: ...
+
+    def scale_lr(self, ratio: float) -> None: ...  # multiply the current learning rate
+
+    def to_host(self, payload: Any) -> Any: ...  # NumPy tree for the disk
+
+    def from_host(self, tree: Any) -> Any: ...
+
+
+class GuardRunner:
+    """The host side of a guard: history, log, snapshots and rollbacks."""
+
+    def __init__(
+        self,
+        guard: TrainingGuard,
+        adapter: Adapter,
+        be: Backend,
+        names: list[str],
+        *,
+        defer_snapshots: bool = False,
+    ) -> None:
+        """``defer_snapshots``: a due snapshot is taken by :meth:`take_pending_snapshot` (the
+        adapter calls it when the next step starts), so that what the user does after a step
+        (``scheduler.step()``) is in it."""
+        self.guard = guard
+        self.adapter = adapter
+        self.be = be  # the backend of the GuardState
+        self.log = EventLog(guard.log_path, guard.log_callback)
+        self.history = NormHistory(names)
+        self.ring = SnapshotRing(guard.keep_snapshots)
+        self.disk = (
+            None
+            if guard.snapshot_dir is None
+            else SnapshotDirectory(guard.snapshot_dir, guard.keep_on_disk)
+        )
+        self.rollbacks = 0
+        self.skipped = 0
+        self.skip_batches_left = 0
+        self.offending_steps: list[int] = []  # skipped steps since the last snapshot
+        self._rolled_back_to_latest = False
+        self.defer_snapshots = defer_snapshots
+        self._pending: tuple[int, policy.GuardState] | None = None
+
+    # -- events ----------------------------------------------------------------------------------
+    def snapshot(self, steps_seen: int, state: policy.GuardState) -> None:
+        lr_factor = float(self.be.to_numpy(state.lr_factor))
+        payload = self.adapter.capture()
+        self.ring.add(Snapshot(steps_seen, payload, state, lr_factor))
+        self._rolled_back_to_latest = False
+        self.offending_steps = []
+        path = None
+        if self.disk is not None:
+            tree = {
+                "payload": self.adapter.to_host(payload),
+                "guard_state": _host_tree(self.be, state),
+                "lr_factor": lr_factor,
+                "step": steps_seen,
+            }
+            path = self.disk.save(steps_seen, tree)
+        self.log.emit("snapshot", steps_seen, lr_factor=lr_factor, path=path)
+
+    def consume_skip_batch(self, steps_seen: int) -> bool:
+        """True (and logged) while batches after a rollback are being skipped."""
+        if self.skip_batches_left <= 0:
+            return False
+        self.skip_batches_left -= 1
+        self.log.emit("skip_batch", steps_seen, remaining=self.skip_batches_left)
+        return True
+
+    def after_step(
+        self, d: dict[str, Any], state: policy.GuardState, layers: Any = None, be: Any = None
+    ) -> policy.GuardState:
+        """Act on a decision read on the host (a dict of Python values); returns the guard
+        state, changed when the step triggered a rollback. Call it after the step was
+        applied (or skipped)."""
+        step = int(d["step"])
+        self.history.record(step, d["apply"], d["loss"], d["grad_norm"], layers, be)
+        numbers = {
+            "loss": d["loss"],
+            "grad_norm": d["grad_norm"],
+            "loss_z": d["loss_z"],
+            "grad_norm_z": d["grad_norm_z"],
+        }
+        if not d["apply"]:
+            self.skipped += 1
+            self.offending_steps.append(step)
+            self.log.emit("skip", step, reasons=policy.reason_names(d["reasons"]), **numbers)
+        if d["rollback"]:
+            return self.rollback(step, state, numbers)
+        if d["snapshot"]:
+            if self.defer_snapshots:
+                self._pending = (step + 1, state)
+            else:
+                self.snapshot(step + 1, state)
+        return state
+
+    def take_pending_snapshot(self) -> None:
+        """Take the snapshot that a deferred ``after_step`` found due, if any."""
+        if self._pending is not None:
+            steps_seen, state = self._pending
+            self._pending = None
+            self.snapshot(steps_seen, state)
+
+    def rollback(self, step: int, state: policy.GuardState, numbers: dict) -> policy.GuardState:
+        if self.guard.max_rollbacks is not None and self.rollbacks >= self.guard.max_rollbacks:
+            self.log.emit("give_up", step, rollbacks=self.rollbacks, **numbers)
+            raise NonFiniteError(
+                f"numstab TrainingGuard: {self.rollbacks} rollbacks did not stabilise the run "
+                f"(max_rollbacks={self.guard.max_rollbacks}); last bad step {step}, loss "
+                f"{numbers['loss']}, grad norm {numbers['grad_norm']}. See the guard's log."
+            )
+        if self._rolled_back_to_latest:
+            self.ring.drop_latest()  # the newest snapshot did not help: go one further back
+        snap = self.ring.latest()
+        if snap is None:
+            raise NonFiniteError("numstab TrainingGuard: no snapshot to roll back to")
+        self.adapter.restore(snap.payload)
+        new_state = policy.rolled_back(self.guard, self.be, state, snap.guard_state)
+        new_factor = float(self.be.to_numpy(new_state.lr_factor))
+        self.adapter.scale_lr(new_factor / snap.lr_factor)
+        self.rollbacks += 1
+        self._rolled_back_to_latest = True
+        self.skip_batches_left = self.guard.skip_after_rollback
+        self.log.emit(
+            "rollback",
+            step,
+            to_step=snap.step,
+            lr_factor=new_factor,
+            offending_steps=list(self.offending_steps),
+            rollbacks=self.rollbacks,
+            **numbers,
+        )
+        self.offending_steps = []
+        return new_state
+
+    def load_from_disk(self, step: int | None = None) -> tuple[int, policy.GuardState]:
+        """Restore the adapter from the newest (or ``step``) snapshot file; returns
+        ``(step, guard state)`` as saved, for resuming after a crash."""
+        if self.disk is None:
+            raise InvalidArgumentError("Expected a TrainingGuard with snapshot_dir set")
+        step, tree = self.disk.load(step)
+        self.adapter.restore(self.adapter.from_host(tree["payload"]))
+        state = _state_from_host(self.be, tree["guard_state"])
+        self.ring.add(Snapshot(step, self.adapter.capture(), state, float(tree["lr_factor"])))
+        return step, state
+
+
+def _host_tree(be: Backend, state: Any) -> Any:
+    """A GuardState as nested dicts of NumPy arrays."""
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return {k: _host_tree(be, x) for k, x in state._asdict().items()}
+    return be.to_numpy(state)
+
+
+def _state_from_host(be: Backend, tree: dict) -> policy.GuardState:
+    from numstab.guard.spikes import WindowState
+
+    def arr(x: Any) -> Any:
+        return be.asarray(x)
+
+    return policy.GuardState(
+        loss_window=WindowState(**{k: arr(x) for k, x in tree["loss_window"].items()}),
+        grad_norm_window=WindowState(**{k: arr(x) for k, x in tree["grad_norm_window"].items()}),
+        **{k: arr(x) for k, x in tree.items() if k not in ("loss_window", "grad_norm_window")},
+    )
