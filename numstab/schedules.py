@@ -133,24 +133,15 @@ class WarmupCosineSchedule:
         ``initial_lr * schedule(step) / base_lr``: exactly ``schedule(step)`` when the
         optimizer was built with ``lr=base_lr``, and per-group ratios are kept otherwise.
         Call ``scheduler.step()`` once per optimizer step, as usual."""
-        from torch.optim.lr_scheduler import LambdaLR
+        from numstab import frameworks
 
-        base_lr = self.base_lr
-
-        def multiplier(step: int) -> float:
-            return 0.0 if base_lr == 0.0 else self._python_value(step) / base_lr
-
-        return LambdaLR(optimizer, multiplier, last_epoch=last_epoch)
+        return frameworks.module("torch", "schedules").lambda_lr(self, optimizer, last_epoch)
 
     def optax(self) -> Any:
         """An optax schedule (``count -> lr``), evaluated on the jax backend."""
+        from numstab import frameworks
 
-        def schedule(count: Any) -> Any:
-            import jax.numpy as jnp
-
-            return self._array_value(jnp.asarray(count), "jax")
-
-        return schedule
+        return frameworks.module("jax", "schedules").optax_schedule(self)
 
     def keras(self) -> Any:
         """A Keras 3 ``LearningRateSchedule`` (serialisable, any Keras backend)."""

@@ -129,18 +129,7 @@ def _on_host(device: str) -> bool:
 
 @functools.cache
 def tf_types() -> tuple[type, frozenset, frozenset]:
-    """EagerTensor, and the dtype enums read in place (float16/32/64) or never read
-    (integers, bool). bfloat16, strings, complex: neither, the backend path."""
-    import tensorflow as tf
+    """EagerTensor, and the dtype enums read in place or never read (TensorFlow's data code)."""
+    from numstab import frameworks
 
-    try:
-        from tensorflow.python.framework.ops import EagerTensor
-    except ImportError:  # moved in some release: every tensor keeps the backend path
-        return type(None), frozenset(), frozenset()
-    floats = (tf.float16, tf.float32, tf.float64)
-    exact = (tf.int8, tf.int16, tf.int32, tf.int64, tf.uint8, tf.uint16, tf.uint32, tf.uint64)
-    return (
-        EagerTensor,
-        frozenset(d.as_datatype_enum for d in floats),
-        frozenset(d.as_datatype_enum for d in (*exact, tf.bool)),
-    )
+    return frameworks.module("tensorflow", "data").eager_types()

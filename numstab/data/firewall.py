@@ -262,13 +262,13 @@ class Firewall:
         then ``process``. Only in the main process (``num_workers=0``): a worker's copy of
         the stats would be lost, so inside a worker it raises unless ``quarantine_dir`` is
         set (then the files are the record). All-dropped batches come back empty."""
-        if collate is None:
-            from torch.utils.data import default_collate as collate
+        from numstab import frameworks
+
+        torch_data = frameworks.module("torch", "data")
+        collate = torch_data.default_collate if collate is None else collate
 
         def collate_and_guard(samples: list) -> Any:
-            from torch.utils.data import get_worker_info
-
-            if get_worker_info() is not None and self.quarantine_dir is None:
+            if torch_data.in_worker() and self.quarantine_dir is None:
                 raise InvalidArgumentError(
                     "Expected the firewall's collate_fn in the main process (num_workers=0), "
                     "where its stats are kept, or a quarantine_dir to record flagged samples "
