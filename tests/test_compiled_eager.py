@@ -95,7 +95,7 @@ def test_label_summaries_agree_with_the_numpy_reference(labels, ignore_index):
     want = reference.label_summary(y, ignore_index)
     assert ns.backends.load_backend("jax").label_summary(jnp.asarray(y), ignore_index) == want
     torch = pytest.importorskip("torch")
-    from numstab.backends import torch as torch_backend
+    from numstab.frameworks.torch import backend as torch_backend
 
     t = torch.as_tensor(y)
     assert torch_backend.BACKEND.label_summary(t, ignore_index) == want
