@@ -74,6 +74,15 @@ def op_kind(name: str | None) -> str | None:
     return KINDS.get(squashed)
 
 
+def floating_point_match(exc: BaseException, pattern: re.Pattern) -> tuple[str, ...] | None:
+    """The groups of ``pattern`` in a ``FloatingPointError``'s message (what the NumPy and
+    JAX checkers raise), or None for any other exception or message."""
+    if not isinstance(exc, FloatingPointError):
+        return None
+    match = pattern.search(str(exc))
+    return None if match is None else match.groups()
+
+
 def op_error(
     framework: str,
     op: str | None,

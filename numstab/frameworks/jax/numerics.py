@@ -27,7 +27,7 @@ import numpy as np
 
 from numstab.errors import NonFiniteError
 from numstab.numerics import _where
-from numstab.numerics._ops import op_error
+from numstab.numerics._ops import floating_point_match, op_error
 
 _OPTIONS = ("jax_debug_nans", "jax_debug_infs", "jax_traceback_filtering")
 _MESSAGE = re.compile(r"invalid value \((nan|inf)\) encountered in (\S+)")
@@ -57,12 +57,10 @@ class Arm:
             self._previous = None
 
     def convert(self, exc: BaseException) -> NonFiniteError | None:
-        if not isinstance(exc, FloatingPointError):
+        groups = floating_point_match(exc, _MESSAGE)
+        if groups is None:
             return None
-        match = _MESSAGE.search(str(exc))
-        if match is None:
-            return None
-        kind, op = match.groups()
+        kind, op = groups
         phase, where = _phase_and_where(exc, op)
         return op_error(
             "jax",

@@ -40,7 +40,7 @@ from numstab._dispatch import resolve_backend
 from numstab.adaptive_clipping import AGC, ZClip, ZClipState
 from numstab.clipping import global_norm, scale_leaves
 from numstab.errors import InvalidArgumentError
-from numstab.frameworks.keras.wrapping import built_variables
+from numstab.frameworks.keras.wrapping import inner_from_config, paired
 from numstab.tree import flatten, unflatten
 
 __all__ = ["AGCOptimizer", "ZClipOptimizer"]
@@ -102,15 +102,10 @@ class _ClipOptimizer(keras.optimizers.Optimizer):
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         """Clip ``grads``, then ``inner_optimizer.apply`` them."""
-        grads = list(grads)
-        if not grads:
+        pair = paired(self, grads, trainable_variables)
+        if pair is None:
             return
-        variables = built_variables(self, trainable_variables)
-        if len(grads) != len(variables):
-            raise InvalidArgumentError(
-                f"Expected one gradient per variable. Received: {len(grads)} gradients for "
-                f"{len(variables)} variables"
-            )
+        grads, variables = pair
         _check_single_replica()
         # Keras' float8 layers overwrite their variables with the "gradient": left untouched.
         positions = [
@@ -143,10 +138,7 @@ class _ClipOptimizer(keras.optimizers.Optimizer):
         cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None
     ) -> Any:
         """Inverse of ``get_config``."""
-        config = dict(config)
-        inner = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
-        )
+        inner, config = inner_from_config(config, custom_objects)
         return cls(inner, **config)
 
 

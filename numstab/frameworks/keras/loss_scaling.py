@@ -57,7 +57,7 @@ from keras.src.utils import tracking  # what Keras' own LossScaleOptimizer.build
 import numstab
 from numstab import _validate as v
 from numstab.errors import InvalidArgumentError, NumstabError
-from numstab.frameworks.keras.wrapping import built_variables
+from numstab.frameworks.keras.wrapping import inner_from_config, paired
 from numstab.loss_scale import LossScaler, LossScaleState
 
 __all__ = ["LossScaleOptimizer"]
@@ -189,15 +189,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         """One step on SCALED gradients: unscale, check, clip, apply if finite, update the
         scale. Must be called in a replica context (as Keras does)."""
-        grads = list(grads)
-        if not grads:
+        pair = paired(self, grads, trainable_variables)
+        if pair is None:
             return
-        trainable_variables = built_variables(self, trainable_variables)
-        if len(grads) != len(trainable_variables):
-            raise InvalidArgumentError(
-                f"Expected one gradient per variable. Received: {len(grads)} gradients for "
-                f"{len(trainable_variables)} variables"
-            )
+        grads, trainable_variables = pair
         if tf.distribute.in_cross_replica_context():
             raise InvalidArgumentError(
                 "apply() must be called in a replica context (inside strategy.run)."
@@ -299,10 +294,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None
     ) -> LossScaleOptimizer:
         """Inverse of ``get_config``."""
-        config = dict(config)
-        inner = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
-        )
+        inner, config = inner_from_config(config, custom_objects)
         scaler = LossScaler(**config.pop("scaler"))
         return cls(inner, scaler, **config)
 

@@ -25,3 +25,27 @@ def built_variables(optimizer: Any, trainable_variables: Sequence[Any] | None) -
     if trainable_variables is None:
         return list(optimizer._trainable_variables)
     return list(trainable_variables)
+
+
+def inner_from_config(config: dict[str, Any], custom_objects: dict[str, Any] | None):
+    """``(inner optimizer, the rest of the config)`` of a wrapping optimizer's config."""
+    config = dict(config)
+    inner = keras.saving.deserialize_keras_object(
+        config.pop("inner_optimizer"), custom_objects=custom_objects
+    )
+    return inner, config
+
+
+def paired(optimizer: Any, grads: Sequence[Any], trainable_variables: Sequence[Any] | None):
+    """``(grads, variables)`` of one ``apply`` call as lists (the optimizer built on its first
+    call), one gradient per variable; None when there are no gradients."""
+    grads = list(grads)
+    if not grads:
+        return None
+    variables = built_variables(optimizer, trainable_variables)
+    if len(grads) != len(variables):
+        raise InvalidArgumentError(
+            f"Expected one gradient per variable. Received: {len(grads)} gradients for "
+            f"{len(variables)} variables"
+        )
+    return grads, variables

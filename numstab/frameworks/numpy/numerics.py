@@ -17,7 +17,7 @@ import numpy as np
 
 from numstab.errors import NonFiniteError
 from numstab.numerics import _where
-from numstab.numerics._ops import op_error
+from numstab.numerics._ops import floating_point_match, op_error
 
 _MESSAGE = re.compile(r"(invalid value|divide by zero|overflow) encountered in (\w+)")
 
@@ -47,12 +47,10 @@ class Arm:
             self._errstate = None
 
     def convert(self, exc: BaseException) -> NonFiniteError | None:
-        if not isinstance(exc, FloatingPointError):
+        groups = floating_point_match(exc, _MESSAGE)
+        if groups is None:
             return None
-        match = _MESSAGE.search(str(exc))
-        if match is None:
-            return None
-        what, op = match.groups()
+        what, op = groups
         where = _where.from_traceback(exc.__traceback__)
         produced = "NaN" if what == "invalid value" else "inf"
         return op_error("numpy", op, produced=produced, phase="forward", where=where, detail=what)
