@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax  # noqa: F401  (the jax extra ships optax; its absence disables the backend)
 
-from numstab.backends._base import Backend, generic_forced, numpy_dtype_name
+from numstab.backends._base import generic_forced, numpy_dtype_name
+from numstab.backends._namespace import NamespaceBackend
 
 
 @jax.jit
@@ -35,8 +36,9 @@ def _jitted(fn, static: tuple[str, ...], generic: bool):
     return jax.jit(functools.partial(fn), static_argnames=static)
 
 
-class JaxBackend(Backend):
+class JaxBackend(NamespaceBackend):
     name = "jax"
+    xp = jnp
     index_dtype = "int32"
 
     def asarray(self, x, dtype=None, like=None):
@@ -56,15 +58,6 @@ class JaxBackend(Backend):
     def shape(self, x):
         return tuple(jnp.shape(x))
 
-    def reshape(self, x, shape):
-        return jnp.reshape(x, shape)
-
-    def moveaxis(self, x, source, destination):
-        return jnp.moveaxis(x, source, destination)
-
-    def unflatten_rows(self, rows, like):
-        return jnp.reshape(rows, jnp.shape(like)[:-1])
-
     def arange(self, n, like=None):
         return jnp.arange(n)
 
@@ -78,57 +71,12 @@ class JaxBackend(Backend):
     def can_read(self, x):
         return jax.core.is_concrete(x)  # also under jax.grad without jit, unlike is_tracing
 
-    def where(self, condition, x, y):
-        return jnp.where(condition, x, y)
-
-    def exp(self, x):
-        return jnp.exp(x)
-
     def stop_gradient(self, x):
         return jax.lax.stop_gradient(x)
 
     def step_toward_zero(self, x):
         bits = jax.lax.bitcast_convert_type(x, jnp.int16)
         return jax.lax.bitcast_convert_type(bits - jnp.int16(1), x.dtype)
-
-    def log(self, x):
-        return jnp.log(x)
-
-    def isfinite(self, x):
-        return jnp.isfinite(x)
-
-    def abs(self, x):
-        return jnp.abs(x)
-
-    def sqrt(self, x):
-        return jnp.sqrt(x)
-
-    def maximum(self, x, y):
-        return jnp.maximum(x, y)
-
-    def clip(self, x, low, high):
-        return jnp.clip(x, low, high)
-
-    def all(self, x):
-        return jnp.all(x)
-
-    def stack(self, arrays):
-        return jnp.stack(arrays)
-
-    def sum(self, x, axis=None, keepdims=False):
-        return jnp.sum(x, axis=axis, keepdims=keepdims)
-
-    def max(self, x, axis=None, keepdims=False):
-        return jnp.max(x, axis=axis, keepdims=keepdims)
-
-    def any(self, x):
-        return bool(jnp.any(x))
-
-    def take_rows(self, x, index):
-        return jnp.take_along_axis(x, index[:, None], axis=-1)[:, 0]
-
-    def gather(self, vector, index):
-        return vector[index]
 
     # fused kernels with the generic semantics
     def native_leaf_finite(self, leaves):
@@ -161,8 +109,6 @@ class JaxBackend(Backend):
         return nll * (1.0 - eps) - jnp.sum(terms, axis=-1) * (eps / x.shape[-1])
 
     # -- schedules and adaptive clipping --
-    def cos(self, x):
-        return jnp.cos(x)
 
     # -- fused cross-entropy --
     def matmul(self, a, b, transpose_a=False, transpose_b=False):

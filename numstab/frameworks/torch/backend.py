@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from numstab.backends._base import Backend
+from numstab.backends._namespace import NamespaceBackend
 
 # str(dtype) costs ~1 us and clipping asks per leaf. Filled once here and never mutated:
 # torch.compile guards on it, so filling it lazily would recompile.
@@ -38,8 +38,9 @@ def is_dtensor(x) -> bool:
     return dtensor is not None and isinstance(x, dtensor)
 
 
-class TorchBackend(Backend):
+class TorchBackend(NamespaceBackend):
     name = "torch"
+    xp = torch
 
     def replicated(self, x):
         return x.full_tensor() if is_dtensor(x) else x
@@ -96,41 +97,17 @@ class TorchBackend(Backend):
     def is_tracing(self, x):
         return torch.compiler.is_compiling()
 
-    def where(self, condition, x, y):
-        return torch.where(condition, x, y)
-
-    def exp(self, x):
-        return torch.exp(x)
-
     def stop_gradient(self, x):
         return x.detach()
 
     def step_toward_zero(self, x):
         return (x.view(torch.int16) - 1).view(x.dtype)
 
-    def log(self, x):
-        return torch.log(x)
-
-    def isfinite(self, x):
-        return torch.isfinite(x)
-
-    def abs(self, x):
-        return torch.abs(x)
-
-    def sqrt(self, x):
-        return torch.sqrt(x)
-
     def maximum(self, x, y):
         return torch.clamp(x, min=y) if not isinstance(y, torch.Tensor) else torch.maximum(x, y)
 
     def clip(self, x, low, high):
         return torch.clamp(x, low, high)
-
-    def all(self, x):
-        return torch.all(x)
-
-    def stack(self, arrays):
-        return torch.stack(arrays)
 
     def sum(self, x, axis=None, keepdims=False):
         return torch.sum(x) if axis is None else torch.sum(x, dim=axis, keepdim=keepdims)
