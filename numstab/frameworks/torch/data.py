@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from torch.utils.data import default_collate, get_worker_info
+import torch.utils.data as torch_data
+from torch.utils.data import default_collate
 
 __all__ = ["default_collate", "in_worker"]
 
 
 def in_worker() -> bool:
-    """True inside a DataLoader worker process."""
-    return get_worker_info() is not None
+    """True inside a DataLoader worker process (looked up at each call, as torch's own
+    helpers do)."""
+    return torch_data.get_worker_info() is not None
