@@ -50,6 +50,7 @@ class ops:
     max = staticmethod(lambda x: tf.reduce_max(x, axis=-1, keepdims=True))
     sum = staticmethod(lambda x: tf.reduce_sum(x, axis=-1, keepdims=True))
     constant = staticmethod(tf.constant)
+    absmax = staticmethod(lambda x: tf.cast(tf.stop_gradient(tf.reduce_max(tf.abs(x))), tf.float32))
 
 
 def asarray(a: np.ndarray) -> tf.Tensor:
