@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ["KERAS_BACKEND"] = "tensorflow"  # this worker's Keras (native stack) runs on TF
 import tensorflow as tf
 
 from numstab.bench.errors import FrameworkSetupError

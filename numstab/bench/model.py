@@ -40,10 +40,13 @@ def causal_mask(context: int) -> np.ndarray:
     return np.triu(np.full((context, context), -1e9, np.float32), k=1)
 
 
-def layer_norm(ops: Any, x: Array, gain: Array, bias: Array, dtype: str) -> Array:
+def layer_norm(ops: Any, x: Array, gain: Array | None, bias: Array | None, dtype: str) -> Array:
+    """Over the last axis, in float32 (gain and bias too: a policy may have cast them)."""
     x32 = ops.cast(x, F32)
     centered = x32 - ops.mean(x32)
-    y = centered * ops.rsqrt(ops.mean(centered * centered) + LN_EPS) * gain + bias
+    y = centered * ops.rsqrt(ops.mean(centered * centered) + LN_EPS)
+    if gain is not None:
+        y = y * ops.cast(gain, F32) + ops.cast(bias, F32)
     return ops.cast(y, dtype)
 
 
@@ -85,7 +88,7 @@ def forward(
         qkv = ops.transpose(ops.reshape(qkv, (b, t, 3, h, dh)), (2, 0, 3, 1, 4))
         q, k, v = qkv[0], qkv[1], qkv[2]
         if qk_norm:
-            q, k = layer_norm(ops, q, 1.0, 0.0, dtype), layer_norm(ops, k, 1.0, 0.0, dtype)
+            q, k = layer_norm(ops, q, None, None, dtype), layer_norm(ops, k, None, None, dtype)
         scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))) * (1.0 / math.sqrt(dh))
         scores32 = ops.cast(scores, F32)
         attn_max.append(ops.absmax(scores32))

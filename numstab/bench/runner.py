@@ -13,9 +13,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from numstab.bench import metrics, results
+from numstab.bench import metrics, results, sensitivity
 from numstab.bench.errors import ResultsFileError
-from numstab.bench.spec import Preset, RunSpec, plan_runs
+from numstab.bench.spec import Preset, RunSpec, plan_runs, preset_from_dict
 from numstab.bench.worker import PREFIX
 
 EXTRAS = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow"}
@@ -36,6 +36,8 @@ class Options:
     jobs: int = 1
     threads: int = 1
     command: list[str] = dataclasses.field(default_factory=list)
+    stacks: tuple[str, ...] = ("numstab",)
+    lrs: tuple[float, ...] = ()
 
 
 def installed(framework: str) -> bool:
@@ -44,9 +46,7 @@ def installed(framework: str) -> bool:
 
 
 def preset_from(settings: dict[str, Any]) -> Preset:
-    fields = dict(settings["preset"])
-    fields["grid"] = tuple(map(tuple, fields["grid"]))
-    return Preset(**fields)
+    return preset_from_dict(settings["preset"])
 
 
 def _say(console: Any, text: str) -> None:
@@ -75,13 +75,19 @@ def run(options: Options, console: Any) -> int:
             "frameworks": list(frameworks),
             "grid": [list(g) for g in options.grid],
             "seeds": list(options.seeds),
+            "stacks": list(options.stacks),
+            "lrs": list(options.lrs),
             "device": options.device,
             "jobs": options.jobs,
             "threads": options.threads,
         }
-        plan = [r.key for r in plan_runs(frameworks, options.grid, options.seeds)]
+        plan = [
+            r.key
+            for r in plan_runs(frameworks, options.grid, options.seeds, options.stacks, options.lrs)
+        ]
         data = results.new_results(options.command, settings, plan)
     data.setdefault("resumed_with", [])
+    data.setdefault("skipped", {})
     if options.resume:
         data["resumed_with"].append(options.command)
     for fw in frameworks:
@@ -117,15 +123,20 @@ def finish(data: dict[str, Any], preset: Preset, out: Path, console: Any) -> int
     ]
     grid = [tuple(g) for g in settings["grid"]]
     metrics.add_gaps(data["runs"])
-    data["agreement"] = metrics.agreement(data["runs"], frameworks, settings["seeds"], preset)
-    data["spread"] = metrics.spread(data["runs"], frameworks, grid, settings["seeds"])
-    data["complete"] = all(k in data["runs"] for k in data["plan"])
+    data["agreement"] = metrics.agreement(data["runs"], frameworks, settings, preset)
+    data["spread"] = metrics.spread(data["runs"], frameworks, grid, settings)
+    data["lr_sensitivity"] = sensitivity.lr_sensitivity(data["runs"], settings)
+    done = set(data["runs"]) | set(data.get("skipped", {}))
+    data["complete"] = all(k in done for k in data["plan"])
     results.save(data, out)
     written = report.write(data, out)
     status = data["agreement"]["status"]
     _say(console, f"fp32 agreement across frameworks: {status}")
     _say(console, "wrote " + ", ".join(str(p) for p in [out / results.FILENAME, *written]))
-    missing = [k for k in data["plan"] if k not in data["runs"]]
+    missing = [k for k in data["plan"] if k not in done]
+    if data.get("skipped"):
+        reasons = sorted(set(data["skipped"].values()))
+        _say(console, f"[yellow]{len(data['skipped'])} runs skipped:[/yellow] {'; '.join(reasons)}")
     if missing:
         _say(console, f"[yellow]{len(missing)} planned runs have no result[/yellow] (see report)")
     if not data["runs"]:
@@ -243,6 +254,11 @@ def _run_workers(
                         "record": record,
                     }
                     data["errors"].pop(event["key"], None)
+                    data["skipped"].pop(event["key"], None)
+                    results.save(data, out)
+                    progress.advance(runs_task)
+                elif kind == "run_skipped":
+                    data["skipped"][event["key"]] = event["message"]
                     results.save(data, out)
                     progress.advance(runs_task)
                 elif kind == "run_error":
@@ -254,7 +270,11 @@ def _run_workers(
                     proc = running.pop(fw)
                     progress.update(step_tasks[fw], visible=False)
                     unfinished = [
-                        k for k in pending[fw] if k not in data["runs"] and k not in data["errors"]
+                        k
+                        for k in pending[fw]
+                        if k not in data["runs"]
+                        and k not in data["errors"]
+                        and k not in data["skipped"]
                     ]
                     if event["code"] != 0 and data["frameworks"].get(fw, {}).get("status") == "ok":
                         message = (
