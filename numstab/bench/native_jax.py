@@ -85,12 +85,16 @@ class JaxNativeSession:
     def __init__(self, fw: Any, preset: Preset, spec: RunSpec, step_fn: Any):
         self.fw, self.step_fn = fw, step_fn
         self.params = {k: fw.asarray(v) for k, v in initial_weights(preset, spec).items()}
-        self.opt_state = _optimizer(preset, spec).init(self.params)
+        # strongly typed and placed like every step's output: the first step's inputs then
+        # match the later ones, and jax.jit compiles once (the lr is set each step)
+        state = _optimizer(preset, spec).init(self.params)
+        self.opt_state = jax.tree.map(lambda x: fw.asarray(np.asarray(x)), state)
         self.skips = spec.loss_scaling and spec.precision == "fp16"
         if self.skips:
-            self.loss_scale = jmp.DynamicLossScale(
-                fw.asarray(np.float32(JMP_INITIAL_SCALE)), period=preset.scale_growth_interval
+            scale = jmp.DynamicLossScale(
+                np.float32(JMP_INITIAL_SCALE), period=preset.scale_growth_interval
             )
+            self.loss_scale = jax.tree.map(lambda x: fw.asarray(np.asarray(x)), scale)
         else:
             self.loss_scale = jmp.NoOpLossScale()
 

@@ -9,8 +9,9 @@ from_logits=True)``; ``keras.optimizers.AdamW`` (``global_clipnorm=max_norm`` wi
 ``clip``), wrapped for float16 with ``ls`` in ``keras.optimizers.LossScaleOptimizer``
 (Keras's default initial scale 2**15, the preset's growth interval), used in a custom
 ``tf.function`` step (``scale_loss``, ``GradientTape``, ``apply``: the LossScaleOptimizer
-unscales, checks, skips and adjusts the scale). A new model and optimizer per run, so the
-step is traced once per run.
+unscales, checks, skips and adjusts the scale). One model, optimizer and traced step per
+(precision, remedy), reset to the run's initial weights and a fresh optimizer state (every
+optimizer variable as it was after ``build``) at the start of each run.
 """
 
 from __future__ import annotations
@@ -78,7 +79,17 @@ class KerasNativeSession:
             keras.config.set_dtype_policy(previous)
         self.opt = _optimizer(preset, spec, self.skips)
         self.opt.build(self.model.trainable_variables)
+        self.fresh_opt = [v.numpy() for v in self.opt.variables]
         self.step_fn = fw.compile(self._make_step(preset, spec))
+
+    def reset(self, preset: Preset, spec: RunSpec) -> KerasNativeSession:
+        """The run's initial weights and a fresh optimizer (same traced step)."""
+        weights = initial_weights(preset, spec)
+        for name, var in zip(self.model.names, self.model.vars, strict=True):
+            var.assign(weights[name])
+        for var, value in zip(self.opt.variables, self.fresh_opt, strict=True):
+            var.assign(value)
+        return self
 
     def _make_step(self, preset: Preset, spec: RunSpec) -> Any:
         model, opt, skips = self.model, self.opt, self.skips
@@ -118,4 +129,7 @@ class KerasNativeSession:
 
 
 def session(fw: Any, preset: Preset, spec: RunSpec, cache: dict) -> KerasNativeSession:
-    return KerasNativeSession(fw, preset, spec)
+    key = ("native", spec.precision, spec.remedy)
+    if key not in cache:
+        cache[key] = KerasNativeSession(fw, preset, spec)
+    return cache[key].reset(preset, spec)

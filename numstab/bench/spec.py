@@ -115,6 +115,27 @@ PRESETS: dict[str, Preset] = {
         steps=48,
         warmup_steps=8,
         grid=_QUICK_GRID,
+        stacks=("native", "numstab"),
+    ),
+    # CPU learning-rate sweep (Wortsman et al. 2023): the quick model, 100 steps, bf16, with
+    # and without qk_norm / z_loss, 4 peak learning rates, both stacks
+    "sweep": Preset(
+        "sweep",
+        layers=2,
+        d_model=64,
+        heads=4,
+        vocab=256,
+        context=32,
+        batch=4,
+        steps=100,
+        warmup_steps=10,
+        grid=(
+            ("bf16", "none", "none"),
+            ("bf16", "qk_norm", "none"),
+            ("bf16", "z_loss", "none"),
+        ),
+        stacks=("native", "numstab"),
+        lrs=(3e-3, 1e-2, 3e-2, 1e-1),
     ),
     "full": Preset(
         "full",
