@@ -251,7 +251,10 @@ def test_divergence_final_loss_and_agreement_definitions():
         }
 
     tol = tiny.agreement_tol
-    assert metrics.agreement(runs(tol / 2), ["torch", "jax"], {"seeds": [0]}, tiny)["status"] == "passed"
+    assert (
+        metrics.agreement(runs(tol / 2), ["torch", "jax"], {"seeds": [0]}, tiny)["status"]
+        == "passed"
+    )
     failed = metrics.agreement(runs(tol * 2), ["torch", "jax"], {"seeds": [0]}, tiny)
     assert failed["status"] == "FAILED"
     assert failed["seeds"]["0"]["frameworks"]["jax"]["first_step_over"] == 1

@@ -22,9 +22,9 @@ from numstab.bench.spec import (
     parse_seeds,
     parse_stack,
 )
+from numstab.errors import InvalidArgumentError, NumstabError
 
 RESULTS_ROOT = Path("bench-results")  # covered by the repository's .gitignore
-from numstab.errors import InvalidArgumentError, NumstabError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

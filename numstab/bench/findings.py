@@ -69,36 +69,41 @@ def underflow(data: dict[str, Any]) -> list[str]:
     ]
     return [
         "- Gradient elements exactly zero (mean over steps, embedding table excluded; a 16-bit "
-        "underflow shows as 0): " + "; ".join(parts) + f" ({_link(3, data['settings']['seeds'][0])})."
+        "underflow shows as 0): "
+        + "; ".join(parts)
+        + f" ({_link(3, data['settings']['seeds'][0])})."
     ]
 
 
 def stacks_differ(data: dict[str, Any], seed: int) -> list[str]:
+    """Native against numstab, run by run: outcomes, skipped steps, final losses."""
     if len(data["settings"].get("stacks") or []) < 2:
         return []
-    differ, gaps, n = [], [], 0
+    differ, skips, gaps, n = [], [], [], 0
     for key, run in data["runs"].items():
         spec = RunSpec.from_key(key)
-        if spec.stack != "native" or spec.seed != seed:
-            continue
         twin = data["runs"].get(spec.with_(stack="numstab").key)
-        if twin is None:
+        if spec.stack != "native" or spec.seed != seed or twin is None:
             continue
         n += 1
-        a, b = run["metrics"], twin["metrics"]
+        a, b, name = run["metrics"], twin["metrics"], f"`{spec.framework} {spec.config}`"
         if a["outcome"] != b["outcome"]:
-            differ.append(f"`{spec.framework} {spec.config}` ({a['outcome']} vs {b['outcome']})")
-        elif a["final_loss"] is not None and b["final_loss"] is not None:
-            gaps.append(abs(a["final_loss"] - b["final_loss"]))
+            differ.append(f"{name} ({a['outcome']} vs {b['outcome']})")
+        elif a["outcome"] == "learned" and None not in (a["final_loss"], b["final_loss"]):
+            gaps.append((abs(a["final_loss"] - b["final_loss"]), name))
+        if a["skipped_steps"] != b["skipped_steps"]:
+            skips.append(f"{name} ({a['skipped_steps']} vs {b['skipped_steps']})")
     if not n:
         return []
-    text = (
-        f"- Native AMP recipe vs numstab's stack, {n} paired runs: the outcome differs in "
-        f"{len(differ)}" + (": " + ", ".join(differ[:6]) if differ else "")
-    )
+    text = f"- Native AMP recipe vs numstab's stack, {n} paired runs: the outcome differs in "
+    text += f"{len(differ)}" + (": " + ", ".join(differ[:6]) if differ else "")
+    if skips:
+        text += f"; skipped steps (native vs numstab) differ in {len(skips)}: "
+        text += ", ".join(skips[:6])
     if gaps:
-        text += f"; where both learned, final losses differ by at most {max(gaps):.3f}"
-    return [text + f" ({_link(0, seed)})."]
+        gap, where = max(gaps)
+        text += f"; where both learned, final losses differ by at most {gap:.3f} ({where})"
+    return [text + f" ({_link(0, seed)}, {_link(1, seed)})."]
 
 
 def chance(data: dict[str, Any]) -> list[str]:

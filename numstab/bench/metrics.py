@@ -35,7 +35,9 @@ def run_metrics(record: dict[str, Any], preset: Preset) -> dict[str, Any]:
     diverged_at = _stays_from([x is None for x in losses])
     if record["stopped_early_at"] is None and diverged_at == n:
         diverged_at = None
-    chance_at = None if diverged_at is not None else _stays_from([x is None or x > chance for x in losses])
+    chance_at = (
+        None if diverged_at is not None else _stays_from([x is None or x > chance for x in losses])
+    )
     chance_at = None if chance_at == n else chance_at
     tail = losses[-final_window(preset.steps) :]
     final = None
@@ -173,9 +175,7 @@ def spread(runs: dict[str, Any], frameworks: list[str], grid: list, settings: di
     ):
         spec = RunSpec("", precision, remedy, fault, seed, stack, lr)
         curves = [
-            c
-            for fw in frameworks
-            if (c := _losses(runs, spec.with_(framework=fw))) is not None
+            c for fw in frameworks if (c := _losses(runs, spec.with_(framework=fw))) is not None
         ]
         if len(curves) < 2:
             continue

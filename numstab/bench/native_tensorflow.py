@@ -123,9 +123,7 @@ class KerasNativeSession:
     def step(self, tokens, targets, lr: float, poison: float) -> tuple:
         fw = self.fw
         self.opt.learning_rate = lr
-        return self.step_fn(
-            fw.asarray(tokens), fw.asarray(targets), fw.asarray(np.float32(poison))
-        )
+        return self.step_fn(fw.asarray(tokens), fw.asarray(targets), fw.asarray(np.float32(poison)))
 
 
 def session(fw: Any, preset: Preset, spec: RunSpec, cache: dict) -> KerasNativeSession:

@@ -187,7 +187,8 @@ def heat_map(data: dict[str, Any], path: Path) -> Path:
     ax.set_yticks(range(len(rows)), [f"{fw} {st}" for fw, st in rows], fontsize=8)
     for i, row in enumerate(labels):
         for j, text in enumerate(row):
-            ax.text(j, i, text, ha="center", va="center", fontsize=6)
+            dark = sum(colours[i][j]) < 1.5
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="w" if dark else "k")
     ax.set_title(
         "red: non-finite (NaN@step) | salmon: worse than chance | blue: skipped-step rate",
         fontsize=9,

@@ -15,7 +15,9 @@ MARKERS = {"numstab": "o", "native": "s"}
 
 
 def lr_curves(data: dict[str, Any], out: Path) -> list[Path]:
-    entries = [e for e in data.get("lr_sensitivity") or [] if e["seed"] == data["settings"]["seeds"][0]]
+    entries = [
+        e for e in data.get("lr_sensitivity") or [] if e["seed"] == data["settings"]["seeds"][0]
+    ]
     written = []
     for fw in dict.fromkeys(e["framework"] for e in entries):
         path = out / f"lr_sweep_{fw}.png"
@@ -36,18 +38,31 @@ def _one_framework(data: dict[str, Any], entries: list[dict], fw: str, path: Pat
         value = "-" if e["value"] is None else f"{e['value']:.2f}"
         label = f"{e['stack']} {e['precision']}/{e['remedy']}/{e['fault']} (sens. {value})"
         ls = "-" if e["stack"] == "numstab" else "--"
-        ax.plot(e["lrs"], finals, ls=ls, marker=MARKERS.get(e["stack"], "o"), ms=4,
-                color=colour, label=label)
+        ax.plot(
+            e["lrs"],
+            finals,
+            ls=ls,
+            marker=MARKERS.get(e["stack"], "o"),
+            ms=4,
+            color=colour,
+            label=label,
+        )
         broken = [lr for lr, f in zip(e["lrs"], e["final_losses"], strict=True) if f is None]
         if broken and e["init_loss"] is not None:
-            ax.plot(broken, [e["init_loss"]] * len(broken), "x", ms=8,
-                    color=OUTCOME_COLORS["non-finite"])
+            ax.plot(
+                broken,
+                [e["init_loss"]] * len(broken),
+                "x",
+                ms=8,
+                color=OUTCOME_COLORS["non-finite"],
+            )
     ax.axhline(chance, color="grey", ls=":", lw=1.0, label="ln(vocab): chance")
     ax.set_xscale("log")
     ax.set_xlabel("peak learning rate")
     ax.set_ylabel("final loss")
-    ax.set_title(f"{fw}: final loss vs learning rate (x = non-finite, drawn at the initial loss)",
-                 fontsize=9)
+    ax.set_title(
+        f"{fw}: final loss vs learning rate (x = non-finite, drawn at the initial loss)", fontsize=9
+    )
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=80)

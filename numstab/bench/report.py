@@ -92,9 +92,8 @@ def _speed(m: dict[str, Any]) -> str:
 
 def _instability(m: dict[str, Any]) -> str:
     frac = m.get("grad_underflow_frac")
-    return (
-        f"{_fmt(m.get('attn_logit_max'), '.3g')} / {_fmt(m.get('out_logit_max'), '.3g')} / "
-        + ("-" if frac is None else f"{100 * frac:.2f}%")
+    return f"{_fmt(m.get('attn_logit_max'), '.3g')} / {_fmt(m.get('out_logit_max'), '.3g')} / " + (
+        "-" if frac is None else f"{100 * frac:.2f}%"
     )
 
 
@@ -183,7 +182,9 @@ def _agreement(data: dict[str, Any]) -> list[str]:
     for key, res in agree.get("stacks", {}).items():
         fw, seed = key.split("|")
         for r in res.get("frameworks", {}).values():
-            rows.append([seed, f"{fw}: native vs numstab", _fmt(r["max_abs_diff"], ".2e"), res["status"]])
+            rows.append(
+                [seed, f"{fw}: native vs numstab", _fmt(r["max_abs_diff"], ".2e"), res["status"]]
+            )
     return lines + _table(["seed", "pair", "max abs loss diff", "status"], rows)
 
 
@@ -229,9 +230,16 @@ def _spread_and_memory(data: dict[str, Any]) -> list[str]:
     for k, v in data["spread"].items():
         spec = RunSpec.from_key("|" + k)
         rows.append(
-            [f"`{spec.config}`", spec.stack, format_lr(spec.lr), str(spec.seed)]
-            + [str(v["frameworks"]), str(v["steps_compared"])]
-            + [_fmt(v["max"], ".2e"), _fmt(v["mean"], ".2e")]
+            [
+                f"`{spec.config}`",
+                spec.stack,
+                format_lr(spec.lr),
+                str(spec.seed),
+                str(v["frameworks"]),
+                str(v["steps_compared"]),
+                _fmt(v["max"], ".2e"),
+                _fmt(v["mean"], ".2e"),
+            ]
         )
     header = ["configuration", "stack", "lr", "seed", "frameworks", "steps", "max", "mean"]
     lines += _table(header, rows)

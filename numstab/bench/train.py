@@ -1,5 +1,7 @@
-"""One training run, written once: the step (forward, loss scaling, finite check, clipping,
-AdamW, skip) and the host loop (schedule, faults, timing, recording).
+"""One training run, written once: numstab's step (forward, loss scaling, finite check,
+clipping, AdamW, skip) and the host loop every stack shares (schedule, faults, timing,
+recording). A native stack (native_<framework>.py) gives the loop a session with the same
+three members as ``NumstabSession``: ``scale()``, ``skips`` and ``step(...)``.
 
 The framework module ``fw`` gives: ``ops`` (see model.py), ``asarray(np_array)``,
 ``value_and_grad(fn)``, ``compile(step)``, ``no_grad()``, ``to_numpy(x)``, ``peak_memory()``
@@ -11,7 +13,8 @@ Remedies: ``ls`` = numstab's dynamic ``LossScaler`` for float16 (a fixed scale o
 bfloat16 / float32, as ``LossScaler.for_dtype`` gives) and a step skipped (params and AdamW
 state kept) when any gradient is non-finite; ``clip`` = clip by global norm ``preset.max_norm``.
 Without ``ls`` a non-finite
-gradient is applied as is, as a naive training loop would.
+gradient is applied as is, as a naive training loop would. ``qk_norm`` (model.py) and
+``z_loss`` (``cross_entropy(z_loss=1e-4)``) change the compiled step, so they key its cache.
 Faults: ``nan_batch`` adds NaN to the embeddings at step k; ``lr_spike`` multiplies the
 learning rate by ``preset.lr_spike`` at step k; ``logit_blowup`` multiplies the initial
 unembedding by ``preset.logit_scale``.
@@ -221,9 +224,7 @@ def train_run(
         poison = math.nan if spec.fault == "nan_batch" and i == fault_at else 0.0
         scale = session.scale()
         start = time.perf_counter()
-        loss, finite, norm, stats, tail = session.step(
-            data[i, :, :-1], data[i, :, 1:], lr, poison
-        )
+        loss, finite, norm, stats, tail = session.step(data[i, :, :-1], data[i, :, 1:], lr, poison)
         loss = float(fw.to_numpy(loss))
         finite = bool(fw.to_numpy(finite))
         norm = float(fw.to_numpy(norm))
