@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -124,8 +125,9 @@ def test_unwritable_output_and_existing_results_are_refused(tmp_path, capsys):
 
 
 def test_interrupt_saves_finished_runs_and_resume_completes_them(tmp_path, monkeypatch, capsys):
-    """Ctrl-C after the first run: that run is saved, exit 130; --resume runs only the rest.
-    jax is reported as not installed and the other framework still runs."""
+    """Ctrl-C after the first run of a two-lr sweep: that run is saved, exit 130; --resume
+    runs only the rest and computes the sweep's sensitivities. jax is reported as not
+    installed and the other framework still runs."""
     monkeypatch.setattr(runner, "installed", lambda fw: fw != "jax")
     real = metrics.run_metrics
     calls = []
@@ -139,13 +141,13 @@ def test_interrupt_saves_finished_runs_and_resume_completes_them(tmp_path, monke
     monkeypatch.setattr(metrics, "run_metrics", interrupted_on_second_run)
     out = tmp_path / "r"
     args = ["--preset", "tiny", "--frameworks", "torch,jax", "--precisions", "fp32,fp16"]
-    args += ["--stack", "numstab"]
+    args += ["--stack", "numstab", "--lrs", f"{LR},1e-2"]
     assert _bench(*args, "--steps", "6", "--out", str(out)) == runner.INTERRUPTED_EXIT
     assert "--resume --out" in capsys.readouterr().err
     first = json.loads((out / "results.json").read_text())
     assert list(first["runs"]) == [_key("torch", "fp32", "none", "none")]
     assert first["frameworks"]["jax"]["status"] == "not installed"
-    assert len(first["plan"]) == 6 and not first["complete"]
+    assert len(first["plan"]) == 12 and not first["complete"]
 
     monkeypatch.setattr(metrics, "run_metrics", real)
     assert _bench("--resume", "--out", str(out)) == 0
@@ -159,6 +161,20 @@ def test_interrupt_saves_finished_runs_and_resume_completes_them(tmp_path, monke
     assert not any(k.startswith("jax") for k in done["runs"])
     assert done["resumed_with"] and done["agreement"]["status"] == "not checked"
     assert "not installed" in (out / "report.md").read_text()
+    sweep = {(e["precision"], e["remedy"], e["fault"]) for e in done["lr_sensitivity"]}
+    assert sweep == {tuple(g) for g in done["settings"]["grid"]}
+    assert all(e["framework"] == "torch" and e["lrs"] == [LR, 1e-2] for e in done["lr_sensitivity"])
+    assert (out / "lr_sweep_torch.png").read_bytes()[:8] == PNG
+
+
+def test_a_native_stack_whose_library_is_missing_is_skipped_with_the_reason(monkeypatch):
+    pytest.importorskip("jax")
+    from numstab.bench import worker
+
+    monkeypatch.delitem(sys.modules, "numstab.bench.native_jax", raising=False)
+    monkeypatch.setitem(sys.modules, "jmp", None)  # import jmp raises ImportError
+    reason = worker._native_module("jax")
+    assert isinstance(reason, str) and "jmp" in reason
 
 
 def test_compare_reports_changes_and_missing_runs(tiny_run, tmp_path, capsys):

@@ -52,11 +52,78 @@ def remedy_effects(data: dict[str, Any], seed: int, lr: Any) -> list[str]:
     return out
 
 
+def sweep_effects(data: dict[str, Any]) -> list[str]:
+    """Per remedy and stack, against its no-remedy twin over the sweep: the sensitivities,
+    and at the lr where the remedy changed the final loss most, the losses and logit maxima."""
+    entries = data.get("lr_sensitivity") or []
+    index = {
+        (e["framework"], e["stack"], e["precision"], e["remedy"], e["fault"]): e for e in entries
+    }
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for (fw, stack, p, r, f), e in index.items():
+        twin = index.get((fw, stack, p, "none", f))
+        if r != "none" and twin is not None and e["seed"] == twin["seed"]:
+            groups.setdefault((stack, p, r, f), []).append((e, twin))
+    out = []
+    for (stack, p, r, f), pairs in groups.items():
+        fws = "/".join(e["framework"] for e, _ in pairs)
+        with_ = "/".join(_fmt3(e["value"]) for e, _ in pairs)
+        without = "/".join(_fmt3(t["value"]) for _, t in pairs)
+        text = (
+            f"- `{r}` ({p}/{f}, {stack} stack) over lrs "
+            f"{', '.join(format(x, 'g') for x in pairs[0][0]['lrs'])}: LR sensitivity "
+            f"{with_} with it vs {without} without ({fws})"
+        )
+        text += _largest_effect(data, pairs) + " ([LR sensitivity](#learning-rate-sensitivity))."
+        out.append(text)
+    return out
+
+
+def _fmt3(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _largest_effect(data: dict[str, Any], pairs: list[tuple[dict, dict]]) -> str:
+    best = None
+    for e, t in pairs:
+        for i, (a, b) in enumerate(zip(e["final_losses"], t["final_losses"], strict=True)):
+            gap = abs(
+                (a if a is not None else e["init_loss"]) - (b if b is not None else t["init_loss"])
+            )
+            if best is None or gap > best[0]:
+                best = (gap, e, t, i)
+    if best is None:
+        return ""
+    _, e, t, i = best
+    lr = e["lrs"][i]
+    m = {}
+    for name, entry in (("with", e), ("without", t)):
+        spec = RunSpec(
+            entry["framework"],
+            entry["precision"],
+            entry["remedy"],
+            entry["fault"],
+            entry["seed"],
+            entry["stack"],
+            lr,
+        )
+        run = data["runs"].get(spec.key)
+        m[name] = run["metrics"] if run else {}
+    return (
+        f"; largest effect at lr {lr:g} ({e['framework']}): final loss "
+        f"{_fmt3(e['final_losses'][i])} vs {_fmt3(t['final_losses'][i])}, max attention logit "
+        f"{_fmt3(m['with'].get('attn_logit_max'))} vs {_fmt3(m['without'].get('attn_logit_max'))}, "
+        f"max output logit {_fmt3(m['with'].get('out_logit_max'))} vs "
+        f"{_fmt3(m['without'].get('out_logit_max'))}"
+    )
+
+
 def underflow(data: dict[str, Any]) -> list[str]:
     groups: dict[str, list[float]] = {}
+    first_lr = (data["settings"].get("lrs") or [None])[0]
     for run in data["runs"].values():
         spec, frac = run["spec"], run["metrics"].get("grad_underflow_frac")
-        if frac is None or spec["fault"] != "none":
+        if frac is None or spec["fault"] != "none" or spec.get("lr") != first_lr:
             continue
         ls = "ls" in spec["remedy"].split("+")
         name = spec["precision"] + (" with loss scaling" if ls else " without loss scaling")
@@ -68,8 +135,8 @@ def underflow(data: dict[str, Any]) -> list[str]:
         for name, v in sorted(groups.items())
     ]
     return [
-        "- Gradient elements exactly zero (mean over steps, embedding table excluded; a 16-bit "
-        "underflow shows as 0): "
+        "- Gradient elements exactly zero (mean over steps, embedding table excluded, no fault, "
+        f"lr {format_lr(first_lr)}; a 16-bit underflow shows as 0): "
         + "; ".join(parts)
         + f" ({_link(3, data['settings']['seeds'][0])})."
     ]
@@ -155,7 +222,7 @@ def section(data: dict[str, Any], figures: list[str]) -> list[str]:
             else "read every comparison below with care."
         )
     ]
-    lines += remedy_effects(data, seed, lrs[0])
+    lines += sweep_effects(data) if len(lrs) > 1 else remedy_effects(data, seed, lrs[0])
     lines += stacks_differ(data, seed) + underflow(data) + chance(data)
     lines += sensitivities(data, figures)
     if not data["runs"]:
