@@ -153,14 +153,7 @@ def _reader(fw: str, proc: subprocess.Popen, events: queue.Queue) -> None:
     events.put((fw, {"event": "exit", "code": proc.returncode}))
 
 
-def _run_workers(
-    data: dict[str, Any],
-    preset: Preset,
-    frameworks: tuple[str, ...],
-    out: Path,
-    jobs: int,
-    console: Any,
-) -> None:
+def _progress(console: Any) -> Any:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -169,6 +162,18 @@ def _run_workers(
         TimeElapsedColumn,
     )
 
+    columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(TextColumn("{task.description}"), *columns, console=console)
+
+
+def _run_workers(
+    data: dict[str, Any],
+    preset: Preset,
+    frameworks: tuple[str, ...],
+    out: Path,
+    jobs: int,
+    console: Any,
+) -> None:
     pending = {
         fw: [
             k for k in data["plan"] if RunSpec.from_key(k).framework == fw and k not in data["runs"]
@@ -185,13 +190,7 @@ def _run_workers(
     events: queue.Queue = queue.Queue()
     waiting = list(pending)
     running: dict[str, subprocess.Popen] = {}
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    )
+    progress = _progress(console)
     step_tasks: dict[str, Any] = {}
 
     def launch(fw: str) -> None:
@@ -226,68 +225,8 @@ def _run_workers(
                     fw, event = events.get(timeout=0.5)  # a timeout keeps Ctrl-C responsive
                 except queue.Empty:
                     continue
-                kind = event["event"]
-                if kind == "ready":
-                    data["frameworks"][fw] = {
-                        "status": "ok",
-                        "versions": event["versions"],
-                        "device": event["device"],
-                    }
-                    results.save(data, out)
-                elif kind == "fatal":
-                    data["frameworks"][fw] = {"status": "failed", "message": event["message"]}
-                    progress.console.print(f"[red]{fw} cannot run:[/red] {event['message']}")
-                    results.save(data, out)
-                elif kind == "start":
-                    progress.update(
-                        step_tasks[fw], description=f"{event['key']} (compiling)", completed=0
-                    )
-                elif kind == "step":
-                    progress.update(
-                        step_tasks[fw], description=event["key"], completed=event["step"] + 1
-                    )
-                elif kind == "run":
-                    record = event["record"]
-                    data["runs"][event["key"]] = {
-                        "spec": dataclasses.asdict(RunSpec.from_key(event["key"])),
-                        "metrics": metrics.run_metrics(record, preset),
-                        "record": record,
-                    }
-                    data["errors"].pop(event["key"], None)
-                    data["skipped"].pop(event["key"], None)
-                    results.save(data, out)
-                    progress.advance(runs_task)
-                elif kind == "run_skipped":
-                    data["skipped"][event["key"]] = event["message"]
-                    results.save(data, out)
-                    progress.advance(runs_task)
-                elif kind == "run_error":
-                    data["errors"][event["key"]] = event["message"]
-                    progress.console.print(f"[red]{event['key']} failed:[/red] {event['message']}")
-                    results.save(data, out)
-                    progress.advance(runs_task)
-                elif kind == "exit":
-                    proc = running.pop(fw)
-                    progress.update(step_tasks[fw], visible=False)
-                    unfinished = [
-                        k
-                        for k in pending[fw]
-                        if k not in data["runs"]
-                        and k not in data["errors"]
-                        and k not in data["skipped"]
-                    ]
-                    if event["code"] != 0 and data["frameworks"].get(fw, {}).get("status") == "ok":
-                        message = (
-                            f"{fw} worker exited with code {event['code']} "
-                            f"(log: {logs / (fw + '.log')})"
-                        )
-                        for key in unfinished:
-                            data["errors"][key] = message
-                        progress.console.print(f"[red]{message}[/red]")
-                        results.save(data, out)
-                    elif data["frameworks"].get(fw, {}).get("status") == "failed":
-                        progress.advance(runs_task, len(unfinished))
-                    del proc
+                state = _State(data, preset, out, logs, progress, runs_task, step_tasks)
+                _on_event(state, fw, event, running, pending[fw])
     finally:
         for proc in running.values():
             if proc.poll() is None:
@@ -296,3 +235,84 @@ def _run_workers(
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+@dataclasses.dataclass
+class _State:
+    """What the event handler of ``_run_workers`` updates."""
+
+    data: dict[str, Any]
+    preset: Preset
+    out: Path
+    logs: Path
+    progress: Any
+    runs_task: Any
+    step_tasks: dict[str, Any]
+
+
+def _on_event(
+    st: _State, fw: str, event: dict[str, Any], running: dict, pending: list[str]
+) -> None:
+    """One worker event: results.json and the progress bars follow it."""
+    data, out, progress, runs_task, step_tasks = (
+        st.data,
+        st.out,
+        st.progress,
+        st.runs_task,
+        st.step_tasks,
+    )
+    kind = event["event"]
+    if kind == "ready":
+        data["frameworks"][fw] = {
+            "status": "ok",
+            "versions": event["versions"],
+            "device": event["device"],
+        }
+        results.save(data, out)
+    elif kind == "fatal":
+        data["frameworks"][fw] = {"status": "failed", "message": event["message"]}
+        progress.console.print(f"[red]{fw} cannot run:[/red] {event['message']}")
+        results.save(data, out)
+    elif kind == "start":
+        progress.update(step_tasks[fw], description=f"{event['key']} (compiling)", completed=0)
+    elif kind == "step":
+        progress.update(step_tasks[fw], description=event["key"], completed=event["step"] + 1)
+    elif kind == "run":
+        record = event["record"]
+        data["runs"][event["key"]] = {
+            "spec": dataclasses.asdict(RunSpec.from_key(event["key"])),
+            "metrics": metrics.run_metrics(record, st.preset),
+            "record": record,
+        }
+        data["errors"].pop(event["key"], None)
+        data["skipped"].pop(event["key"], None)
+        results.save(data, out)
+        progress.advance(runs_task)
+    elif kind == "run_skipped":
+        data["skipped"][event["key"]] = event["message"]
+        results.save(data, out)
+        progress.advance(runs_task)
+    elif kind == "run_error":
+        data["errors"][event["key"]] = event["message"]
+        progress.console.print(f"[red]{event['key']} failed:[/red] {event['message']}")
+        results.save(data, out)
+        progress.advance(runs_task)
+    elif kind == "exit":
+        proc = running.pop(fw)
+        progress.update(step_tasks[fw], visible=False)
+        unfinished = [
+            k
+            for k in pending
+            if k not in data["runs"] and k not in data["errors"] and k not in data["skipped"]
+        ]
+        if event["code"] != 0 and data["frameworks"].get(fw, {}).get("status") == "ok":
+            message = (
+                f"{fw} worker exited with code {event['code']} (log: {st.logs / (fw + '.log')})"
+            )
+            for key in unfinished:
+                data["errors"][key] = message
+            progress.console.print(f"[red]{message}[/red]")
+            results.save(data, out)
+        elif data["frameworks"].get(fw, {}).get("status") == "failed":
+            progress.advance(runs_task, len(unfinished))
+        del proc
