@@ -83,7 +83,9 @@ def run(options: Options, console: Any) -> int:
         }
         plan = [
             r.key
-            for r in plan_runs(frameworks, options.grid, options.seeds, options.stacks, options.lrs)
+            for r in plan_runs(
+                frameworks, options.grid, options.seeds, options.stacks, options.lrs or (None,)
+            )
         ]
         data = results.new_results(options.command, settings, plan)
     data.setdefault("resumed_with", [])
