@@ -1,10 +1,14 @@
 """``numstab bench``: the AMP stability benchmark. The same decoder-only transformer LM, the
 same initial weights and the same data order, trained in PyTorch, JAX and TensorFlow in
-fp32, bf16 and fp16, with and without numstab's remedies, with faults injected on demand.
+fp32, bf16 and fp16, on each framework's own AMP recipe and on numstab's uniform one, with
+and without remedies, with faults injected on demand, over one or several learning rates.
 
 Modules: spec (presets, grid, names), corpus (synthetic data), weights (NumPy init), model
-(the forward pass, written once), adamw, train (the step and the loop, written once),
-fw_torch / fw_jax / fw_tensorflow (each framework's ops and autodiff), worker (one process
-per framework), runner (orchestration, progress, resume), metrics, results, report, plots,
-compare, command (the CLI arguments). Importing this package imports no framework.
+(the forward pass, written once), adamw, train (numstab's step and the host loop shared by
+every stack), fw_torch / fw_jax / fw_tensorflow (each framework's ops and autodiff),
+native_torch / native_jax / native_tensorflow (each framework's own AMP recipe), worker (one
+process per framework), runner (orchestration, progress, resume), metrics, sensitivity (the
+learning-rate sensitivity), results, report, findings (report.md's opening sentences),
+plots, plots_sweep, compare, command (the CLI arguments). Importing this package imports no
+framework.
 """

@@ -14,29 +14,47 @@ from numstab.bench.spec import (
     FRAMEWORKS,
     PRECISIONS,
     PRESETS,
-    REMEDIES,
+    REMEDY_PARTS,
     build_grid,
+    parse_lrs,
     parse_names,
+    parse_remedies,
     parse_seeds,
+    parse_stack,
 )
 from numstab.errors import InvalidArgumentError, NumstabError
+
+RESULTS_ROOT = Path("bench-results")  # covered by the repository's .gitignore
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the small preset (minutes on a CPU)")
-    size.add_argument("--preset", choices=tuple(PRESETS), help="tiny (CI), quick, full (default)")
+    size.add_argument(
+        "--preset", choices=tuple(PRESETS), help="tiny (CI), quick, sweep, full (default)"
+    )
     parser.add_argument("--frameworks", help=f"comma-separated, of {','.join(FRAMEWORKS)} (all)")
     parser.add_argument("--precisions", help=f"comma-separated, of {','.join(PRECISIONS)} (all)")
     parser.add_argument(
-        "--remedies", help=f"of {','.join(REMEDIES)}: run every precision x remedy x fault"
+        "--remedies",
+        help=f"'none' or parts of {','.join(REMEDY_PARTS)} joined by '+' (e.g. ls+clip+qk_norm):"
+        " run every precision x remedy x fault",
+    )
+    parser.add_argument(
+        "--stack",
+        help="native (each framework's own AMP recipe), numstab, or both (preset's default)",
+    )
+    parser.add_argument(
+        "--lrs", help="peak learning rates to sweep, e.g. 1e-3,3e-3,1e-2 (at least two)"
     )
     parser.add_argument("--faults", help=f"of {','.join(FAULTS)}: as --remedies")
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--steps", type=int, help="training steps per run (preset's default)")
     parser.add_argument("--fault-step", type=int, help="step of the injected faults (steps/3)")
     parser.add_argument("--seeds", help="a count N (seeds 0..N-1) or a list '0,3' (default 0)")
-    parser.add_argument("--out", type=Path, help="report folder (default: a new dated folder)")
+    parser.add_argument(
+        "--out", type=Path, help="report folder (default: a new dated folder in bench-results/)"
+    )
     parser.add_argument("--resume", action="store_true", help="continue the runs in --out")
     parser.add_argument(
         "--jobs", type=int, default=1, help="frameworks run at once (>1 skews timings)"
@@ -88,20 +106,24 @@ def options(args: argparse.Namespace, command: list[str]):
     preset = _preset(args)
     frameworks = parse_names("--frameworks", args.frameworks, FRAMEWORKS) or FRAMEWORKS
     precisions = parse_names("--precisions", args.precisions, PRECISIONS)
-    remedies = parse_names("--remedies", args.remedies, REMEDIES)
+    remedies = parse_remedies(args.remedies)
+    stacks = parse_stack(args.stack, preset.stacks)
+    lrs = parse_lrs(args.lrs, preset.lrs or (preset.base_lr,))
     faults = parse_names("--faults", args.faults, FAULTS)
     seeds = parse_seeds(args.seeds)
     grid = build_grid(preset, precisions, remedies, faults)
     out = args.out
     if out is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out = Path(f"numstab-bench-{preset.name}-{stamp}")
+        out = RESULTS_ROOT / f"numstab-bench-{preset.name}-{stamp}"
     return Options(
         preset=preset,
         frameworks=frameworks,
         grid=grid,
         seeds=seeds,
         device=args.device,
+        stacks=stacks,
+        lrs=lrs,
         out=out,
         resume=args.resume,
         jobs=args.jobs,

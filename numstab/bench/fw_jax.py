@@ -50,6 +50,7 @@ class ops:
     max = staticmethod(lambda x: jnp.max(x, axis=-1, keepdims=True))
     sum = staticmethod(lambda x: jnp.sum(x, axis=-1, keepdims=True))
     constant = staticmethod(jnp.asarray)
+    absmax = staticmethod(lambda x: jax.lax.stop_gradient(jnp.max(jnp.abs(x))).astype(jnp.float32))
 
 
 def asarray(a: np.ndarray) -> jax.Array:

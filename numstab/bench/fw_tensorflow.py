@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ["KERAS_BACKEND"] = "tensorflow"  # this worker's Keras (native stack) runs on TF
 import tensorflow as tf
 
 from numstab.bench.errors import FrameworkSetupError
@@ -50,6 +51,7 @@ class ops:
     max = staticmethod(lambda x: tf.reduce_max(x, axis=-1, keepdims=True))
     sum = staticmethod(lambda x: tf.reduce_sum(x, axis=-1, keepdims=True))
     constant = staticmethod(tf.constant)
+    absmax = staticmethod(lambda x: tf.cast(tf.stop_gradient(tf.reduce_max(tf.abs(x))), tf.float32))
 
 
 def asarray(a: np.ndarray) -> tf.Tensor:

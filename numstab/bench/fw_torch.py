@@ -50,6 +50,7 @@ class ops:
     max = staticmethod(lambda x: x.amax(dim=-1, keepdim=True))
     sum = staticmethod(lambda x: x.sum(dim=-1, keepdim=True))
     constant = staticmethod(lambda a: torch.from_numpy(a).to(_device))
+    absmax = staticmethod(lambda x: x.detach().abs().amax().float())
 
 
 def asarray(a: np.ndarray) -> torch.Tensor:
@@ -65,9 +66,15 @@ def value_and_grad(fn: Callable) -> Callable:
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         out, aux = fn(leaves, *args)
         grads = torch.autograd.grad(out, list(leaves.values()))
-        return (out.detach(), aux.detach()), dict(zip(leaves, grads, strict=True))
+        return (out.detach(), _detach(aux)), dict(zip(leaves, grads, strict=True))
 
     return wrapped
+
+
+def _detach(tree: Any) -> Any:
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_detach(x) for x in tree)
+    return tree.detach()
 
 
 def compile(step: Callable) -> Callable:

@@ -39,122 +39,170 @@ def _ok(data: dict[str, Any]) -> list[str]:
     ]
 
 
-def loss_curves(data: dict[str, Any], path: Path, seed: int) -> Path:
-    plt = _pyplot()
-    configs = [tuple(g) for g in data["settings"]["grid"]]
-    rows, cols = _grid(len(configs))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
-    for ax, config in zip(axes.flat, configs, strict=False):
+OUTCOME_COLORS = {"non-finite": "#b2182b", "worse than chance": "#f4a582"}
+STACK_DASH = {"numstab": "-", "native": (0, (4, 2))}
+
+
+def _panels(data: dict[str, Any], keep=lambda config: True) -> list[tuple[tuple, str, Any]]:
+    """(config, stack-independent) panels: one per configuration and learning rate."""
+    from numstab.bench.report import variants
+
+    lrs = list(dict.fromkeys(lr for _, lr in variants(data)))
+    configs = [tuple(g) for g in data["settings"]["grid"] if keep(tuple(g))]
+    return [(c, lr) for c in configs for lr in lrs]
+
+
+def _runs_in(data: dict[str, Any], config: tuple, lr: Any, seed: int):
+    from numstab.bench.report import variants
+
+    for stack, _ in [v for v in variants(data) if v[1] == lr]:
         for fw in _ok(data):
-            run = data["runs"].get(RunSpec(fw, *config, seed).key)
-            if run is None:
-                continue
+            run = data["runs"].get(RunSpec(fw, *config, seed, stack, lr).key)
+            if run is not None:
+                yield fw, stack, run
+
+
+def _style(fw: str, stack: str) -> dict[str, Any]:
+    style = dict(STYLES.get(fw, {}))
+    if stack == "native":
+        style.update(ls=STACK_DASH["native"], lw=1.4, alpha=0.9)
+    return style
+
+
+def _finish(fig: Any, axes: Any, used: int, title: str, path: Path) -> Path:
+    for ax in list(axes.flat)[used:]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    _pyplot().close(fig)
+    return path
+
+
+def loss_curves(data: dict[str, Any], path: Path, seed: int) -> Path:
+    """One panel per configuration (and lr), one line per framework and stack; the dotted
+    grey line is ln(vocab), the loss of a uniform guess ("chance")."""
+    plt = _pyplot()
+    panels = _panels(data)
+    chance = math.log(data["settings"]["preset"]["vocab"])
+    rows, cols = _grid(len(panels))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    for ax, (config, lr) in zip(axes.flat, panels, strict=False):
+        top = chance
+        for fw, stack, run in _runs_in(data, config, lr, seed):
             y = [math.nan if v is None else v for v in run["record"]["loss"]]
-            label = fw + (" (diverged)" if run["metrics"]["diverged"] else "")
-            ax.plot(range(len(y)), y, color=COLORS.get(fw), label=label, **STYLES.get(fw, {}))
-        ax.set_title("/".join(config), fontsize=9)
+            top = max([top, *(v for v in y if not math.isnan(v))])
+            outcome = run["metrics"].get("outcome", "learned")
+            label = f"{fw} {stack}" + ("" if outcome == "learned" else f" ({outcome})")
+            ax.plot(range(len(y)), y, color=COLORS.get(fw), label=label, **_style(fw, stack))
+        ax.axhline(chance, color="grey", ls=":", lw=1.0, label="ln(vocab): chance")
+        if top > 3 * chance:
+            ax.set_yscale("log")
+        lr_text = "" if lr is None else f" lr {lr:g}"
+        ax.set_title("/".join(config) + lr_text, fontsize=9)
         ax.set_xlabel("step (0-based)", fontsize=8)
         ax.set_ylabel("loss", fontsize=8)
         ax.tick_params(labelsize=7)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(configs) :]:
-        ax.axis("off")
-    fig.suptitle(f"Loss per step (seed {seed}); gaps = non-finite loss")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+        ax.legend(fontsize=6)
+    title = f"Loss per step (seed {seed}); gaps = non-finite loss; dotted = ln(vocab)"
+    return _finish(fig, axes, len(panels), title, path)
 
 
 def loss_scales(data: dict[str, Any], path: Path, seed: int) -> Path | None:
     plt = _pyplot()
-    configs = [tuple(g) for g in data["settings"]["grid"] if g[0] == "fp16" and "ls" in g[1]]
-    if not configs:
+    panels = _panels(data, lambda c: c[0] == "fp16" and "ls" in c[1].split("+"))
+    if not panels:
         return None
-    rows, cols = _grid(len(configs))
+    rows, cols = _grid(len(panels))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
-    for ax, config in zip(axes.flat, configs, strict=False):
-        for fw in _ok(data):
-            run = data["runs"].get(RunSpec(fw, *config, seed).key)
-            if run is not None:
-                scale = run["record"]["scale"]
-                ax.step(
-                    range(1, len(scale) + 1),
-                    scale,
-                    where="post",
-                    color=COLORS.get(fw),
-                    label=fw,
-                    **STYLES.get(fw, {}),
-                )
+    for ax, (config, lr) in zip(axes.flat, panels, strict=False):
+        for fw, stack, run in _runs_in(data, config, lr, seed):
+            scale = run["record"]["scale"]
+            ax.step(
+                range(len(scale)),
+                scale,
+                where="post",
+                color=COLORS.get(fw),
+                label=f"{fw} {stack}",
+                **_style(fw, stack),
+            )
         ax.set_yscale("log", base=2)
-        ax.set_title("/".join(config), fontsize=9)
+        ax.set_title("/".join(config) + ("" if lr is None else f" lr {lr:g}"), fontsize=9)
         ax.set_xlabel("step (0-based)", fontsize=8)
         ax.set_ylabel("loss scale", fontsize=8)
         ax.tick_params(labelsize=7)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(configs) :]:
-        ax.axis("off")
-    fig.suptitle(f"Dynamic loss scale per step (seed {seed})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+            ax.legend(fontsize=6)
+    title = f"Dynamic loss scale per step (seed {seed}): numstab LossScaler / native scaler"
+    return _finish(fig, axes, len(panels), title, path)
+
+
+def _heat_cell(runs: list[dict[str, Any]]) -> tuple[Any, str]:
+    """(RGB colour, text) of one heat-map cell: red non-finite, salmon worse than chance,
+    white -> blue by the skipped-step rate of runs that learned."""
+    if not runs:
+        return (0.93, 0.93, 0.93), "-"
+    broken = [m for m in runs if m.get("outcome") == "non-finite"]
+    if broken:
+        return _rgb(OUTCOME_COLORS["non-finite"]), "NaN@" + ",".join(
+            str(m["divergence_step"]) for m in broken
+        )
+    if any(m.get("outcome") == "worse than chance" for m in runs):
+        return _rgb(OUTCOME_COLORS["worse than chance"]), "> chance"
+    rate = sum(m["skipped_rate"] for m in runs) / len(runs)
+    shade = 1.0 - 0.6 * min(1.0, rate / 0.5)
+    return (shade, shade, 1.0), f"{100 * rate:.0f}% skip"
+
+
+def _rgb(hex_colour: str) -> tuple[float, float, float]:
+    return tuple(int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5))
 
 
 def heat_map(data: dict[str, Any], path: Path) -> Path:
-    """framework x configuration: colour = skipped-step rate, 1.0 (dark) when diverged; the
-    text says 'div@k' or the skipped rate (averaged over seeds)."""
+    """(framework, stack) x (configuration, lr): red = non-finite (NaN@step), salmon = worse
+    than chance, white -> blue = skipped-step rate of a run that learned (over seeds)."""
+    from numstab.bench.report import variants
+
     plt = _pyplot()
-    fws = _ok(data)
-    configs = ["/".join(g) for g in data["settings"]["grid"]]
-    values, labels = [], []
-    for fw in fws:
-        row, text = [], []
-        for config in configs:
+    panels = _panels(data)
+    stacks = list(dict.fromkeys(st for st, _ in variants(data)))
+    rows = [(fw, st) for fw in _ok(data) for st in stacks]
+    colours, labels = [], []
+    for fw, stack in rows:
+        colour_row, text_row = [], []
+        for config, lr in panels:
             runs = [
-                data["runs"].get(RunSpec(fw, *config.split("/"), s).key)
+                data["runs"].get(RunSpec(fw, *config, s, stack, lr).key)
                 for s in data["settings"]["seeds"]
             ]
-            runs = [r["metrics"] for r in runs if r is not None]
-            if not runs:
-                row.append(math.nan)
-                text.append("-")
-                continue
-            diverged = [m for m in runs if m["diverged"]]
-            if diverged:
-                row.append(1.0)
-                steps = ",".join(str(m["divergence_step"]) for m in diverged)
-                text.append(
-                    f"div@{steps}" + (f"\n{len(diverged)}/{len(runs)}" if len(runs) > 1 else "")
-                )
-            else:
-                rate = sum(m["skipped_rate"] for m in runs) / len(runs)
-                row.append(rate)
-                text.append(f"{100 * rate:.0f}%")
-        values.append(row)
-        labels.append(text)
-    fig, ax = plt.subplots(figsize=(1.1 * len(configs) + 2, 0.7 * len(fws) + 2.2))
-    image = ax.imshow(values, cmap="Reds", vmin=0.0, vmax=1.0, aspect="auto")
-    ax.set_xticks(range(len(configs)), configs, rotation=45, ha="right", fontsize=7)
-    ax.set_yticks(range(len(fws)), fws, fontsize=8)
+            colour, text = _heat_cell([r["metrics"] for r in runs if r is not None])
+            colour_row.append(colour)
+            text_row.append(text)
+        colours.append(colour_row)
+        labels.append(text_row)
+    names = ["/".join(c) + ("" if lr is None else f" {lr:g}") for c, lr in panels]
+    fig, ax = plt.subplots(figsize=(1.0 * len(panels) + 2.5, 0.5 * len(rows) + 2.4))
+    ax.imshow(colours, aspect="auto")
+    ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=7)
+    ax.set_yticks(range(len(rows)), [f"{fw} {st}" for fw, st in rows], fontsize=8)
     for i, row in enumerate(labels):
         for j, text in enumerate(row):
-            dark = not math.isnan(values[i][j]) and values[i][j] > 0.6
-            ax.text(
-                j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black"
-            )
-    fig.colorbar(image, ax=ax, label="skipped-step rate (1 = diverged)")
-    ax.set_title("Stability: diverged (div@step) or skipped-step rate")
+            dark = sum(colours[i][j]) < 1.5
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="w" if dark else "k")
+    ax.set_title(
+        "red: non-finite (NaN@step) | salmon: worse than chance | blue: skipped-step rate",
+        fontsize=9,
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
 
 
 def write_all(data: dict[str, Any], out: Path) -> list[Path]:
     """Every plot for the runs in ``data`` (none when no run finished)."""
+    from numstab.bench import plots_sweep
+
     written: list[Path] = []
     if not data["runs"] or not _ok(data):
         return written
@@ -165,4 +213,5 @@ def write_all(data: dict[str, Any], out: Path) -> list[Path]:
         if scale is not None:
             written.append(scale)
     written.append(heat_map(data, out / "stability_heatmap.png"))
+    written += plots_sweep.lr_curves(data, out)
     return written

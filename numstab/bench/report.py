@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
-from numstab.bench.spec import RunSpec
+from numstab.bench.spec import RunSpec, format_lr
 
 
 def _fmt(x: Any, spec: str = ".3f") -> str:
@@ -28,25 +29,48 @@ def _frameworks(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def variants(data: dict[str, Any]) -> list[tuple[str, float | None]]:
+    """(stack, lr) pairs of the settings, lr-major, numstab before native."""
+    s = data["settings"]
+    stacks = sorted(s.get("stacks") or ["numstab"], key=lambda x: x != "numstab")
+    return [(st, lr) for lr in s.get("lrs") or [None] for st in stacks]
+
+
+def spec_for(fw: str, config: str, seed: int, stack: str, lr: float | None) -> RunSpec:
+    return RunSpec(fw, *config.split("/"), seed, stack, lr)
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return [*lines, ""]
 
 
-def _cell(data: dict[str, Any], fw: str, config: str, seed: int, show) -> str:
-    run = data["runs"].get(RunSpec(fw, *config.split("/"), seed).key)
+def _cell(data: dict[str, Any], spec: RunSpec, show) -> str:
+    run = data["runs"].get(spec.key)
     if run is None:
-        key = RunSpec(fw, *config.split("/"), seed).key
-        return "error" if key in data["errors"] else "-"
+        if spec.key in data.get("skipped", {}):
+            return "skipped"
+        return "error" if spec.key in data["errors"] else "-"
     return show(run["metrics"])
 
 
+def outcome_text(m: dict[str, Any]) -> str:
+    """'non-finite @k' (the run broke), 'worse than chance' (finite, did not learn), or ''."""
+    if m.get("outcome", "non-finite" if m["diverged"] else "learned") == "non-finite":
+        return f"non-finite @{m['divergence_step']}"
+    if m.get("outcome") == "worse than chance":
+        return "worse than chance"
+    return ""
+
+
 def _final(m: dict[str, Any]) -> str:
-    if m["diverged"]:
-        return f"**diverged @{m['divergence_step']}**"
+    word = outcome_text(m)
+    if word.startswith("non-finite"):
+        return f"**{word}**"
     gap = m.get("gap_to_fp32")
-    return _fmt(m["final_loss"]) + ("" if gap is None else f" ({gap:+.3f})")
+    text = _fmt(m["final_loss"]) + ("" if gap is None else f" ({gap:+.3f})")
+    return f"_{word}: {text}_" if word else text
 
 
 def _stability(m: dict[str, Any]) -> str:
@@ -66,102 +90,159 @@ def _speed(m: dict[str, Any]) -> str:
     return f"{_fmt(m['time_per_step_ms'], '.1f')} ms ({_fmt(m['first_step_s'], '.1f')} s)"
 
 
+def _instability(m: dict[str, Any]) -> str:
+    frac = m.get("grad_underflow_frac")
+    return f"{_fmt(m.get('attn_logit_max'), '.3g')} / {_fmt(m.get('out_logit_max'), '.3g')} / " + (
+        "-" if frac is None else f"{100 * frac:.2f}%"
+    )
+
+
+SECTIONS = [
+    ("Final loss (gap to the same framework's, stack's and lr's fp32 run)", _final),
+    ("Non-finite loss steps / non-finite gradient steps / skipped steps", _stability),
+    ("Loss scale (start -> end)", _scale),
+    ("Max attention logit / max output logit / gradient elements zero", _instability),
+    ("Time per step: median of steps 2.. (first step incl. compilation)", _speed),
+]
+
+
+def anchor(title: str) -> str:
+    """The GitHub anchor of a '### title' heading."""
+    keep = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return "#" + keep.replace(" ", "-")
+
+
+def section_title(title: str, seed: int) -> str:
+    return f"{title} - seed {seed}"
+
+
 def tables(data: dict[str, Any]) -> list[str]:
-    """The per-metric tables (configuration x framework), one block per seed."""
+    """The per-metric tables: rows (configuration, lr, stack), columns frameworks."""
     fws = _frameworks(data)
     lines: list[str] = []
-    sections = [
-        ("Final loss (gap to the same framework's fp32 run)", _final),
-        ("Non-finite loss steps / non-finite gradient steps / skipped steps", _stability),
-        ("Loss scale (start -> end)", _scale),
-        ("Time per step: median of steps 2.. (first step incl. compilation)", _speed),
-    ]
     for seed in data["settings"]["seeds"]:
-        for title, show in sections:
-            lines += [f"### {title} - seed {seed}", ""]
+        for title, show in SECTIONS:
+            lines += [f"### {section_title(title, seed)}", ""]
             rows = [
-                [f"`{c}`", *(_cell(data, fw, c, seed, show) for fw in fws)] for c in _configs(data)
+                [f"`{c}`", stack, _fmt(lr, "g")]
+                + [_cell(data, spec_for(fw, c, seed, stack, lr), show) for fw in fws]
+                for c in _configs(data)
+                for stack, lr in variants(data)
             ]
-            lines += _table(["precision/remedy/fault", *fws], rows)
+            lines += _table(["precision/remedy/fault", "stack", "lr", *fws], rows)
     return lines
 
 
-def write(data: dict[str, Any], out: Path) -> list[Path]:
-    """report.md and the plots; returns the paths written."""
-    from numstab.bench import plots
-
-    pngs = plots.write_all(data, out)
-    s = data["settings"]
-    p = s["preset"]
-    agree = data["agreement"]
-    lines = [
-        "# numstab bench: AMP stability across frameworks",
-        "",
+def _header(data: dict[str, Any]) -> list[str]:
+    s, p = data["settings"], data["settings"]["preset"]
+    faults = {g[2] for g in s["grid"]}
+    fault_words = []
+    if faults & {"nan_batch", "lr_spike"}:
+        fault_words.append(f"nan_batch / lr_spike strike at step {p['fault_step']}")
+    if "logit_blowup" in faults:
+        fault_words.append(f"logit_blowup scales the initial unembedding by {p['logit_scale']:g}")
+    lrs = s.get("lrs") or [p["base_lr"]]
+    return [
         f"Command: `{' '.join(data['command'])}`  ",
         f"Created: {data['created']}; complete: {'yes' if data['complete'] else 'NO'}"
         f" ({len(data['runs'])} of {len(data['plan'])} runs)  ",
         f"Model (preset `{p['name']}`): {p['layers']} layers, d_model {p['d_model']}, "
-        f"{p['heads']} heads, vocab {p['vocab']}, context {p['context']}, batch {p['batch']}, "
-        f"{p['steps']} steps (warmup {p['warmup_steps']}), AdamW lr {p['base_lr']:g} -> "
-        f"{p['min_lr']:g}, wd {p['weight_decay']:g}, betas ({p['beta1']}, {p['beta2']}), "
-        f"clip {p['max_norm']:g}, faults at step {p['fault_step']}  ",
-        f"Device: {s['device']}; seeds: {', '.join(map(str, s['seeds']))}; "
-        f"load average at start: {data['environment'].get('load_average_at_start')}",
-        "",
-        "## Frameworks",
+        f"{p['heads']} heads, vocab {p['vocab']} (chance loss ln(vocab) = "
+        f"{math.log(p['vocab']):.3f}), context {p['context']}, batch {p['batch']}, "
+        f"{p['steps']} steps (warmup {p['warmup_steps']}), AdamW peak lr "
+        f"{', '.join(format(x, 'g') for x in lrs)} (cosine to {p['min_lr'] / p['base_lr']:g} x "
+        f"peak), wd {p['weight_decay']:g}, betas ({p['beta1']}, {p['beta2']}), "
+        f"clip {p['max_norm']:g}" + (f"; {'; '.join(fault_words)}" if fault_words else "") + "  ",
+        f"Stacks: {', '.join(s.get('stacks') or ['numstab'])}; device: {s['device']}; seeds: "
+        f"{', '.join(map(str, s['seeds']))}; load average at start: "
+        f"{data['environment'].get('load_average_at_start')}",
         "",
     ]
-    rows = []
-    for fw in s["frameworks"]:
-        info = data["frameworks"].get(fw, {"status": "not run"})
-        versions = ", ".join(f"{k} {v}" for k, v in info.get("versions", {}).items())
-        rows.append(
-            [fw, info["status"], versions or info.get("message", ""), info.get("device", "")]
-        )
-    lines += _table(["framework", "status", "versions / message", "device"], rows)
-    lines += [
+
+
+def _agreement(data: dict[str, Any]) -> list[str]:
+    agree = data["agreement"]
+    lines = [
         "## fp32 agreement check",
         "",
-        f"**{agree['status']}**: the fp32 runs (no remedy, no fault) of every framework, "
-        f"step by step over the first {agree['steps']} steps, max |loss - loss of the "
-        f"baseline framework| <= {agree['tolerance']:g}. Every other comparison assumes this.",
+        f"**{agree['status']}**: the fp32 runs (no remedy, no fault, first lr) step by step "
+        f"over the first {agree['steps']} steps, max |loss - loss of the baseline| <= "
+        f"{agree['tolerance']:g}: across frameworks on each stack, and per framework native "
+        "against numstab. Every other comparison assumes this.",
         "",
     ]
     rows = []
-    for seed, res in agree["seeds"].items():
-        for fw, r in res.get("frameworks", {}).items():
+    for field, what in (("seeds", "frameworks"), ("native_seeds", "native frameworks")):
+        for seed, res in agree.get(field, {}).items():
+            for fw, r in res.get("frameworks", {}).items():
+                pair = f"{fw} vs {res['baseline']} ({what})"
+                rows.append([seed, pair, _fmt(r["max_abs_diff"], ".2e"), res["status"]])
+            if not res.get("frameworks"):
+                rows.append([seed, what, "-", res["status"]])
+    for key, res in agree.get("stacks", {}).items():
+        fw, seed = key.split("|")
+        for r in res.get("frameworks", {}).values():
             rows.append(
-                [seed, f"{fw} vs {res['baseline']}", _fmt(r["max_abs_diff"], ".2e"), res["status"]]
+                [seed, f"{fw}: native vs numstab", _fmt(r["max_abs_diff"], ".2e"), res["status"]]
             )
-        if not res.get("frameworks"):
-            rows.append([seed, "-", "-", res["status"]])
-    lines += _table(["seed", "pair", "max abs loss diff", "status"], rows)
-    lines += [
-        "## Results",
+    return lines + _table(["seed", "pair", "max abs loss diff", "status"], rows)
+
+
+def _sensitivity(data: dict[str, Any]) -> list[str]:
+    entries = data.get("lr_sensitivity") or []
+    if not entries:
+        return []
+    lines = [
+        "## Learning-rate sensitivity",
         "",
-        "Divergence: the loss ends non-finite or above ln(vocab), or "
-        f"{p['divergence_patience']} non-finite losses in a row.",
+        "value = mean over the sweep of min(final loss, loss at initialisation) - the best "
+        "final loss of the sweep; a run whose final loss is not finite counts as the loss at "
+        "initialisation (Wortsman et al. 2023). 0: every lr reached the best loss. "
+        "Figures: `lr_sweep_<framework>.png`.",
         "",
     ]
-    lines += tables(data)
-    lines += [
+    lrs = entries[0]["lrs"]
+    rows = [
+        [
+            e["framework"],
+            e["stack"],
+            f"`{e['precision']}/{e['remedy']}/{e['fault']}`",
+            str(e["seed"]),
+            *(_fmt(f) if f is not None else "**non-finite**" for f in e["final_losses"]),
+            _fmt(e["init_loss"]),
+            _fmt(e["value"]),
+        ]
+        for e in entries
+    ]
+    header = ["framework", "stack", "config", "seed"]
+    header += [f"lr {x:g}" for x in lrs] + ["init loss", "sensitivity"]
+    return lines + _table(header, rows)
+
+
+def _spread_and_memory(data: dict[str, Any]) -> list[str]:
+    lines = [
         "## Cross-framework spread of the loss curve",
         "",
         "Per step max - min of the loss across frameworks (steps where all are finite).",
         "",
     ]
-    rows = [
-        [
-            f"`{k.split('|')[0]}`",
-            k.split("|")[1],
-            str(v["frameworks"]),
-            str(v["steps_compared"]),
-            _fmt(v["max"], ".2e"),
-            _fmt(v["mean"], ".2e"),
-        ]
-        for k, v in data["spread"].items()
-    ]
-    lines += _table(["configuration", "seed", "frameworks", "steps", "max", "mean"], rows)
+    rows = []
+    for k, v in data["spread"].items():
+        spec = RunSpec.from_key("|" + k)
+        rows.append(
+            [
+                f"`{spec.config}`",
+                spec.stack,
+                format_lr(spec.lr),
+                str(spec.seed),
+                str(v["frameworks"]),
+                str(v["steps_compared"]),
+                _fmt(v["max"], ".2e"),
+                _fmt(v["mean"], ".2e"),
+            ]
+        )
+    header = ["configuration", "stack", "lr", "seed", "frameworks", "steps", "max", "mean"]
+    lines += _table(header, rows)
     mem_rows = []
     for fw in _frameworks(data):
         runs = [r for k, r in data["runs"].items() if k.startswith(fw + "|")]
@@ -174,7 +255,43 @@ def write(data: dict[str, Any], out: Path) -> list[Path]:
         "Per framework worker process (all its runs, imports included on CPU).",
         "",
     ]
-    lines += _table(["framework", "MiB", "measured as"], mem_rows)
+    return lines + _table(["framework", "MiB", "measured as"], mem_rows)
+
+
+def write(data: dict[str, Any], out: Path) -> list[Path]:
+    """report.md and the plots; returns the paths written."""
+    from numstab.bench import findings, plots
+
+    pngs = plots.write_all(data, out)
+    lines = ["# numstab bench: AMP stability across frameworks", ""]
+    lines += findings.section(data, [p.name for p in pngs])
+    lines += ["## Setup", "", *_header(data), "## Frameworks", ""]
+    rows = []
+    for fw in data["settings"]["frameworks"]:
+        info = data["frameworks"].get(fw, {"status": "not run"})
+        versions = ", ".join(f"{k} {v}" for k, v in info.get("versions", {}).items())
+        rows.append(
+            [fw, info["status"], versions or info.get("message", ""), info.get("device", "")]
+        )
+    lines += _table(["framework", "status", "versions / message", "device"], rows)
+    lines += _agreement(data)
+    chance = math.log(data["settings"]["preset"]["vocab"])
+    lines += [
+        "## Results",
+        "",
+        "Outcome: **non-finite @k** = the run broke (its loss is non-finite from step k to the "
+        f"end, or {data['settings']['preset']['divergence_patience']} non-finite losses in a "
+        f"row stopped it); _worse than chance_ = finite, but the last loss is above ln(vocab) "
+        f"= {chance:.3f} (a uniform guess): it did not learn. Stacks: `numstab` = numstab's "
+        "uniform mixed precision; `native` = the framework's own AMP recipe.",
+        "",
+    ]
+    lines += tables(data)
+    lines += _sensitivity(data)
+    lines += _spread_and_memory(data)
+    if data.get("skipped"):
+        lines += ["## Skipped runs", ""]
+        lines += [f"- `{k}`: {v}" for k, v in data["skipped"].items()] + [""]
     if data["errors"]:
         lines += ["## Errors", ""] + [f"- `{k}`: {v}" for k, v in data["errors"].items()] + [""]
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in pngs] + [""]

@@ -13,9 +13,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from numstab.bench import metrics, results
+from numstab.bench import metrics, results, sensitivity
 from numstab.bench.errors import ResultsFileError
-from numstab.bench.spec import Preset, RunSpec, plan_runs
+from numstab.bench.spec import Preset, RunSpec, plan_runs, preset_from_dict
 from numstab.bench.worker import PREFIX
 
 EXTRAS = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow"}
@@ -36,6 +36,8 @@ class Options:
     jobs: int = 1
     threads: int = 1
     command: list[str] = dataclasses.field(default_factory=list)
+    stacks: tuple[str, ...] = ("numstab",)
+    lrs: tuple[float, ...] = ()
 
 
 def installed(framework: str) -> bool:
@@ -44,9 +46,7 @@ def installed(framework: str) -> bool:
 
 
 def preset_from(settings: dict[str, Any]) -> Preset:
-    fields = dict(settings["preset"])
-    fields["grid"] = tuple(map(tuple, fields["grid"]))
-    return Preset(**fields)
+    return preset_from_dict(settings["preset"])
 
 
 def _say(console: Any, text: str) -> None:
@@ -75,13 +75,21 @@ def run(options: Options, console: Any) -> int:
             "frameworks": list(frameworks),
             "grid": [list(g) for g in options.grid],
             "seeds": list(options.seeds),
+            "stacks": list(options.stacks),
+            "lrs": list(options.lrs),
             "device": options.device,
             "jobs": options.jobs,
             "threads": options.threads,
         }
-        plan = [r.key for r in plan_runs(frameworks, options.grid, options.seeds)]
+        plan = [
+            r.key
+            for r in plan_runs(
+                frameworks, options.grid, options.seeds, options.stacks, options.lrs or (None,)
+            )
+        ]
         data = results.new_results(options.command, settings, plan)
     data.setdefault("resumed_with", [])
+    data.setdefault("skipped", {})
     if options.resume:
         data["resumed_with"].append(options.command)
     for fw in frameworks:
@@ -117,15 +125,20 @@ def finish(data: dict[str, Any], preset: Preset, out: Path, console: Any) -> int
     ]
     grid = [tuple(g) for g in settings["grid"]]
     metrics.add_gaps(data["runs"])
-    data["agreement"] = metrics.agreement(data["runs"], frameworks, settings["seeds"], preset)
-    data["spread"] = metrics.spread(data["runs"], frameworks, grid, settings["seeds"])
-    data["complete"] = all(k in data["runs"] for k in data["plan"])
+    data["agreement"] = metrics.agreement(data["runs"], frameworks, settings, preset)
+    data["spread"] = metrics.spread(data["runs"], frameworks, grid, settings)
+    data["lr_sensitivity"] = sensitivity.lr_sensitivity(data["runs"], settings)
+    done = set(data["runs"]) | set(data.get("skipped", {}))
+    data["complete"] = all(k in done for k in data["plan"])
     results.save(data, out)
     written = report.write(data, out)
     status = data["agreement"]["status"]
     _say(console, f"fp32 agreement across frameworks: {status}")
     _say(console, "wrote " + ", ".join(str(p) for p in [out / results.FILENAME, *written]))
-    missing = [k for k in data["plan"] if k not in data["runs"]]
+    missing = [k for k in data["plan"] if k not in done]
+    if data.get("skipped"):
+        reasons = sorted(set(data["skipped"].values()))
+        _say(console, f"[yellow]{len(data['skipped'])} runs skipped:[/yellow] {'; '.join(reasons)}")
     if missing:
         _say(console, f"[yellow]{len(missing)} planned runs have no result[/yellow] (see report)")
     if not data["runs"]:
@@ -142,14 +155,7 @@ def _reader(fw: str, proc: subprocess.Popen, events: queue.Queue) -> None:
     events.put((fw, {"event": "exit", "code": proc.returncode}))
 
 
-def _run_workers(
-    data: dict[str, Any],
-    preset: Preset,
-    frameworks: tuple[str, ...],
-    out: Path,
-    jobs: int,
-    console: Any,
-) -> None:
+def _progress(console: Any) -> Any:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -158,6 +164,18 @@ def _run_workers(
         TimeElapsedColumn,
     )
 
+    columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(TextColumn("{task.description}"), *columns, console=console)
+
+
+def _run_workers(
+    data: dict[str, Any],
+    preset: Preset,
+    frameworks: tuple[str, ...],
+    out: Path,
+    jobs: int,
+    console: Any,
+) -> None:
     pending = {
         fw: [
             k for k in data["plan"] if RunSpec.from_key(k).framework == fw and k not in data["runs"]
@@ -174,13 +192,7 @@ def _run_workers(
     events: queue.Queue = queue.Queue()
     waiting = list(pending)
     running: dict[str, subprocess.Popen] = {}
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    )
+    progress = _progress(console)
     step_tasks: dict[str, Any] = {}
 
     def launch(fw: str) -> None:
@@ -215,59 +227,8 @@ def _run_workers(
                     fw, event = events.get(timeout=0.5)  # a timeout keeps Ctrl-C responsive
                 except queue.Empty:
                     continue
-                kind = event["event"]
-                if kind == "ready":
-                    data["frameworks"][fw] = {
-                        "status": "ok",
-                        "versions": event["versions"],
-                        "device": event["device"],
-                    }
-                    results.save(data, out)
-                elif kind == "fatal":
-                    data["frameworks"][fw] = {"status": "failed", "message": event["message"]}
-                    progress.console.print(f"[red]{fw} cannot run:[/red] {event['message']}")
-                    results.save(data, out)
-                elif kind == "start":
-                    progress.update(
-                        step_tasks[fw], description=f"{event['key']} (compiling)", completed=0
-                    )
-                elif kind == "step":
-                    progress.update(
-                        step_tasks[fw], description=event["key"], completed=event["step"] + 1
-                    )
-                elif kind == "run":
-                    record = event["record"]
-                    data["runs"][event["key"]] = {
-                        "spec": dataclasses.asdict(RunSpec.from_key(event["key"])),
-                        "metrics": metrics.run_metrics(record, preset),
-                        "record": record,
-                    }
-                    data["errors"].pop(event["key"], None)
-                    results.save(data, out)
-                    progress.advance(runs_task)
-                elif kind == "run_error":
-                    data["errors"][event["key"]] = event["message"]
-                    progress.console.print(f"[red]{event['key']} failed:[/red] {event['message']}")
-                    results.save(data, out)
-                    progress.advance(runs_task)
-                elif kind == "exit":
-                    proc = running.pop(fw)
-                    progress.update(step_tasks[fw], visible=False)
-                    unfinished = [
-                        k for k in pending[fw] if k not in data["runs"] and k not in data["errors"]
-                    ]
-                    if event["code"] != 0 and data["frameworks"].get(fw, {}).get("status") == "ok":
-                        message = (
-                            f"{fw} worker exited with code {event['code']} "
-                            f"(log: {logs / (fw + '.log')})"
-                        )
-                        for key in unfinished:
-                            data["errors"][key] = message
-                        progress.console.print(f"[red]{message}[/red]")
-                        results.save(data, out)
-                    elif data["frameworks"].get(fw, {}).get("status") == "failed":
-                        progress.advance(runs_task, len(unfinished))
-                    del proc
+                state = _State(data, preset, out, logs, progress, runs_task, step_tasks)
+                _on_event(state, fw, event, running, pending[fw])
     finally:
         for proc in running.values():
             if proc.poll() is None:
@@ -276,3 +237,84 @@ def _run_workers(
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+@dataclasses.dataclass
+class _State:
+    """What the event handler of ``_run_workers`` updates."""
+
+    data: dict[str, Any]
+    preset: Preset
+    out: Path
+    logs: Path
+    progress: Any
+    runs_task: Any
+    step_tasks: dict[str, Any]
+
+
+def _on_event(
+    st: _State, fw: str, event: dict[str, Any], running: dict, pending: list[str]
+) -> None:
+    """One worker event: results.json and the progress bars follow it."""
+    data, out, progress, runs_task, step_tasks = (
+        st.data,
+        st.out,
+        st.progress,
+        st.runs_task,
+        st.step_tasks,
+    )
+    kind = event["event"]
+    if kind == "ready":
+        data["frameworks"][fw] = {
+            "status": "ok",
+            "versions": event["versions"],
+            "device": event["device"],
+        }
+        results.save(data, out)
+    elif kind == "fatal":
+        data["frameworks"][fw] = {"status": "failed", "message": event["message"]}
+        progress.console.print(f"[red]{fw} cannot run:[/red] {event['message']}")
+        results.save(data, out)
+    elif kind == "start":
+        progress.update(step_tasks[fw], description=f"{event['key']} (compiling)", completed=0)
+    elif kind == "step":
+        progress.update(step_tasks[fw], description=event["key"], completed=event["step"] + 1)
+    elif kind == "run":
+        record = event["record"]
+        data["runs"][event["key"]] = {
+            "spec": dataclasses.asdict(RunSpec.from_key(event["key"])),
+            "metrics": metrics.run_metrics(record, st.preset),
+            "record": record,
+        }
+        data["errors"].pop(event["key"], None)
+        data["skipped"].pop(event["key"], None)
+        results.save(data, out)
+        progress.advance(runs_task)
+    elif kind == "run_skipped":
+        data["skipped"][event["key"]] = event["message"]
+        results.save(data, out)
+        progress.advance(runs_task)
+    elif kind == "run_error":
+        data["errors"][event["key"]] = event["message"]
+        progress.console.print(f"[red]{event['key']} failed:[/red] {event['message']}")
+        results.save(data, out)
+        progress.advance(runs_task)
+    elif kind == "exit":
+        proc = running.pop(fw)
+        progress.update(step_tasks[fw], visible=False)
+        unfinished = [
+            k
+            for k in pending
+            if k not in data["runs"] and k not in data["errors"] and k not in data["skipped"]
+        ]
+        if event["code"] != 0 and data["frameworks"].get(fw, {}).get("status") == "ok":
+            message = (
+                f"{fw} worker exited with code {event['code']} (log: {st.logs / (fw + '.log')})"
+            )
+            for key in unfinished:
+                data["errors"][key] = message
+            progress.console.print(f"[red]{message}[/red]")
+            results.save(data, out)
+        elif data["frameworks"].get(fw, {}).get("status") == "failed":
+            progress.advance(runs_task, len(unfinished))
+        del proc

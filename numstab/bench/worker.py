@@ -3,8 +3,9 @@ job on stdin and reports events as JSON lines on stdout (prefix ``@@bench ``).
 
 Events: ``ready`` (versions, device), ``fatal`` (the framework cannot run: nothing ran),
 ``step`` (run key, step index), ``run`` (run key, its record), ``run_error`` (run key,
-message: that run crashed, the next runs still go). One compiled step per precision is
-reused by every run of that precision.
+message: that run crashed, the next runs still go), ``run_skipped`` (run key, reason: the
+native stack's library is missing). numstab's stack reuses one compiled step per
+(precision, qk_norm, z_loss); the native stacks cache what they can (see native_*.py).
 """
 
 from __future__ import annotations
@@ -39,14 +40,22 @@ def limit_threads(threads: int, fast_compile: bool) -> None:
     os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
 
 
+def _native_module(framework: str) -> Any:
+    """numstab.bench.native_<framework>, or why it cannot be imported (e.g. jmp missing)."""
+    try:
+        return importlib.import_module(f"numstab.bench.native_{framework}")
+    except ImportError as exc:
+        return f"the native {framework} stack needs {exc.name or exc}: {exc}"
+
+
 def main() -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     job = json.load(sys.stdin)
     from numstab.bench.errors import FrameworkSetupError
-    from numstab.bench.spec import Preset, RunSpec
-    from numstab.bench.train import make_step, train_run
+    from numstab.bench.spec import RunSpec, preset_from_dict
+    from numstab.bench.train import numstab_session, train_run
 
-    preset = Preset(**{**job["preset"], "grid": tuple(map(tuple, job["preset"]["grid"]))})
+    preset = preset_from_dict(job["preset"])
     limit_threads(job["threads"], preset.fast_compile)
     try:
         fw = importlib.import_module(f"numstab.bench.fw_{job['framework']}")
@@ -55,19 +64,21 @@ def main() -> int:
         emit("fatal", message=f"{type(exc).__name__}: {exc}")
         return 0
     emit("ready", versions=fw.versions(), device=fw.device_name())
-    steps: dict[str, Any] = {}
+    cache: dict[Any, Any] = {}
     for key in job["runs"]:
         spec = RunSpec.from_key(key)
         emit("start", key=key)
         try:
-            if spec.precision not in steps:
-                steps[spec.precision] = fw.compile(make_step(fw, preset, spec.precision))
+            if spec.stack == "native":
+                native = _native_module(job["framework"])
+                if isinstance(native, str):
+                    emit("run_skipped", key=key, message=native)
+                    continue
+                session = native.session(fw, preset, spec, cache)
+            else:
+                session = numstab_session(fw, preset, spec, cache)
             record = train_run(
-                fw,
-                preset,
-                spec,
-                steps[spec.precision],
-                lambda i, k=key: emit("step", key=k, step=i),
+                fw, preset, spec, session, lambda i, k=key: emit("step", key=k, step=i)
             )
         except Exception as exc:  # one crashed run is reported; the others still run
             emit(
