@@ -28,7 +28,7 @@ def _installed(name: str) -> bool:
 
 
 def test_the_registry_is_the_list_of_backends():
-    assert BACKEND_NAMES == tuple(frameworks.FRAMEWORKS)
+    assert tuple(frameworks.FRAMEWORKS) == BACKEND_NAMES
     folders = {p.name for p in (PACKAGE / "frameworks").iterdir() if (p / "__init__.py").exists()}
     assert set(frameworks.FRAMEWORKS) <= folders
     for name in frameworks.FRAMEWORKS:

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from numstab.bench.plot_style import OUTCOME_COLORS, STACK_DASH, pyplot
 from numstab.bench.spec import RunSpec
 
 COLORS = {"torch": "tab:red", "jax": "tab:blue", "tensorflow": "tab:orange"}
@@ -15,15 +16,6 @@ STYLES = {
     "jax": {"lw": 1.6, "ls": "--"},
     "tensorflow": {"lw": 1.2, "ls": ":"},
 }
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def _grid(n: int) -> tuple[int, int]:
@@ -37,10 +29,6 @@ def _ok(data: dict[str, Any]) -> list[str]:
         for f in data["settings"]["frameworks"]
         if data["frameworks"].get(f, {}).get("status") == "ok"
     ]
-
-
-OUTCOME_COLORS = {"non-finite": "#b2182b", "worse than chance": "#f4a582"}
-STACK_DASH = {"numstab": "-", "native": (0, (4, 2))}
 
 
 def _panels(data: dict[str, Any], keep=lambda config: True) -> list[tuple[tuple, str, Any]]:
@@ -75,14 +63,14 @@ def _finish(fig: Any, axes: Any, used: int, title: str, path: Path) -> Path:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
 def loss_curves(data: dict[str, Any], path: Path, seed: int) -> Path:
     """One panel per configuration (and lr), one line per framework and stack; the dotted
     grey line is ln(vocab), the loss of a uniform guess ("chance")."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = _panels(data)
     chance = math.log(data["settings"]["preset"]["vocab"])
     rows, cols = _grid(len(panels))
@@ -109,7 +97,7 @@ def loss_curves(data: dict[str, Any], path: Path, seed: int) -> Path:
 
 
 def loss_scales(data: dict[str, Any], path: Path, seed: int) -> Path | None:
-    plt = _pyplot()
+    plt = pyplot()
     panels = _panels(data, lambda c: c[0] == "fp16" and "ls" in c[1].split("+"))
     if not panels:
         return None
@@ -163,7 +151,7 @@ def heat_map(data: dict[str, Any], path: Path) -> Path:
     than chance, white -> blue = skipped-step rate of a run that learned (over seeds)."""
     from numstab.bench.report import variants
 
-    plt = _pyplot()
+    plt = pyplot()
     panels = _panels(data)
     stacks = list(dict.fromkeys(st for st, _ in variants(data)))
     rows = [(fw, st) for fw in _ok(data) for st in stacks]

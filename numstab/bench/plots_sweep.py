@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from numstab.bench.plots import OUTCOME_COLORS, _pyplot
+from numstab.bench.plot_style import OUTCOME_COLORS, pyplot
 
 MARKERS = {"numstab": "o", "native": "s"}
 
@@ -27,7 +27,7 @@ def lr_curves(data: dict[str, Any], out: Path) -> list[Path]:
 
 
 def _one_framework(data: dict[str, Any], entries: list[dict], fw: str, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     chance = math.log(data["settings"]["preset"]["vocab"])
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     cmap = plt.get_cmap("tab10")

@@ -258,13 +258,11 @@ def _spread_and_memory(data: dict[str, Any]) -> list[str]:
     return lines + _table(["framework", "MiB", "measured as"], mem_rows)
 
 
-def write(data: dict[str, Any], out: Path) -> list[Path]:
-    """report.md and the plots; returns the paths written."""
-    from numstab.bench import findings, plots
-
-    pngs = plots.write_all(data, out)
+def write(data: dict[str, Any], out: Path, findings: list[str], pngs: list[Path]) -> list[Path]:
+    """report.md, opening with ``findings`` and showing the plots ``pngs``; returns the
+    paths written (report.md, then the plots)."""
     lines = ["# numstab bench: AMP stability across frameworks", ""]
-    lines += findings.section(data, [p.name for p in pngs])
+    lines += findings
     lines += ["## Setup", "", *_header(data), "## Frameworks", ""]
     rows = []
     for fw in data["settings"]["frameworks"]:

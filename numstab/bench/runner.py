@@ -117,7 +117,6 @@ def run(options: Options, console: Any) -> int:
 
 def finish(data: dict[str, Any], preset: Preset, out: Path, console: Any) -> int:
     """Summary, report.md and plots from whatever runs are in ``data``."""
-    from numstab.bench import report
 
     settings = data["settings"]
     frameworks = [
@@ -131,7 +130,7 @@ def finish(data: dict[str, Any], preset: Preset, out: Path, console: Any) -> int
     done = set(data["runs"]) | set(data.get("skipped", {}))
     data["complete"] = all(k in done for k in data["plan"])
     results.save(data, out)
-    written = report.write(data, out)
+    written = _write_report(data, out)
     status = data["agreement"]["status"]
     _say(console, f"fp32 agreement across frameworks: {status}")
     _say(console, "wrote " + ", ".join(str(p) for p in [out / results.FILENAME, *written]))
@@ -318,3 +317,11 @@ def _on_event(
         elif data["frameworks"].get(fw, {}).get("status") == "failed":
             progress.advance(runs_task, len(unfinished))
         del proc
+
+
+def _write_report(data: dict, out) -> list:
+    """The plots, then report.md opening with the findings; the paths written."""
+    from numstab.bench import findings, plots, report
+
+    pngs = plots.write_all(data, out)
+    return report.write(data, out, findings.section(data, [p.name for p in pngs]), pngs)
