@@ -171,7 +171,7 @@ def test_a_native_stack_whose_library_is_missing_is_skipped_with_the_reason(monk
     pytest.importorskip("jax")
     from numstab.bench import worker
 
-    monkeypatch.delitem(sys.modules, "numstab.bench.native_jax", raising=False)
+    monkeypatch.delitem(sys.modules, "numstab.frameworks.jax.bench_native", raising=False)
     monkeypatch.setitem(sys.modules, "jmp", None)  # import jmp raises ImportError
     reason = worker._native_module("jax")
     assert isinstance(reason, str) and "jmp" in reason

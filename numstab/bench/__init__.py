@@ -5,10 +5,10 @@ and without remedies, with faults injected on demand, over one or several learni
 
 Modules: spec (presets, grid, names), corpus (synthetic data), weights (NumPy init), model
 (the forward pass, written once), adamw, train (numstab's step and the host loop shared by
-every stack), fw_torch / fw_jax / fw_tensorflow (each framework's ops and autodiff),
-native_torch / native_jax / native_tensorflow (each framework's own AMP recipe), worker (one
-process per framework), runner (orchestration, progress, resume), metrics, sensitivity (the
-learning-rate sensitivity), results, report, findings (report.md's opening sentences),
-plots, plots_sweep, compare, command (the CLI arguments). Importing this package imports no
+every stack), worker (one process per framework), runner (orchestration, progress, resume),
+metrics, sensitivity (the learning-rate sensitivity), results, report, findings (report.md's
+opening sentences), plots, plots_sweep, compare, command (the CLI arguments). Each
+framework's code is in its folder: ``numstab/frameworks/<name>/bench.py`` (its ops and
+autodiff) and ``bench_native.py`` (its own AMP recipe). Importing this package imports no
 framework.
 """

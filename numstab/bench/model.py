@@ -1,6 +1,6 @@
 """The benchmark's decoder-only transformer LM, written once over a small ``ops`` adapter.
 
-Each framework module (fw_torch, fw_jax, fw_tensorflow) supplies ``ops`` (cast, take,
+Each framework's ``numstab/frameworks/<name>/bench.py`` supplies ``ops`` (cast, take,
 matmul, reshape, transpose, mean, rsqrt, tanh, exp, max, sum, constant); the math below is
 the same for all three, so the same weights give the same function.
 

@@ -10,12 +10,13 @@ native stack's library is missing). numstab's stack reuses one compiled step per
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
 import traceback
 from typing import Any
+
+from numstab import frameworks
 
 PREFIX = "@@bench "
 
@@ -41,9 +42,10 @@ def limit_threads(threads: int, fast_compile: bool) -> None:
 
 
 def _native_module(framework: str) -> Any:
-    """numstab.bench.native_<framework>, or why it cannot be imported (e.g. jmp missing)."""
+    """numstab/frameworks/<framework>/bench_native.py, or why it cannot be imported (e.g. jmp
+    missing)."""
     try:
-        return importlib.import_module(f"numstab.bench.native_{framework}")
+        return frameworks.module(framework, "bench_native")
     except ImportError as exc:
         return f"the native {framework} stack needs {exc.name or exc}: {exc}"
 
@@ -58,7 +60,7 @@ def main() -> int:
     preset = preset_from_dict(job["preset"])
     limit_threads(job["threads"], preset.fast_compile)
     try:
-        fw = importlib.import_module(f"numstab.bench.fw_{job['framework']}")
+        fw = frameworks.module(job["framework"], "bench")
         fw.setup(job["device"])
     except (ImportError, FrameworkSetupError) as exc:
         emit("fatal", message=f"{type(exc).__name__}: {exc}")
