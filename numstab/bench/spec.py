@@ -84,6 +84,9 @@ _QUICK_GRID = (
     ("fp16", "ls", "logit_blowup"),
 )
 
+#: the model and batch of the quick and sweep presets (the sweep varies the learning rate)
+_QUICK_MODEL = {"layers": 2, "d_model": 64, "heads": 4, "vocab": 256, "context": 32, "batch": 4}
+
 PRESETS: dict[str, Preset] = {
     # seconds per framework: the CI end-to-end test
     "tiny": Preset(
@@ -106,12 +109,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "quick": Preset(
         "quick",
-        layers=2,
-        d_model=64,
-        heads=4,
-        vocab=256,
-        context=32,
-        batch=4,
+        **_QUICK_MODEL,
         steps=48,
         warmup_steps=8,
         grid=_QUICK_GRID,
@@ -121,12 +119,7 @@ PRESETS: dict[str, Preset] = {
     # and without qk_norm / z_loss, 4 peak learning rates, both stacks
     "sweep": Preset(
         "sweep",
-        layers=2,
-        d_model=64,
-        heads=4,
-        vocab=256,
-        context=32,
-        batch=4,
+        **_QUICK_MODEL,
         steps=100,
         warmup_steps=10,
         grid=(
