@@ -128,7 +128,7 @@ class WarmupCosineSchedule:
         return be.where(t < float(warmup), warm, decayed)
 
     # -- framework adapters --------------------------------------------------------------------
-    def torch_scheduler(self, optimizer: Any, last_epoch: int = -1) -> Any:
+    def for_torch(self, optimizer: Any, last_epoch: int = -1) -> Any:
         """A ``torch.optim.lr_scheduler.LambdaLR`` giving each parameter group
         ``initial_lr * schedule(step) / base_lr``: exactly ``schedule(step)`` when the
         optimizer was built with ``lr=base_lr``, and per-group ratios are kept otherwise.
@@ -137,17 +137,22 @@ class WarmupCosineSchedule:
 
         return frameworks.module("torch", "schedules").lambda_lr(self, optimizer, last_epoch)
 
-    def optax(self) -> Any:
+    def for_optax(self) -> Any:
         """An optax schedule (``count -> lr``), evaluated on the jax backend."""
         from numstab import frameworks
 
         return frameworks.module("jax", "schedules").optax_schedule(self)
 
-    def keras(self) -> Any:
+    def for_keras(self) -> Any:
         """A Keras 3 ``LearningRateSchedule`` (serialisable, any Keras backend)."""
         from numstab import frameworks
 
         return frameworks.module("keras", "schedules").WarmupCosineDecay(**self.get_config())
+
+    # the earlier names of the three adapters
+    torch_scheduler = for_torch
+    optax = for_optax
+    keras = for_keras
 
 
 def warmup_cosine_schedule(

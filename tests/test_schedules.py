@@ -148,3 +148,12 @@ def test_keras_schedule_in_fit_and_serialised():
     assert int(opt.iterations) == 6
     np.testing.assert_allclose(float(opt.learning_rate), schedule(6), rtol=1e-6)
     np.testing.assert_allclose(float(restored(6)), schedule(6), rtol=1e-6)
+
+
+def test_adapters_are_named_as_the_guard_entry_points():
+    """for_torch / for_optax / for_keras, as TrainingGuard.for_torch, ...; the earlier names
+    are the same methods."""
+    cls = type(ns.warmup_cosine_schedule(1.0, warmup_steps=1, total_steps=3))
+    assert cls.torch_scheduler is cls.for_torch
+    assert cls.optax is cls.for_optax
+    assert cls.keras is cls.for_keras
