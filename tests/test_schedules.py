@@ -153,7 +153,8 @@ def test_keras_schedule_in_fit_and_serialised():
 def test_adapters_are_named_as_the_guard_entry_points():
     """for_torch / for_optax / for_keras, as TrainingGuard.for_torch, ...; the earlier names
     are the same methods."""
-    cls = type(ns.warmup_cosine_schedule(1.0, warmup_steps=1, total_steps=3))
+    cls = type(warmup_cosine_schedule(1.0, warmup_steps=1, total_steps=3))
+    assert cls is WarmupCosineSchedule
     assert cls.torch_scheduler is cls.for_torch
     assert cls.optax is cls.for_optax
     assert cls.keras is cls.for_keras
