@@ -312,6 +312,14 @@ class Backend:
         """Per-row -log_softmax(logits)[label] for 2-D logits and in-range labels."""
         return -self.take_rows(self.log_softmax(logits), labels)
 
+    def mean_softmax_nll(self, x: Array, labels: Array, ignore_index: int) -> Array | None:
+        """``cross_entropy(x, labels, ignore_index=ignore_index)`` (the mean over counted rows)
+        where a backend can give it exactly in one fused call, else None: the full path then
+        validates and computes. A ``native_`` version must return None for anything whose
+        answer could differ from the full path's: bad or ignored-only labels, non-finite
+        losses, traced or unusual arrays (the full path then raises or handles them)."""
+        return None
+
     def smoothed_nll(self, x: Array, labels: Array, eps: float, weight: Array | None) -> Array:
         """Per row, label smoothing over ALL K classes (torch's ``label_smoothing`` rows):
         ``(1 - eps) * w[y] * (lse - x[y]) + eps / K * sum_c w[c] * (lse - x[c])``, w = 1
