@@ -45,7 +45,8 @@ How
 * Time: the median of ``--repeats`` timed steps after the first, untimed, step, each ending
   with a device sync; the garbage collector is paused while timing.
 * Before the numbers are trusted, the fused loss and gradient norms are compared with the
-  unfused ones (relative 1e-3): a fast but wrong kernel would be reported as WRONG.
+  unfused ones (relative 1e-3; 2e-2 in bfloat16, whose unfused gradients round each product
+  where the fused ones accumulate in float32): a fast but wrong kernel is reported as WRONG.
 * Floor: a third run per backend, in plain framework ops, of one chunk of the fused
   algorithm at the fused path's chunk size: both gradients allocated (hidden's and weight's),
   one chunk of float32 logits, its softmax, and its products written into the gradients.
@@ -377,9 +378,14 @@ def _run_worker(args, backend, variant) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _agree(a: dict, b: dict) -> bool:
+#: relative agreement of the fused loss and gradient norms with the unfused ones: bfloat16's
+#: unfused gradients are rounded per product, the fused ones accumulate in float32 (§11)
+AGREEMENT = {"float32": 1e-3, "bfloat16": 2e-2}
+
+
+def _agree(a: dict, b: dict, rtol: float = AGREEMENT["float32"]) -> bool:
     pairs = [(a["loss"], b["loss"]), *zip(a["grad_norms"], b["grad_norms"], strict=True)]
-    return all(abs(x - y) <= 1e-3 * max(abs(y), 1e-12) for x, y in pairs)
+    return all(abs(x - y) <= rtol * max(abs(y), 1e-12) for x, y in pairs)
 
 
 def main(argv=None) -> int:
@@ -441,7 +447,7 @@ def main(argv=None) -> int:
             for r in errors:
                 print(f"{backend:<11}{r['variant']} FAILED:\n{r['error']}")
             continue
-        row = _row(backend, runs)
+        row = _row(backend, runs, AGREEMENT[args.dtype])
         rows.append(row)
         failed |= not row["agree"]
         print(
@@ -486,12 +492,12 @@ def _one_off(run: dict) -> int:
     return run["compile_peak_bytes"]
 
 
-def _row(backend: str, runs: dict) -> dict:
+def _row(backend: str, runs: dict, rtol: float) -> dict:
     """One table row: fused per-step peak over the floor's, time over unfused, the goals."""
     u, f, fl = runs["unfused"], runs["fused"], runs["floor"]
     mem = _step_peak(f) / max(_step_peak(fl), 1)
     speed = f["seconds"] / u["seconds"]
-    agree = _agree(f, u)
+    agree = _agree(f, u, rtol)
     if not agree:
         verdict = f"WRONG: fused {f['loss']}, {f['grad_norms']} vs {u}"
     else:
