@@ -46,11 +46,22 @@ How
   Gradients are compared after scaling by tokens * classes: the entries of a mean-reduced
   gradient are about 1 / (tokens * classes), far below atol, and compared unscaled any gradient
   of that size, zero included, would pass. The scaled check implies the unscaled one.
+* A round times each side ``calls`` times in a row (enough for ~0.1 s; one call for the
+  large case), so a round's ratio averages over the machine's short stalls. Where the
+  quartiles of a row's rounds straddle its goal, more rounds are run (up to --max-repeats).
+* A row still over its goal also times native against itself, interleaved the same way, for
+  as many rounds: the column "floor" is that ratio and its quartiles, the noise floor of the
+  comparison in this run (identical work on both sides). A compiled row whose graph does the
+  same work as native's (compared op by op in docs/semantics.md) misses its goal only by
+  this noise.
 * Timings are printed, never asserted. Goals: ratio <= 1.05 eager, <= 1.02 (about 1.00)
-  compiled, dispatch < 10 us. Each row says whether it meets its goal.
+  compiled; tiny call overhead <= 10 us over the native loss in torch and JAX, <= 50 us in
+  TensorFlow (as a ratio: goal = (native + overhead goal) / native); dispatch < 10 us.
+  Each row says whether it meets its goal; --json rows carry ratio, goal and meets_goal.
 
 Usage: python benchmarks/overhead.py [--backends torch,jax,tensorflow] [--shape 4096x32768]
-       [--tree 200x20000000 | --skip-tree] [--repeats 7] [--device cpu|gpu] [--torch-compile]
+       [--tree 200x20000000 | --skip-tree] [--repeats 7] [--max-repeats 21] [--device cpu|gpu]
+       [--torch-compile]
        [--quick] [--json PATH]
 """
 
@@ -92,6 +103,9 @@ EAGER_GOAL, COMPILED_GOAL, DISPATCH_GOAL_US = 1.05, 1.02, 10.0
 IMPORT_SAMPLES = 5
 LOAD_WARNING = 0.5  # 1-minute load average above which the report warns of CPU contention
 BATCH_SECONDS = 0.05  # tiny calls are timed in batches of about this length
+ROUND_SECONDS = 0.1  # a timed round of a large case or tree op lasts at least about this
+#: tiny-call goal: microseconds over the native loss (issue 20, goal 2)
+TINY_GOAL_US = {"torch": 10.0, "jax": 10.0, "tensorflow": 50.0}
 
 Array = Any
 LossFn = Callable[[Array, Array], Array]
@@ -387,18 +401,63 @@ class Row:
     goal: float
     meets_goal: bool
     round_ratios_q1_q3: tuple[float, float]
+    rounds: int = 0
+    calls_per_round: int = 1
+    # rows over their goal: native against itself, interleaved the same way (identical work):
+    # the noise floor of the comparison in this run, median and quartiles of its rounds
+    floor: float | None = None
+    floor_q1_q3: tuple[float, float] | None = None
+
+
+def rounds_and_calls(step: Step, sync: Callable[[Any], None]) -> int:
+    """Calls per timed round: enough for about ROUND_SECONDS (one for slow steps), so that a
+    round's ratio averages over the machine's short stalls."""
+    start = time.perf_counter()
+    sync(step())
+    once = time.perf_counter() - start
+    return max(1, min(1000, int(ROUND_SECONDS / max(once, 1e-9))))
+
+
+def straddles(ours: list[float], theirs: list[float], goal: float) -> bool:
+    """True while the quartiles of the per-round ratios lie on both sides of ``goal``."""
+    q1, q3 = round_ratio_quartiles(ours, theirs)
+    return q1 <= goal < q3
 
 
 def timed_row(
-    h: Harness, case: str, mode: str, ours: Step, theirs: Step, warmup: int, repeats: int
+    h: Harness,
+    case: str,
+    mode: str,
+    ours: Step,
+    theirs: Step,
+    warmup: int,
+    repeats: int,
+    max_repeats: int | None = None,
 ) -> Row:
-    """One table row: medians of interleaved rounds, their ratio and its goal."""
-    t_ours, t_theirs = interleaved_samples(ours, theirs, h.sync, warmup, repeats)
+    """One table row: medians of interleaved rounds, their ratio and its goal. While the
+    rounds' quartiles straddle the goal, more rounds are run (up to ``max_repeats``); a row
+    still over its goal then times native against itself, the floor noise sets."""
+    goal = EAGER_GOAL if mode == "eager" else COMPILED_GOAL
+    calls = rounds_and_calls(theirs, h.sync)
+    t_ours, t_theirs = interleaved_samples(ours, theirs, h.sync, warmup, repeats, calls)
+    max_repeats = max(max_repeats or repeats, repeats)
+    while len(t_ours) < max_repeats and straddles(t_ours, t_theirs, goal):
+        more = min(max(2, repeats // 2), max_repeats - len(t_ours))
+        extra = interleaved_samples(ours, theirs, h.sync, 0, more, calls)
+        t_ours += extra[0]
+        t_theirs += extra[1]
     m_ours, m_theirs = statistics.median(t_ours), statistics.median(t_theirs)
     ratio = m_ours / m_theirs
-    goal = EAGER_GOAL if mode == "eager" else COMPILED_GOAL
     spread = round_ratio_quartiles(t_ours, t_theirs)
-    return Row(case, h.name, mode, 1e3 * m_ours, 1e3 * m_theirs, ratio, goal, ratio <= goal, spread)
+    row = Row(
+        case, h.name, mode, 1e3 * m_ours, 1e3 * m_theirs, ratio, goal, ratio <= goal, spread,
+        len(t_ours), calls,
+    )  # fmt: skip
+    if not row.meets_goal:
+        a, b = interleaved_samples(theirs, theirs, h.sync, 1, len(t_ours), calls)
+        row.floor = statistics.median(a) / statistics.median(b)
+        row.floor_q1_q3 = round_ratio_quartiles(a, b)
+    return row
 
 
 @dataclass
@@ -407,7 +466,11 @@ class TinyRow:
     numstab_us: float
     native_us: float
     overhead_us: float
-    ratio: float
+    overhead_q1_q3_us: tuple[float, float]
+    overhead_goal_us: float
+    ratio: float  # numstab / native
+    goal: float  # the ratio at which the overhead is overhead_goal_us
+    meets_goal: bool
 
 
 @dataclass
@@ -426,7 +489,7 @@ def make_data(shape: tuple[int, int], seed: int = 0) -> tuple[np.ndarray, np.nda
 
 
 def bench_large(
-    h: Harness, data: tuple[np.ndarray, np.ndarray], warmup: int, repeats: int
+    h: Harness, data: tuple[np.ndarray, np.ndarray], warmup: int, repeats: int, most: int
 ) -> list[Row]:
     tokens, classes = data[0].shape
     x, y = h.inputs(*data, True)
@@ -438,12 +501,12 @@ def bench_large(
             ours = build(numstab_loss(eps), x, y)
             theirs = build(h.native_loss(eps), x, y)
             assert_same_step(h, ours, theirs, float(tokens * classes), where)
-            rows.append(timed_row(h, case, mode, ours, theirs, warmup, repeats))
+            rows.append(timed_row(h, case, mode, ours, theirs, warmup, repeats, most))
     return rows
 
 
 def bench_tree(
-    h: Harness, host: list[np.ndarray], device: str, warmup: int, repeats: int
+    h: Harness, host: list[np.ndarray], device: str, warmup: int, repeats: int, most: int
 ) -> list[Row]:
     """The tree operations of _overhead_tree, in every mode of the harness."""
     rows = []
@@ -453,7 +516,7 @@ def bench_tree(
             where = f"{h.name} {mode} {op}"
             print(f"  {where} ...", flush=True)
             _overhead_tree.assert_agree(where, _host(h, ours()), _host(h, theirs()))
-            rows.append(timed_row(h, op, mode, ours, theirs, warmup, repeats))
+            rows.append(timed_row(h, op, mode, ours, theirs, warmup, repeats, most))
     return rows
 
 
@@ -469,9 +532,21 @@ def bench_tiny(h: Harness, warmup: int, repeats: int) -> tuple[TinyRow, Dispatch
     ours, theirs = partial(numstab_loss(0.0), x, y), partial(h.native_loss(0.0), x, y)
     assert_close(h.to_numpy(ours()), h.to_numpy(theirs()), 1.0, f"{h.name} tiny loss")
     calls = calls_per_batch(theirs, h.sync)
-    t_ours, t_theirs = interleaved_medians(ours, theirs, h.sync, warmup, repeats, calls)
+    s_ours, s_theirs = interleaved_samples(ours, theirs, h.sync, warmup, repeats, calls)
+    t_ours, t_theirs = statistics.median(s_ours), statistics.median(s_theirs)
+    overhead = sorted(1e6 * (o - t) for o, t in zip(s_ours, s_theirs, strict=True))
+    quartiles = statistics.quantiles(overhead, n=4)[::2] if len(overhead) >= 4 else overhead
+    goal_us = TINY_GOAL_US[h.name]
     tiny = TinyRow(
-        h.name, 1e6 * t_ours, 1e6 * t_theirs, 1e6 * (t_ours - t_theirs), t_ours / t_theirs
+        h.name,
+        1e6 * t_ours,
+        1e6 * t_theirs,
+        1e6 * (t_ours - t_theirs),
+        (quartiles[0], quartiles[-1]),
+        goal_us,
+        t_ours / t_theirs,
+        (t_theirs + 1e-6 * goal_us) / t_theirs,
+        1e6 * (t_ours - t_theirs) <= goal_us,
     )
     return tiny, bench_dispatch(h.name, x, warmup, repeats)
 
@@ -539,10 +614,11 @@ def _mark(ok: bool) -> str:
 
 
 def ratio_table(first: str, rows: list[Row]) -> str:
-    """The numstab-vs-native table; ``first`` names the first column (case or op)."""
+    """The numstab-vs-native table; ``first`` names the first column (case or op). ``floor``:
+    native timed against itself the same way, for rows over their goal (``-`` elsewhere)."""
     headers = [
-        first, "backend", "mode", "numstab ms", "native ms", "ratio", "rounds q1-q3", "goal",
-        "meets",
+        first, "backend", "mode", "numstab ms", "native ms", "ratio", "rounds q1-q3", "rounds",
+        "goal", "meets", "floor (q1-q3)",
     ]  # fmt: skip
     return format_table(
         headers,
@@ -554,13 +630,42 @@ def ratio_table(first: str, rows: list[Row]) -> str:
                 f"{r.numstab_ms:.2f}",
                 f"{r.native_ms:.2f}",
                 f"{r.ratio:.3f}",
-                f"{r.round_ratios_q1_q3[0]:.2f}-{r.round_ratios_q1_q3[1]:.2f}",
+                _span(r.round_ratios_q1_q3),
+                f"{r.rounds}x{r.calls_per_round}",
                 f"<= {r.goal:.2f}",
                 _mark(r.meets_goal),
+                "-" if r.floor is None else f"{r.floor:.3f} ({_span(r.floor_q1_q3)})",
             ]
             for r in rows
         ],
     )
+
+
+def _span(pair: tuple[float, float] | None, digits: int = 2) -> str:
+    if not pair:
+        return "-"
+    sep = " to " if min(pair) < 0 else "-"
+    return f"{pair[0]:.{digits}f}{sep}{pair[1]:.{digits}f}"
+
+
+def tiny_table(tiny: list[TinyRow]) -> str:
+    return format_table(
+        ["backend", "numstab us", "native us", "overhead us", "q1-q3 us", "ratio", "goal us",
+         "meets"],
+        [
+            [
+                t.backend,
+                f"{t.numstab_us:.1f}",
+                f"{t.native_us:.1f}",
+                f"{t.overhead_us:.1f}",
+                _span(t.overhead_q1_q3_us, 1),
+                f"{t.ratio:.2f}",
+                f"<= {t.overhead_goal_us:.0f}",
+                _mark(t.meets_goal),
+            ]
+            for t in tiny
+        ],
+    )  # fmt: skip
 
 
 def print_report(
@@ -574,7 +679,8 @@ def print_report(
     print()
     print(f"numstab {meta['numstab']} overhead | device {meta['device']} | {meta['machine']}")
     print(
-        f"large shape {meta['shape']} fp32 | {meta['repeats']} timed rounds after "
+        f"large shape {meta['shape']} fp32 | {meta['repeats']} timed rounds (up to "
+        f"{meta['max_repeats']} where the quartiles straddle the goal) after "
         f"{meta['warmup']} warmup | frameworks: {meta['frameworks']}"
     )
     load = (meta["load_start"], meta["load_end"])
@@ -599,23 +705,9 @@ def print_report(
     if tiny:
         print(
             f"\nTiny forward, logits {TINY_SHAPE[0]}x{TINY_SHAPE[1]}, hard labels, eager, "
-            "median per call:"
+            "median per call (goal: microseconds over the native loss):"
         )
-        print(
-            format_table(
-                ["backend", "numstab us", "native us", "overhead us", "ratio"],
-                [
-                    [
-                        t.backend,
-                        f"{t.numstab_us:.1f}",
-                        f"{t.native_us:.1f}",
-                        f"{t.overhead_us:.1f}",
-                        f"{t.ratio:.2f}",
-                    ]
-                    for t in tiny
-                ],
-            )
-        )
+        print(tiny_table(tiny))
     print("\nDispatch alone, numstab.resolve_backend(x), median per call:")
     print(
         format_table(
@@ -626,16 +718,29 @@ def print_report(
             ],
         )
     )
-    rows = [*rows, *tree_rows]
-    met = sum(r.meets_goal for r in rows) + sum(d.meets_goal for d in dispatch)
+    print_summary([*rows, *tree_rows], tiny, dispatch)
+
+
+def print_summary(rows: list[Row], tiny: list[TinyRow], dispatch: list[DispatchRow]) -> None:
+    every = [*rows, *tiny, *dispatch]
+    met = sum(r.meets_goal for r in every)
+    tiny_goals = ", ".join(f"{v:.0f} us {k}" for k, v in TINY_GOAL_US.items())
     print(
         f"\nGoal: ratio <= {EAGER_GOAL:.2f} eager, <= {COMPILED_GOAL:.2f} (about 1.00) "
-        f"compiled; dispatch < {DISPATCH_GOAL_US:.0f} us. Met: {met} of "
-        f"{len(rows) + len(dispatch)} rows."
+        f"compiled; tiny call overhead <= {tiny_goals}; "
+        f"dispatch < {DISPATCH_GOAL_US:.0f} us. Met: {met} of {len(every)} rows."
     )
     for r in rows:
         if not r.meets_goal:
-            print(f"  over budget: {r.case} | {r.backend} | {r.mode}: ratio {r.ratio:.3f}")
+            noise = r.floor_q1_q3 is not None and r.floor_q1_q3[1] > r.goal
+            print(
+                f"  over budget: {r.case} | {r.backend} | {r.mode}: ratio {r.ratio:.3f}; "
+                f"native against itself {r.floor:.3f} (q1-q3 {_span(r.floor_q1_q3)})"
+                + ("; within this run's noise" if noise else "")
+            )
+    for t in tiny:
+        if not t.meets_goal:
+            print(f"  over budget: tiny {t.backend}: {t.overhead_us:.1f} us over native")
     for d in dispatch:
         if not d.meets_goal:
             print(f"  over budget: dispatch {d.backend}: {d.resolve_us:.2f} us")
@@ -690,6 +795,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"timed rounds (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})",
     )
     parser.add_argument(
+        "--max-repeats",
+        type=int,
+        default=None,
+        help="rounds a row may grow to while its quartiles straddle its goal (default 3x "
+        "--repeats)",
+    )
+    parser.add_argument(
         "--warmup",
         type=int,
         default=None,
@@ -722,6 +834,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.shape = args.shape or (QUICK_SHAPE if args.quick else DEFAULT_SHAPE)
     args.tree = args.tree or (QUICK_TREE if args.quick else DEFAULT_TREE)
     args.repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+    args.max_repeats = max(args.max_repeats or 3 * args.repeats, args.repeats)
     if args.warmup is None:
         args.warmup = QUICK_WARMUP if args.quick else DEFAULT_WARMUP
     if args.repeats < 1 or args.warmup < 0:
@@ -754,6 +867,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": f"{args.shape[0]}x{args.shape[1]}",
         "tree": f"{args.tree[0]} tensors, {args.tree[1] / 1e6:g}M parameters,",
         "repeats": args.repeats,
+        "max_repeats": args.max_repeats,
         "warmup": args.warmup,
         "load_start": os.getloadavg()[0],
         "frameworks": ", ".join(f"{h.name} {h.version} on {h.device}" for h in harnesses) or "none",
@@ -767,9 +881,11 @@ def main(argv: list[str] | None = None) -> int:
     dispatch = [bench_dispatch("numpy", host, args.warmup, args.repeats)]
     for h in harnesses:
         print(f"{h.name}:", flush=True)
-        rows += bench_large(h, data, args.warmup, args.repeats)
+        rows += bench_large(h, data, args.warmup, args.repeats, args.max_repeats)
         if grads:
-            tree_rows += bench_tree(h, grads, args.device, args.warmup, args.repeats)
+            tree_rows += bench_tree(
+                h, grads, args.device, args.warmup, args.repeats, args.max_repeats
+            )
         tiny_row, dispatch_row = bench_tiny(h, args.warmup, args.repeats)
         tiny.append(tiny_row)
         dispatch.append(dispatch_row)

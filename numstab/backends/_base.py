@@ -13,32 +13,22 @@ import abc
 import contextlib
 import functools
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
-FORCE_GENERIC_ENV = "NUMSTAB_FORCE_GENERIC"
+from numstab.backends._native import FORCE_GENERIC_ENV, generic_forced, has_native, native_op
+
+__all__ = [
+    "FORCE_GENERIC_ENV",
+    "Array",
+    "Backend",
+    "generic_forced",
+    "has_native",
+    "native_op",
+    "numpy_dtype_name",
+]
 
 Array = Any
-
-
-def generic_forced() -> bool:
-    """True when ``NUMSTAB_FORCE_GENERIC`` asks for the generic composites."""
-    return os.environ.get(FORCE_GENERIC_ENV, "") not in ("", "0")
-
-
-def native_op(backend: Backend, name: str) -> Callable[..., Array]:
-    """The backend's fused ``native_<name>`` if it has one and it is allowed, else ``<name>``."""
-    if not generic_forced():
-        native = getattr(backend, "native_" + name, None)
-        if native is not None:
-            return native
-    return getattr(backend, name)
-
-
-def has_native(backend: Backend, name: str) -> bool:
-    """True when ``native_op(backend, name)`` would return the backend's ``native_<name>``."""
-    return not generic_forced() and hasattr(backend, "native_" + name)
 
 
 @functools.cache
@@ -319,6 +309,14 @@ class Backend(abc.ABC):
         log_p = self.log_softmax(x)
         onehot = self.one_hot(labels, self.shape(x)[-1], self.dtype_name(x))
         return -self.take_rows(log_p, labels), self.exp(log_p) - onehot
+
+    def mean_softmax_nll(self, x: Array, labels: Array, ignore_index: int) -> Array | None:
+        """``cross_entropy(x, labels, ignore_index=ignore_index)`` (the mean over counted rows)
+        where a backend can give it exactly in one fused call, else None: the full path then
+        validates and computes. A ``native_`` version must return None for anything whose
+        answer could differ from the full path's: bad or ignored-only labels, non-finite
+        losses, traced or unusual arrays (the full path then raises or handles them)."""
+        return None
 
     def smoothed_nll(self, x: Array, labels: Array, eps: float, weight: Array | None) -> Array:
         """Per row, label smoothing over ALL K classes (torch's ``label_smoothing`` rows):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,10 @@ def _exclude_numstab_from_autograph() -> None:
 
 
 _exclude_numstab_from_autograph()
+
+
+_FAST_FLOATS = (tf.float32, tf.float64)
+_FAST_INDICES = (tf.int32, tf.int64)
 
 
 def _as_operand(value, like):
@@ -167,6 +172,32 @@ class TensorflowBackend(Backend):
 
     def native_softmax_nll(self, logits, labels):
         return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+
+    def native_mean_softmax_nll(self, x, labels, ignore_index):
+        # eager CPU tensors only: there the kernel raises on out-of-range labels, ignored
+        # ones included (on a GPU they are NaN rows), and reading the loss costs no sync.
+        # The raw ops: tf.nn's wrapper costs ~40 us of Python on a tiny batch, reduce_mean
+        # ~40 more
+        if (
+            not isinstance(x, tf.Tensor)
+            or not isinstance(labels, tf.Tensor)
+            or x.dtype not in _FAST_FLOATS
+            or labels.dtype not in _FAST_INDICES
+            or x.shape.rank != 2
+            or labels.shape.rank != 1
+            or not tf.executing_eagerly()
+            or "CPU" not in x.device
+            or 0 <= ignore_index < x.shape[-1]  # a class id to the kernel, which ignores none
+        ):
+            return None
+        try:
+            rows, _ = tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=x, labels=labels)
+        except (tf.errors.OpError, ValueError, TypeError):  # the full path names the problem
+            return None
+        loss = tf.raw_ops.Mean(input=rows, axis=0)
+        # non-finite: an empty batch (0 / 0), ignored labels (NaN rows off the CPU), or -inf
+        # / +inf / NaN logits, whose rows the full path defines
+        return loss if math.isfinite(float(loss)) else None
 
     def native_smoothed_nll(self, x, labels, eps, weight):
         if weight is not None:  # the fused kernel's gradient assumes targets that sum to 1

@@ -38,6 +38,9 @@ def is_dtensor(x) -> bool:
     return dtensor is not None and isinstance(x, dtensor)
 
 
+_FAST_FLOATS = (torch.float32, torch.float64)
+
+
 class TorchBackend(NamespaceBackend):
     name = "torch"
     xp = torch
@@ -176,6 +179,29 @@ class TorchBackend(NamespaceBackend):
 
     def native_softmax_nll(self, logits, labels):
         return F.cross_entropy(logits, labels.long(), reduction="none")
+
+    def native_mean_softmax_nll(self, x, labels, ignore_index):
+        # eager CPU tensors only: torch raises there on out-of-range labels (on CUDA they
+        # are a device assert) and reading the loss costs no sync
+        if (
+            type(x) is not torch.Tensor
+            or type(labels) is not torch.Tensor
+            or x.dtype not in _FAST_FLOATS
+            or labels.dtype is not torch.int64
+            or x.device.type != "cpu"
+            or x.dim() != 2
+            or labels.dim() != 1
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        try:
+            loss = F.cross_entropy(x, labels, ignore_index=ignore_index)
+            # non-finite: every row ignored (0 / 0), or -inf / +inf / NaN logits, whose rows
+            # the full path defines
+            finite = math.isfinite(loss.item())  # (torch.func transforms refuse .item())
+        except (IndexError, RuntimeError, ValueError):  # the full path names the problem
+            return None
+        return loss if finite else None
 
     def native_smoothed_nll(self, x, labels, eps, weight):
         return F.cross_entropy(

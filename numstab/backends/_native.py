@@ -1,0 +1,32 @@
+"""Choosing between a backend's fused ``native_<op>`` kernel and the generic ``<op>``:
+``NUMSTAB_FORCE_GENERIC=1`` asks for the generic path everywhere (the test suite runs both)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from numstab.backends._base import Backend
+
+FORCE_GENERIC_ENV = "NUMSTAB_FORCE_GENERIC"
+
+
+def generic_forced() -> bool:
+    """True when ``NUMSTAB_FORCE_GENERIC`` asks for the generic composites."""
+    return os.environ.get(FORCE_GENERIC_ENV, "") not in ("", "0")
+
+
+def native_op(backend: Backend, name: str) -> Callable[..., Any]:
+    """The backend's fused ``native_<name>`` if it has one and it is allowed, else ``<name>``."""
+    if not generic_forced():
+        native = getattr(backend, "native_" + name, None)
+        if native is not None:
+            return native
+    return getattr(backend, name)
+
+
+def has_native(backend: Backend, name: str) -> bool:
+    """True when ``native_op(backend, name)`` would return the backend's ``native_<name>``."""
+    return not generic_forced() and hasattr(backend, "native_" + name)
