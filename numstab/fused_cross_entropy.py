@@ -22,9 +22,10 @@ from typing import Any
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend
 from numstab._dispatch import to_backend as _to_backend
+from numstab._loss_checks import raise_out_of_range
 from numstab.backends._base import Backend, has_native, native_op
 from numstab.errors import InvalidArgumentError
-from numstab.losses import REDUCTIONS, _raise_out_of_range, _safe_divide
+from numstab.losses import REDUCTIONS, _safe_divide
 
 Array = Any
 NAN = float("nan")
@@ -98,7 +99,7 @@ def fused_linear_cross_entropy(
     y = be.reshape(be.cast(labels, be.index_dtype), (rows,))
     out_of_range = ((y < 0) | (y >= vocab)) & (y != ignore_index)
     if not be.is_tracing(out_of_range) and be.any(out_of_range):  # concrete labels only
-        _raise_out_of_range(be, labels, vocab, ignore_index)
+        raise_out_of_range(be, labels, vocab, ignore_index)
 
     plan = _Plan(be, eps, z_loss, ignore_index, reduction, cdt, vocab, rows,
                  chunk_size or default_chunk_size(rows, vocab))  # fmt: skip

@@ -14,6 +14,7 @@ from numstab._config import AUTO, configured_backend
 from numstab._dispatch import HOST, resolve_backend
 from numstab._dispatch import framework_of as _framework_of
 from numstab._dispatch import to_backend as _to_backend
+from numstab._loss_checks import check_label_shape, class_count, raise_out_of_range, required
 from numstab.backends import load_backend
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError
@@ -44,10 +45,10 @@ def _classes_last(x: Array, axis: int, backend: str | None) -> tuple[Backend, Ar
     """(backend, ``x`` upcast to its compute dtype with ``axis`` moved last, the normalised
     axis); raises for a non-float ``x`` and for a class axis unknown or of length 0."""
     be = resolve_backend(x, backend=backend)
-    x = _to_backend(be, _required("x", x), name="x")
+    x = _to_backend(be, required("x", x), name="x")
     shape = be.shape(x)
     x, axis, _ = _prepare(be, x, "x", axis)
-    _class_count(be, x, "x", axis, shape)
+    class_count(be, x, "x", axis, shape)
     return be, x, axis
 
 
@@ -87,7 +88,7 @@ def smooth_labels(
     """
     alpha = v.check_number("alpha", alpha, low=0.0, high=1.0)
     be = resolve_backend(labels, backend=backend)
-    labels = _to_backend(be, _required("labels", labels), name="labels")
+    labels = _to_backend(be, required("labels", labels), name="labels")
     dtype = be.dtype_name(labels)
     if v.is_integer(dtype):
         if num_classes is None:
@@ -102,7 +103,7 @@ def smooth_labels(
         ids = be.cast(labels, be.index_dtype)
         out_of_range = (ids < 0) | (ids >= num_classes)
         if not be.is_tracing(out_of_range) and be.any(out_of_range):
-            _raise_out_of_range(be, labels, num_classes, ignore_index=None)
+            raise_out_of_range(be, labels, num_classes, ignore_index=None)
         labels = be.one_hot(ids, num_classes, "float32")
     elif v.is_floating(dtype):
         shape = be.shape(labels)
@@ -164,13 +165,13 @@ def cross_entropy(
     z_loss = v.check_number("z_loss", z_loss, low=0.0)
     ignore_index = v.check_int("ignore_index", ignore_index)
     be = resolve_backend(logits, labels, weight, backend=backend)
-    logits = _to_backend(be, _required("logits", logits), name="logits")
-    labels = _to_backend(be, _required("labels", labels), like=logits, name="labels")
+    logits = _to_backend(be, required("logits", logits), name="logits")
+    labels = _to_backend(be, required("labels", labels), like=logits, name="labels")
     weight = _to_backend(be, weight, like=logits, name="weight")
 
     shape = be.shape(logits)
     x, axis, cdt = _prepare(be, logits, "logits", axis)
-    num_classes = _class_count(be, x, "logits", axis, shape)
+    num_classes = class_count(be, x, "logits", axis, shape)
     if weight is not None:
         weight = _class_weight(be, weight, num_classes, cdt)
     batch_shape = shape[:axis] + shape[axis + 1 :]
@@ -179,7 +180,7 @@ def cross_entropy(
     with be.float_errors_ignored():
         x2 = x if len(shape) == 2 else be.reshape(x, (-1, num_classes))
         if v.is_integer(label_dtype):
-            _check_label_shape(label_shape, batch_shape, shape, "labels of shape")
+            check_label_shape(label_shape, batch_shape, shape, "labels of shape")
             y = labels if label_dtype == be.index_dtype else be.cast(labels, be.index_dtype)
             y = y if len(label_shape) == 1 else be.reshape(y, (-1,))
             loss = _hard_label_loss(
@@ -187,9 +188,7 @@ def cross_entropy(
             )
             return be.unflatten_rows(loss, x) if reduction == "none" else loss
         elif v.is_floating(label_dtype):
-            _check_label_shape(
-                label_shape, shape, shape, "probability labels of shape", label_dtype
-            )
+            check_label_shape(label_shape, shape, shape, "probability labels of shape", label_dtype)
             t = be.cast(_prepare(be, labels, "labels", axis)[0], cdt)
             t = be.reshape(t, (-1, num_classes))
             kernel = _probability_kernel
@@ -222,20 +221,6 @@ def _fast_mean(logits, labels, extra, ignore_index, reduction, axis) -> Array | 
     return native_op(load_backend(kind), "mean_softmax_nll")(logits, labels, ignore_index)
 
 
-def _class_count(be: Backend, x: Array, name: str, axis: int, shape: tuple) -> int:
-    """The static, non-zero length of the class axis (moved last in ``x``)."""
-    count = be.shape(x)[-1]
-    if count is None:
-        raise InvalidArgumentError(
-            f"Expected a static number of classes on axis {axis}. Received: {name}.shape={shape}"
-        )
-    if count == 0:
-        raise InvalidArgumentError(
-            f"Expected at least one class on axis {axis}. Received: {name}.shape={shape}"
-        )
-    return count
-
-
 def _class_weight(be: Backend, weight: Array, num_classes: int, cdt: str) -> Array:
     v.check_floating("weight", be.dtype_name(weight))
     if be.shape(weight) != (num_classes,):
@@ -255,19 +240,6 @@ def _class_weight(be: Backend, weight: Array, num_classes: int, cdt: str) -> Arr
                 f" ({int(bad.sum())} bad)"
             )
     return be.cast(weight, cdt)
-
-
-def _check_label_shape(
-    label_shape: tuple, expected: tuple, logits_shape: tuple, what: str, dtype: str = ""
-) -> None:
-    if not v.shapes_match(label_shape, expected):
-        hint = ""
-        if dtype and v.shapes_match(label_shape, logits_shape[:-1]):  # float class ids?
-            hint = f", labels.dtype={dtype} (class ids must have an integer dtype)"
-        raise InvalidArgumentError(
-            f"Expected {what} {expected} for logits of shape {logits_shape}. "
-            f"Received: labels.shape={label_shape}{hint}"
-        )
 
 
 def _hard_label_loss(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt, reduction):
@@ -346,7 +318,7 @@ def _read_label_masks(be, y, labels, num_classes, ignore_index) -> str:
     EVERY_ROW (the common case, which then skips three wheres and a count) or SOME_IGNORED."""
     low, high, some_ignored = be.label_summary(y, ignore_index)
     if low < 0 or high >= num_classes:
-        _raise_out_of_range(be, labels, num_classes, ignore_index)
+        raise_out_of_range(be, labels, num_classes, ignore_index)
     return SOME_IGNORED if some_ignored else EVERY_ROW
 
 
@@ -424,29 +396,3 @@ def _safe_divide(be: Backend, total: Array, denominator: Array | int) -> Array:
         return total / denominator if denominator else total * 0.0
     nothing_counted = denominator == 0
     return be.where(nothing_counted, 0.0, total / be.where(nothing_counted, 1.0, denominator))
-
-
-def _raise_out_of_range(
-    be: Backend, labels: Array, num_classes: int, ignore_index: int | None
-) -> None:
-    import numpy as np  # only on this error path: importing numstab does not import numpy
-
-    host = be.to_numpy(labels)
-    bad = (host < 0) | (host >= num_classes)
-    allowed = f"[0, {num_classes})"
-    if ignore_index is not None:
-        bad &= host != ignore_index
-        allowed += f" or equal to ignore_index={ignore_index}"
-    positions = np.argwhere(bad)
-    first = tuple(int(i) for i in positions[0])
-    index = ", ".join(map(str, first))
-    raise InvalidArgumentError(
-        f"Expected labels in {allowed}. "
-        f"Received: labels[{index}]={host[first]} ({len(positions)} label(s) out of range)"
-    )
-
-
-def _required(name: str, x: Any) -> Any:
-    if x is None:
-        raise InvalidArgumentError(f"Expected {name} to be an array. Received: {name}=None")
-    return x

@@ -71,7 +71,7 @@ def _sparse_children(node: Any, dense: bool):
         return None
     from numstab import frameworks
 
-    return frameworks.module("tensorflow", "backend").indexed_slices_children(node, dense)
+    return frameworks.module("tensorflow", "sparse").indexed_slices_children(node, dense)
 
 
 def _all_plain_leaves(nodes: list | tuple) -> bool:
