@@ -1,8 +1,8 @@
 """The host side of a guard whose steady step stays on the device (``host_every = k > 1``).
 
-The device decides every step and keeps, per step, one row of ``ROW_FIELDS`` (float32): the
-loss and the global gradient norm, each detector's window mean, standard deviation and count
-before the step, and whether the step was applied. The host reads the rows ``k`` at a time
+The device decides every step and keeps, per step, a float32 ``[2, len(ROW_COLUMNS)]`` row:
+the loss and the global gradient norm, each detector's window mean, standard deviation and
+count before the step, and whether the step was applied. The host reads the rows ``k`` at a time
 (one transfer) and rebuilds each step's decision from them: the skip reasons and z-scores
 (exactly as ``SpikeDetector.score``, in float32), and, in :class:`HostBook`, the bad-step ring
 and the applied-step count that say when to roll back and when a snapshot is due (exactly as
@@ -19,17 +19,10 @@ from numstab.guard import policy
 if TYPE_CHECKING:
     from numstab.guard.guard import TrainingGuard
 
-ROW_FIELDS = (
-    "loss",
-    "grad_norm",
-    "loss_mean",
-    "grad_norm_mean",
-    "loss_std",
-    "grad_norm_std",
-    "loss_count",
-    "grad_norm_count",
-    "apply",
-)
+#: the columns of a step's row, one row per detector (0: the loss, 1: the gradient norm):
+#: the value, the window's mean, standard deviation and count before the step, and whether
+#: the step was applied (the same in both rows)
+ROW_COLUMNS = ("value", "mean", "std", "count", "apply")
 
 
 def detector_constants(guard: TrainingGuard) -> dict[str, list[float]]:
@@ -48,13 +41,13 @@ def detector_constants(guard: TrainingGuard) -> dict[str, list[float]]:
 
 
 def decisions_from_rows(guard: TrainingGuard, rows: Any, first_step: int) -> list[dict[str, Any]]:
-    """Each row (NumPy float32 ``[n, len(ROW_FIELDS)]``) as the host dict of a
+    """Each row (NumPy float32 ``[n, 2, len(ROW_COLUMNS)]``) as the host dict of a
     ``policy.Decision`` (without ``rollback``/``snapshot``: see :class:`HostBook`)."""
     import numpy as np
 
     c = {k: np.asarray(x, np.float32) for k, x in detector_constants(guard).items()}
-    rows = np.asarray(rows, np.float32).reshape(-1, len(ROW_FIELDS))
-    x, mean, std, count = rows[:, 0:2], rows[:, 2:4], rows[:, 4:6], rows[:, 6:8]
+    rows = np.asarray(rows, np.float32).reshape(-1, 2, len(ROW_COLUMNS))
+    x, mean, std, count = (rows[:, :, j] for j in range(4))
     with np.errstate(all="ignore"):
         finite = np.isfinite(x)
         diff = np.where(c["two"] > 0, np.abs(x - mean), x - mean)
@@ -66,7 +59,7 @@ def decisions_from_rows(guard: TrainingGuard, rows: Any, first_step: int) -> lis
     reasons = (~finite[:, 0]) * 1 + (~finite[:, 1]) * 2 + spike[:, 0] * 4 + spike[:, 1] * 8
     return [
         {
-            "apply": bool(rows[i, 8] > 0),
+            "apply": bool(rows[i, 0, 4] > 0),
             "reasons": int(reasons[i]),
             "loss": float(x[i, 0]),
             "grad_norm": float(x[i, 1]),

@@ -53,6 +53,7 @@ class OptaxGuard:
         self._jax = load_backend("jax")
         self.runner: GuardRunner | None = None
         self._current: tuple[Any, Any] | None = None
+        self._pending: list[policy.Decision] = []
 
     def init(self, params: Any, opt_state: Any) -> policy.GuardState:
         """The initial guard state (a pytree of jax arrays); takes the first snapshot."""
@@ -96,6 +97,13 @@ class OptaxGuard:
         """Act on the decision: log, snapshot, roll back. Returns (params, opt_state,
         gstate), restored from the last good snapshot after a rollback."""
         runner = self._require()
+        if self.guard.host_every > 1:  # keep the decision on the device; read k at a time
+            self._pending.append(decision)
+            self._current = (params, opt_state)
+            self._steps_seen += 1
+            if len(self._pending) >= self.guard.host_every:
+                return self.flush(params, opt_state, gstate)
+            return params, opt_state, gstate
         d = jax.device_get(decision)  # one transfer of a few scalars (+ the layer norms)
         host = {k: x.item() for k, x in d._asdict().items() if k != "layer_norms"}
         for key in ("apply", "rollback", "snapshot"):
@@ -105,6 +113,33 @@ class OptaxGuard:
         gstate = runner.after_step(host, gstate, d.layer_norms, load_backend("numpy"))
         params, opt_state = self._current
         return params, opt_state, gstate
+
+    def flush(
+        self, params: Any, opt_state: Any, gstate: policy.GuardState
+    ) -> tuple[Any, Any, policy.GuardState]:
+        """``host_every`` > 1: read the decisions kept since the last read (one stacked
+        transfer) and act on them, oldest first: history, log, the first rollback among them,
+        a snapshot that fell due (taken now). Returns (params, opt_state, gstate), restored
+        after a rollback. Call it at the end of training too."""
+        runner = self._require()
+        pending, self._pending = self._pending, []
+        if not pending:
+            return params, opt_state, gstate
+        stacked = jax.device_get(jax.tree.map(lambda *xs: jnp.stack(xs), *pending))
+        fields = [k for k in policy.Decision._fields if k != "layer_norms"]
+        decisions = []
+        for i in range(len(pending)):
+            d = {k: getattr(stacked, k)[i].item() for k in fields}
+            for key in ("apply", "rollback", "snapshot"):
+                d[key] = bool(d[key])
+            decisions.append(d)
+        self._steps_seen = decisions[-1]["step"] + 1
+        layers = None if stacked.layer_norms is None else list(stacked.layer_norms)
+        self._current = (params, opt_state)
+        host = load_backend("numpy")
+        rolled = runner.after_steps(decisions, layers, host, lambda: gstate, self._steps_seen)
+        params, opt_state = self._current
+        return params, opt_state, gstate if rolled is None else rolled
 
     @property
     def history(self) -> Any:
@@ -123,6 +158,7 @@ class OptaxGuard:
         self._current = (params, opt_state)
         step, gstate = runner.load_from_disk(step)
         self._steps_seen = step
+        self._pending = []
         return (*self._current, gstate)
 
     def _require(self) -> GuardRunner:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from numstab.guard.deferred import ROW_FIELDS, HostBook, decisions_from_rows, detector_constants
+from numstab.guard.deferred import ROW_COLUMNS, HostBook, decisions_from_rows, detector_constants
 from numstab.guard.spikes import WindowState
 
 if TYPE_CHECKING:
@@ -107,53 +107,58 @@ class LazyApplied:
 
 
 class DeviceDecider:
-    """The packed spike windows and the per-step rows, on ``device``."""
+    """The packed spike windows (row 0: the loss, row 1: the gradient norm) and the per-step
+    rows, on ``device``; every per-detector quantity is a ``[2, 1]`` column."""
 
     def __init__(self, guard: TrainingGuard, device: torch.device, capacity: int) -> None:
         c = detector_constants(guard)
         self.sizes = [int(w) for w in c["window"]]
         f = {"device": device, "dtype": torch.float32}
+
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, **f).reshape(2, 1)
+
         self.win = torch.zeros(2, max(self.sizes), **f)
-        self.count = torch.zeros(2, **f)
-        self.position = torch.zeros(2, **f)
-        self.window = torch.tensor(c["window"], **f)
-        self.warmup = torch.tensor(c["warmup"], **f)
-        self.sigma = torch.tensor(c["sigma"], **f)
-        self.two_sided = torch.tensor(c["two"], **f) > 0 if any(c["two"]) else None
-        self.record = torch.tensor(c["rec"], **f) > 0
-        self.on = torch.tensor(c["on"], **f) > 0
+        self.count = column([0.0, 0.0])
+        self.position = column([0.0, 0.0])
+        self.window = column(c["window"])
+        self.warmup_less_1 = column([w - 1.0 for w in c["warmup"]])
+        self.sigma = column(c["sigma"])
+        self.two_sided = column(c["two"]) > 0 if any(c["two"]) else None
+        self.record = column(c["rec"]) > 0
+        self.on = column(c["on"]) > 0
         self.slots = torch.arange(max(self.sizes), **f)
-        self.rows = torch.zeros(capacity, len(ROW_FIELDS), **f)
+        self.rows = torch.zeros(capacity, 2, len(ROW_COLUMNS), **f)
 
     @torch.no_grad()
     def decide(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """The ``apply`` (0-d bool tensor) of the step whose ``[loss, global norm]`` is the
         float32 ``x``; writes row ``i``; no host read."""
+        x = x.reshape(2, 1)
         n = self.count
-        valid = self.slots < n[:, None]
-        mean = self.win.sum(1) / n.clamp(min=1.0)  # slots past the count hold 0
-        centered = torch.where(valid, self.win - mean[:, None], 0.0)
-        std = ((centered * centered).sum(1) / (n - 1.0).clamp(min=1.0)).sqrt()
+        valid = self.slots < n
+        mean = self.win.sum(1, keepdim=True) / n.clamp(min=1.0)  # slots past the count hold 0
+        centered = torch.where(valid, self.win - mean, 0.0)
+        std = ((centered * centered).sum(1, keepdim=True) / (n - 1.0).clamp(min=1.0)).sqrt()
         diff = x - mean
         if self.two_sided is not None:
             diff = torch.where(self.two_sided, diff.abs(), diff)
         finite = x.isfinite()
-        spike = (n + 1.0 >= self.warmup) & finite & (diff > self.sigma * std)
-        apply = finite.all() & ~spike.any()
+        ok = finite & ~((n >= self.warmup_less_1) & (diff > self.sigma * std))
+        apply = ok.all()
         take = (apply | self.record) & finite & self.on
-        slot = (self.slots == self.position[:, None]) & take[:, None]
-        torch.where(slot, x[:, None], self.win, out=self.win)
+        torch.where((self.slots == self.position) & take, x, self.win, out=self.win)
+        torch.cat([x, mean, std, n, apply.float().expand(2, 1)], dim=1, out=self.rows[i])
         step = take.float()
         torch.minimum(n + step, self.window, out=self.count)
         torch.remainder(self.position + step, self.window, out=self.position)
-        torch.cat([x, mean, std, n, apply.float()[None]], out=self.rows[i])
         return apply
 
     # -- the windows as the policy's GuardState (host reads: events only) ------------------------
     def windows(self) -> tuple[WindowState, WindowState]:
         win, count, pos = (t.cpu().numpy() for t in (self.win, self.count, self.position))
         return tuple(  # type: ignore[return-value]
-            WindowState(win[r, : self.sizes[r]].copy(), np.int32(count[r]), np.int32(pos[r]))
+            WindowState(win[r, : self.sizes[r]].copy(), np.int32(count[r, 0]), np.int32(pos[r, 0]))
             for r in range(2)
         )
 
