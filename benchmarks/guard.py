@@ -228,9 +228,10 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
     return _measure("jax", loops, pairs, args, sync)
 
 
-def keras_case(args: argparse.Namespace) -> dict:
-    """Keras 3 (TensorFlow backend) ``model.fit`` with and without ``guard.keras_callback()``.
-    One round is one ``fit`` call over ``--steps`` batches."""
+def keras_case(args: argparse.Namespace) -> list[dict]:
+    """Keras 3 (TensorFlow backend) ``model.fit`` with and without ``guard.keras_callback()``,
+    per batch (host mode) and with ``host_every`` (device mode). One round is one ``fit``
+    call over ``--steps`` batches."""
     import keras
     import numpy as np
 
@@ -240,31 +241,52 @@ def keras_case(args: argparse.Namespace) -> dict:
     x = rng.normal(size=(args.batch * args.steps, 32)).astype(np.float32)
     y = rng.normal(size=(args.batch * args.steps, 1)).astype(np.float32)
 
-    def make():
+    class Tick(keras.callbacks.Callback):
+        def __init__(self, tick):
+            super().__init__()
+            self.tick = tick
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.tick()
+
+    def loop(host_every=None):
         keras.utils.set_random_seed(0)
         layers = [keras.layers.Dense(args.width, activation="tanh") for _ in range(args.layers)]
         model = keras.Sequential([keras.Input((32,)), *layers, keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-        return model
+        callbacks = []
+        if host_every is not None:
+            guard = TrainingGuard(snapshot_every=args.snapshot_every, host_every=host_every)
+            callbacks.append(guard.keras_callback())
 
-    plain_model, guard_model = make(), make()
-    callback = TrainingGuard(snapshot_every=args.snapshot_every).keras_callback()
-
-    def loop(model, callbacks):
-        def run(n):
+        def run(n, tick=None):
+            extra = [] if tick is None else [Tick(tick)]
             for _ in range(max(1, n // args.steps)):
                 model.fit(
-                    x, y, batch_size=args.batch, shuffle=False, verbose=0, callbacks=callbacks
+                    x,
+                    y,
+                    batch_size=args.batch,
+                    shuffle=False,
+                    verbose=0,
+                    callbacks=callbacks + extra,
                 )
 
+        run.model = model
         return run
 
-    plain, guarded = loop(plain_model, []), loop(guard_model, [callback])
-    plain(args.steps)
-    guarded(args.steps)
-    for a, b in zip(plain_model.get_weights(), guard_model.get_weights(), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    return _measure("tensorflow", plain, guarded, args, lambda: None)
+    loops = {"plain": loop(), "host": loop(1), "device": loop(args.host_every)}
+    for fn in loops.values():
+        fn(args.steps)
+    for name in ("host", "device"):
+        for a, b in zip(
+            loops["plain"].model.get_weights(), loops[name].model.get_weights(), strict=True
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    pairs = [
+        ("keras", "host", "plain", "host"),
+        ("keras", f"device (host_every={args.host_every})", "plain", "device"),
+    ]
+    return _measure("tensorflow", loops, pairs, args, lambda: None)
 
 
 def _measure(framework: str, loops: dict, pairs: list, args, sync) -> list[dict]:

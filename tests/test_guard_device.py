@@ -241,3 +241,45 @@ def test_optax_nan_batch_is_skipped_and_logged_and_steady_steps_read_nothing():
     assert _events(do) == _events(ho) == [("skip", 12, ("nonfinite_loss", "nonfinite_grad"))]
     for a, b in zip(jax.tree.leaves(hp), jax.tree.leaves(dp), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# -- Keras (TensorFlow backend) --------------------------------------------------------------
+def test_keras_nan_batch_is_undone_and_logged_and_steady_batches_read_nothing():
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the device-side callback is TensorFlow's")
+    from numstab.frameworks.keras.guard_device import DeviceGuardCallback
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 1))).astype("float32")
+    x[100, 0] = np.nan  # batch 3 of each epoch (batch size 32)
+
+    def fit(guard, epochs=2, data=(x, y)):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+        )
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+        callbacks = [] if guard is None else [guard.keras_callback()]
+        with counting("tensorflow") as reads:
+            h = model.fit(
+                *data, batch_size=32, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks
+            )
+        return model, (callbacks or [None])[0], h, reads.count
+
+    host_model, host_cb, host_h, _ = fit(TrainingGuard(snapshot_every=1000))
+    model, cb, h, _ = fit(TrainingGuard(snapshot_every=1000, host_every=5))
+    assert isinstance(cb, DeviceGuardCallback)
+    assert _events(cb) == _events(host_cb)
+    assert [s for _, s, _ in _events(cb)] == [3, 11]
+    assert h.history == host_h.history and np.isfinite(h.history["loss"]).all()
+    for a, b in zip(model.get_weights(), host_model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(cb.history) == 16
+    clean = (np.nan_to_num(x), y)
+
+    def steady_reads(guard):  # the reads of 16 more batches: start and end cancel out
+        return fit(guard, epochs=3, data=clean)[3] - fit(guard, epochs=1, data=clean)[3]
+
+    assert steady_reads(TrainingGuard(host_every=100)) <= steady_reads(None)

@@ -146,8 +146,10 @@ class TrainingGuard:
         return frameworks.module("jax", "guard").OptaxGuard(self)
 
     def keras_callback(self) -> Any:
-        """A :class:`numstab.frameworks.keras.guard.GuardCallback` for ``model.fit``."""
-        return frameworks.module("keras", "guard").GuardCallback(self)
+        """A :class:`numstab.frameworks.keras.guard.GuardCallback` for ``model.fit``; with
+        ``host_every`` > 1 on the TensorFlow backend, its device-side subclass
+        (``numstab.frameworks.keras.guard_device.DeviceGuardCallback``)."""
+        return frameworks.module("keras", "guard_device").callback(self)
 
     # -- the pure decision, on any backend -----------------------------------------------------
     def init_state(self, be: Backend | str = "numpy", like: Any = None) -> policy.GuardState:
