@@ -3,34 +3,41 @@
 What is measured
 ----------------
 One training step of an MLP (``--layers`` Linear layers of ``--width``, tanh, batch
-``--batch``, MSE, Adam):
+``--batch``, MSE, Adam), each guard in two modes: ``host`` (``host_every=1``, the default:
+the decision read on the host every step) and ``device`` (``host_every=--host-every``: the
+steady step stays on the device, the host reads every k steps; docs/semantics.md §16.12).
 
 * torch: ``zero_grad; loss.backward(); optimizer.step()`` against ``zero_grad;
-  loss.backward(); guard.step(loss)`` (per-parameter norms in one ``_foreach_norm``, one host
-  read of loss and norm, the decision on the host, ``optimizer.step()``, the history).
-* jax: a jitted ``value_and_grad`` + ``tx.update`` +
-  ``apply_updates`` against the jitted ``guarded_step`` (norms and decision inside jit,
-  ``lax.cond``) followed by ``after_step`` on the host (one ``device_get`` per step).
+  loss.backward(); guard.step(loss)``. Device mode with the default Adam (the step is undone
+  on the device: backup + ``where``) and with ``fused=True`` Adam (``found_inf``: against a
+  plain fused-Adam loop). Floors, in the plain loop: the gradient norms the guard needs
+  alone, and the backup + undo alone.
+* jax: a jitted ``value_and_grad`` + ``tx.update`` + ``apply_updates`` against the jitted
+  ``guarded_step`` (norms and decision inside jit, ``lax.cond``) followed by ``after_step``
+  on the host (host mode: one ``device_get`` per step; device mode: none).
+* keras: ``model.fit`` (TensorFlow backend) with and without ``guard.keras_callback()``. The
+  floor: the undo copy of the state and the update norms alone, in one ``tf.function``.
 
-* keras: ``model.fit`` (TensorFlow backend) with and without ``guard.keras_callback()``.
-
-Both sides use snapshots every ``--snapshot-every`` good steps (default 100; memory only), so
-their cost is amortised as in a real run. No NaN is injected: this is the price of the guard
-on healthy steps.
+Snapshots every ``--snapshot-every`` good steps (default 100; memory only), so their cost is
+amortised as in a real run. No NaN is injected: this is the price of the guard on healthy
+steps.
 
 How
 ---
-Before timing, a short run checks that the guarded loop ends with the same parameters as the
-plain one (every step applied; bit-identical for torch, allclose for jax), so a guard that
-silently skips cannot look fast. Then rounds alternate AB / BA; each round times ``--steps``
-consecutive steps of each loop (with a device sync at the end); warmup rounds are not timed.
-Reported: median milliseconds per step, and ratio = guarded / plain (goal <= 1.05), and the
-device-to-host reads per step of each loop, counted outside the timed rounds
-(``_host_reads``: the CPU stand-in for ``torch.cuda.set_sync_debug_mode``; goal: no read
-beyond the plain loop's). Timings are printed, not asserted.
+Before timing, a short run checks that each guarded loop ends with the same parameters as
+the plain one (every step applied; bit-identical for torch, allclose for jax and Keras), so a
+guard that silently skips cannot look fast. Every loop then runs 128 + k steps (past the
+spike windows' first fill and a read). Each round times ``--steps`` consecutive steps of
+every loop, in an order that rotates from round to round (with a device sync after each);
+warmup rounds are not timed. Reported: median milliseconds per step; ratio = the median over
+rounds of guarded / base in the same round, with its quartiles (goal <= 1.05); and the
+device-to-host reads of each loop (``_host_reads``: the CPU stand-in for
+``torch.cuda.set_sync_debug_mode``) over k steps: per steady step (the median step) and
+amortised. Goal: no read beyond the base loop's on a steady step. Timings are printed, not
+asserted.
 
 Usage: python benchmarks/guard.py [--quick] [--backends torch,jax,keras] [--threads 1]
-       [--json PATH]
+       [--host-every K] [--json PATH]
 """
 
 from __future__ import annotations
@@ -249,12 +256,37 @@ def keras_case(args: argparse.Namespace) -> list[dict]:
         def on_train_batch_end(self, batch, logs=None):
             self.tick()
 
-    def loop(host_every=None):
+    class Floor(keras.callbacks.Callback):
+        """The floor of the device mode: the undo copy and the update norms alone."""
+
+        def on_train_begin(self, logs=None):
+            import tensorflow as tf
+
+            if hasattr(self, "fn"):
+                return
+            model, opt = self.model, self.model.optimizer
+            if not opt.built:
+                opt.build(model.trainable_variables)
+            state = list(model.weights) + list(opt.variables) + list(model.metrics_variables)
+            shadow = [tf.Variable(v.value, trainable=False) for v in state]
+            n = len(model.trainable_variables)
+
+            def step():
+                norms = [tf.norm(v.value - s) for v, s in zip(state[:n], shadow, strict=False)]
+                with tf.control_dependencies(norms):
+                    return tf.group([s.assign(v.value) for v, s in zip(state, shadow, strict=True)])
+
+            self.fn = tf.function(step, autograph=False)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.fn()
+
+    def loop(host_every=None, floor=False):
         keras.utils.set_random_seed(0)
         layers = [keras.layers.Dense(args.width, activation="tanh") for _ in range(args.layers)]
         model = keras.Sequential([keras.Input((32,)), *layers, keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-        callbacks = []
+        callbacks = [Floor()] if floor else []
         if host_every is not None:
             guard = TrainingGuard(snapshot_every=args.snapshot_every, host_every=host_every)
             callbacks.append(guard.keras_callback())
@@ -274,10 +306,15 @@ def keras_case(args: argparse.Namespace) -> list[dict]:
         run.model = model
         return run
 
-    loops = {"plain": loop(), "host": loop(1), "device": loop(args.host_every)}
+    loops = {
+        "plain": loop(),
+        "host": loop(1),
+        "device": loop(args.host_every),
+        "floor": loop(floor=True),
+    }
     for fn in loops.values():
         fn(args.steps)
-    for name in ("host", "device"):
+    for name in ("host", "device", "floor"):
         for a, b in zip(
             loops["plain"].model.get_weights(), loops[name].model.get_weights(), strict=True
         ):
@@ -285,6 +322,7 @@ def keras_case(args: argparse.Namespace) -> list[dict]:
     pairs = [
         ("keras", "host", "plain", "host"),
         ("keras", f"device (host_every={args.host_every})", "plain", "device"),
+        ("keras", "floor: undo copy + update norms alone", "plain", "floor"),
     ]
     return _measure("tensorflow", loops, pairs, args, lambda: None)
 
@@ -294,15 +332,19 @@ def _measure(framework: str, loops: dict, pairs: list, args, sync) -> list[dict]
     row per (backend, mode, baseline loop, loop) of ``pairs``."""
     from _host_reads import counting
 
+    # past the spike windows' first fill (128 steps) and a read: the steady state
+    settle = 128 + args.host_every
+    for fn in loops.values():
+        fn(settle)
+    sync()
     times = _time(loops, args, sync)
     reads, steady = {}, {}
     for name, fn in loops.items():
         # a whole read period (host_every steps, at least --steps): the reads per step
         # amortised over it, and the median step's reads (a steady step: no periodic read)
         n = max(args.steps, args.host_every)
-        per_step = []
         with counting(framework) as counter:
-            fn(n, tick=lambda: per_step.append(counter.count))
+            per_step = _ticks(fn, n, counter)
             sync()
         reads[name] = counter.count / n
         steady[name] = statistics.median(
@@ -310,12 +352,16 @@ def _measure(framework: str, loops: dict, pairs: list, args, sync) -> list[dict]
         )
     rows = []
     for backend, mode, base, name in pairs:
+        # the ratio in each round (both loops ran within seconds of each other), then the
+        # median over rounds: robust to the load of a shared machine drifting
+        ratios = [g / p for g, p in zip(times[name], times[base], strict=True)]
         row = {
             "backend": backend,
             "mode": mode,
-            "plain_ms": times[base],
-            "guard_ms": times[name],
-            "ratio": times[name] / times[base],
+            "plain_ms": statistics.median(times[base]),
+            "guard_ms": statistics.median(times[name]),
+            "ratio": statistics.median(ratios),
+            "ratio_quartiles": statistics.quantiles(ratios, n=4)[::2],
             "plain_host_reads_per_step": reads[base],
             "guard_host_reads_per_step": reads[name],
             "plain_host_reads_steady_step": steady[base],
@@ -331,9 +377,16 @@ def _measure(framework: str, loops: dict, pairs: list, args, sync) -> list[dict]
     return rows
 
 
+def _ticks(fn, n: int, counter) -> list[int]:
+    """Run ``n`` steps of ``fn``; the read count after each."""
+    seen: list[int] = []
+    fn(n, tick=lambda: seen.append(counter.count))
+    return seen
+
+
 def _time(loops: dict, args, sync) -> dict:
-    """Median ms per step of each loop; each round runs every loop once, in an order that
-    rotates from round to round."""
+    """Ms per step of each loop in each round; each round runs every loop once, in an order
+    that rotates from round to round."""
     names = list(loops)
     times = {name: [] for name in names}
     for r in range(args.warmup + args.repeats):
@@ -348,7 +401,7 @@ def _time(loops: dict, args, sync) -> dict:
             gc.enable()
             if r >= args.warmup:
                 times[name].append(1e3 * elapsed / args.steps)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def main() -> None:
@@ -373,7 +426,7 @@ def main() -> None:
         parser.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(CASES)}")
     if args.quick:
         args.width, args.layers, args.batch = 256, 4, 64
-        args.steps, args.repeats, args.warmup = 20, 5, 1
+        args.steps, args.repeats, args.warmup = 20, 11, 1
     print(
         f"MLP {args.layers}x{args.width}, batch {args.batch}, Adam; {args.steps} steps per "
         f"round, median of {args.repeats} rounds; torch threads {args.threads}"
@@ -382,9 +435,11 @@ def main() -> None:
     for name in args.backends.split(","):
         for r in CASES[name.strip()](args):
             verdict = {None: "floor", True: "meets goal", False: "MISSES goal"}[r["meets_goal"]]
+            q = r["ratio_quartiles"]
             print(
                 f"{r['backend']:>6} {r['mode']:<34} base {r['plain_ms']:7.3f} ms/step, guarded "
-                f"{r['guard_ms']:7.3f}, ratio {r['ratio']:.3f} (goal {GOAL}); host reads per "
+                f"{r['guard_ms']:7.3f}, ratio {r['ratio']:.3f} [{q[0]:.2f}, {q[1]:.2f}] (goal "
+                f"{GOAL}); host reads per "
                 f"steady step {r['plain_host_reads_steady_step']:.0f} -> "
                 f"{r['guard_host_reads_steady_step']:.0f}, amortised "
                 f"{r['plain_host_reads_per_step']:.2f} -> {r['guard_host_reads_per_step']:.2f}"

@@ -154,7 +154,13 @@ def test_device_decisions_equal_the_policy():
             loss_spikes=SpikeDetector(window=24, sigma=4.0),
             grad_norm_spikes=SpikeDetector(window=16, sigma=3.0, two_sided=True, warmup=5),
         ),
-        TrainingGuard(grad_norm_spikes=None, loss_spikes=SpikeDetector(window=8, sigma=3.0)),
+        TrainingGuard(
+            grad_norm_spikes=None, loss_spikes=SpikeDetector(window=8, sigma=3.0, warmup=6)
+        ),
+        TrainingGuard(
+            loss_spikes=SpikeDetector(window=16, sigma=4.0, warmup=10),
+            grad_norm_spikes=SpikeDetector(window=16, sigma=3.0, two_sided=True, warmup=5),
+        ),
     ):
         be = load_backend("numpy")
         state = guard.init_state(be)
@@ -164,6 +170,9 @@ def test_device_decisions_equal_the_policy():
             d, state = policy.decide(guard, be, state, loss[i], norm[i])
             expected.append(d)
             dec.decide(i, torch.tensor([loss[i], norm[i]]))
+            dec.note_counts(dec.rows[i].numpy())  # as a read would: full windows, short path
+        # the short path once the windows are full, unless their sizes differ (24 and 16)
+        assert dec.full == (guard.loss_spikes.window != 24)
         got = decisions_from_rows(guard, dec.rows.numpy(), 0)
         assert [g["apply"] for g in got] == [bool(e.apply) for e in expected]
         assert [g["reasons"] for g in got] == [int(e.reasons) for e in expected]

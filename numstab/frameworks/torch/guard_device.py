@@ -66,6 +66,7 @@ class DeviceSteps:
         if not self.pending:
             return
         rows = self.decider.rows[: self.pending].cpu().numpy()
+        self.decider.note_counts(rows[-1])
         ds = decisions_from_rows(self.guard, rows, self.steps - self.pending)
         for d in ds:
             self.book.mark(d)
@@ -86,6 +87,7 @@ class DeviceSteps:
         """After a rollback or a load: the windows and the LR factor of ``state``."""
         self.book.reset()
         self.pending, self.norms = 0, []
+        self.decider.full = False
         self.decider.load(state)
         self.lr_factor = float(state.lr_factor)
         self.steps = steps
@@ -129,12 +131,22 @@ class DeviceDecider:
         self.on = column(c["on"]) > 0
         self.slots = torch.arange(max(self.sizes), **f)
         self.rows = torch.zeros(capacity, 2, len(ROW_COLUMNS), **f)
+        # the enabled windows are full (the host saw it at a read): a shorter path, below
+        self.full = False
+        enabled = [r for r in range(2) if c["on"][r]]
+        self._can_be_full = bool(enabled) and all(
+            self.sizes[r] == max(self.sizes) and c["warmup"][r] <= self.sizes[r] + 1
+            for r in enabled
+        )
+        self._enabled = enabled
 
     @torch.no_grad()
     def decide(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """The ``apply`` (0-d bool tensor) of the step whose ``[loss, global norm]`` is the
         float32 ``x``; writes row ``i``; no host read."""
         x = x.reshape(2, 1)
+        if self.full:
+            return self._decide_full(i, x)
         n = self.count
         valid = self.slots < n
         mean = self.win.sum(1, keepdim=True) / n.clamp(min=1.0)  # slots past the count hold 0
@@ -153,6 +165,29 @@ class DeviceDecider:
         torch.minimum(n + step, self.window, out=self.count)
         torch.remainder(self.position + step, self.window, out=self.position)
         return apply
+
+    def _decide_full(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """``decide`` once every enabled window is full: the count stays the window, every
+        slot is valid and every enabled detector is past its warmup (<= window + 1)."""
+        std, mean = torch.std_mean(self.win, dim=1, correction=1, keepdim=True)
+        diff = x - mean
+        if self.two_sided is not None:
+            diff = torch.where(self.two_sided, diff.abs(), diff)
+        finite = x.isfinite()
+        # a disabled detector: sigma inf, std 0, so inf * 0 = nan and no spike
+        apply = (finite & ~(diff > self.sigma * std)).all()
+        take = (apply | self.record) & finite & self.on
+        torch.where((self.slots == self.position) & take, x, self.win, out=self.win)
+        torch.cat([x, mean, std, self.count, apply.float().expand(2, 1)], dim=1, out=self.rows[i])
+        torch.remainder(self.position + take.float(), self.window, out=self.position)
+        return apply
+
+    def note_counts(self, last_row: np.ndarray) -> None:
+        """After a read: switch to the short path once the enabled windows are full (a full
+        window stays full until a rollback or a load sets the windows)."""
+        self.full = self._can_be_full and all(
+            last_row[r, 3] >= self.sizes[r] for r in self._enabled
+        )
 
     # -- the windows as the policy's GuardState (host reads: events only) ------------------------
     def windows(self) -> tuple[WindowState, WindowState]:
