@@ -13,8 +13,9 @@ steady step stays on the device, the host reads every k steps; docs/semantics.md
   plain fused-Adam loop). Floors, in the plain loop: the gradient norms the guard needs
   alone, and the backup + undo alone.
 * jax: a jitted ``value_and_grad`` + ``tx.update`` + ``apply_updates`` against the jitted
-  ``guarded_step`` (norms and decision inside jit, ``lax.cond``) followed by ``after_step``
-  on the host (host mode: one ``device_get`` per step; device mode: none).
+  ``guarded_step`` (norms and decision inside jit, a select) followed by ``after_step``
+  on the host (host mode: one ``device_get`` per step; device mode: none). The floor: the
+  plain jitted step also computing the gradient norms.
 * keras: ``model.fit`` (TensorFlow backend) with and without ``guard.keras_callback()``. The
   floor: the undo copy of the state and the update norms alone, in one ``tf.function``.
 
@@ -188,7 +189,14 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
         loss, grads = jax.value_and_grad(loss_fn)(params)
         return guarded_step(guard, tx, params, opt_state, gstate, loss, grads)
 
-    state = {"plain": (params0, tx.init(params0))}
+    @jax.jit
+    def norms_step(params, opt_state):  # the floor: the plain step and the guard's norms
+        grads = jax.grad(loss_fn)(params)
+        norms = jnp.stack([jnp.linalg.norm(g) for g in jax.tree.leaves(grads)])
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jnp.linalg.norm(norms)
+
+    state = {"plain": (params0, tx.init(params0)), "floor": (params0, tx.init(params0))}
 
     def plain(n, tick=None):
         p, o = state["plain"]
@@ -197,6 +205,14 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
             if tick is not None:
                 tick()
         state["plain"] = (p, o)
+
+    def floor(n, tick=None):
+        p, o = state["floor"]
+        for _ in range(n):
+            p, o, _ = norms_step(p, o)
+            if tick is not None:
+                tick()
+        state["floor"] = (p, o)
 
     def guarded_loop(name, host_every):
         guard = TrainingGuard(snapshot_every=args.snapshot_every, host_every=host_every)
@@ -218,10 +234,11 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
         "plain": plain,
         "host": guarded_loop("host", 1),
         "device": guarded_loop("device", args.host_every),
+        "floor": floor,
     }
     for fn in loops.values():
         fn(20)
-    for name in ("host", "device"):
+    for name in ("host", "device", "floor"):
         for a, b in zip(*(jax.tree.leaves(state[k][0]) for k in ("plain", name)), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -231,6 +248,7 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
     pairs = [
         ("jax", "host", "plain", "host"),
         ("jax", f"device (host_every={args.host_every})", "plain", "device"),
+        ("jax", "floor: gradient norms alone", "plain", "floor"),
     ]
     return _measure("jax", loops, pairs, args, sync)
 
@@ -272,9 +290,11 @@ def keras_case(args: argparse.Namespace) -> list[dict]:
             n = len(model.trainable_variables)
 
             def step():
-                norms = [tf.norm(v.value - s) for v, s in zip(state[:n], shadow, strict=False)]
-                with tf.control_dependencies(norms):
-                    return tf.group([s.assign(v.value) for v, s in zip(state, shadow, strict=True)])
+                pairs = zip(state[:n], shadow[:n], strict=True)
+                norms = tf.stack([tf.norm(v.value - s) for v, s in pairs])
+                for v, s in zip(state, shadow, strict=True):  # ordered after the reads
+                    s.assign(v.value)
+                return norms
 
             self.fn = tf.function(step, autograph=False)
 
