@@ -215,6 +215,7 @@ class Skipper:
         self.params = params
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._backup: list[torch.Tensor] = []
+        self._backed_up: list[torch.Tensor] = []  # the tensors the buffers were made for
 
     def run(self, apply: torch.Tensor, step_fn: Callable[[], Any] | None) -> bool:
         """Step; True when the guard needs ``apply`` read on the host this once."""
@@ -232,11 +233,10 @@ class Skipper:
     def _undo_step(self, apply: torch.Tensor, step_fn: Callable[[], Any]) -> bool:
         entries, others = self._state_entries()
         tensors = self.params + [t for _, _, t in entries]
-        if len(self._backup) != len(tensors) or any(
-            b.shape != t.shape or b.dtype != t.dtype or b.device != t.device
-            for b, t in zip(self._backup, tensors, strict=True)
-        ):
-            self._backup = [torch.empty_like(t) for t in tensors]
+        seen = self._backed_up
+        if len(seen) != len(tensors) or any(a is not b for a, b in zip(seen, tensors, strict=True)):
+            self._backup = [torch.empty_like(t) for t in tensors]  # new tensors: new buffers
+            self._backed_up = tensors
         if tensors:
             torch._foreach_copy_(self._backup, tensors)
         step_fn()
