@@ -24,7 +24,9 @@ the learning rate times the factor, without recompiling.
 
 ``after_step`` (host): one ``jax.device_get`` of the decision, then history, log, snapshots
 (copies of params and optimizer state, so donated buffers are safe) and rollbacks, which
-return the restored params and optimizer state.
+return the restored params and optimizer state. With ``TrainingGuard(host_every=k)``, k > 1,
+``after_step`` only keeps the decision (no read) and acts on the k kept decisions every k
+steps, in one stacked transfer; ``flush`` does it at the end (docs/semantics.md §16.12).
 """
 
 from __future__ import annotations

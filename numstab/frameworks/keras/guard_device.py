@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from numstab.backends import load_backend
+from numstab.errors import InvalidArgumentError
 from numstab.frameworks.keras.guard import GuardCallback
 from numstab.guard import policy
 from numstab.guard.spikes import WindowState
@@ -57,7 +58,11 @@ class DeviceGuardCallback(GuardCallback):
         where = {id(v): i for i, v in enumerate(everything)}
         self._tracker_at = [where.get(id(t)) for t in self._tracker]
         if len(self._tracker_at) != 2 or None in self._tracker_at:
-            raise NotImplementedError("host_every > 1 needs the model's loss tracker")
+            raise InvalidArgumentError(
+                "Expected a model compiled with a loss (its loss tracker gives each batch's "
+                "loss) for TrainingGuard(host_every > 1); use host_every=1. Received: "
+                f"host_every={self.guard.host_every}"
+            )
         self._gstate = tf.nest.map_structure(
             lambda x: tf.Variable(np.asarray(x)), tuple(self.state)
         )
