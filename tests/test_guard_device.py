@@ -292,3 +292,25 @@ def test_keras_nan_batch_is_undone_and_logged_and_steady_batches_read_nothing():
         return fit(guard, epochs=3, data=clean)[3] - fit(guard, epochs=1, data=clean)[3]
 
     assert steady_reads(TrainingGuard(host_every=100)) <= steady_reads(None)
+
+
+def test_torch_device_mode_resumes_from_disk(tmp_path):
+    torch = _torch()
+    guard = TrainingGuard(snapshot_every=10, snapshot_dir=tmp_path, host_every=4)
+    _, _, tg = _train(guard, "adam", nan_steps=(12,), steps=30)
+    saved = [e["step"] for e in tg.events if e["event"] == "snapshot"]
+    assert saved[0] == 0 and len(saved) >= 3
+    torch.manual_seed(5)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.05)
+    tg2 = guard.for_torch(fresh, fresh_opt)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    assert tg2.load_snapshot() == saved[-1] == tg2.steps_seen
+    assert not any(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))
+    X, Y = _data(torch)
+    fresh_opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(fresh(X[:32]), Y[:32])
+    loss.backward()
+    assert bool(tg2.step(loss)) is True
+    tg2.flush()
+    assert tg2.history.as_arrays()["step"].tolist() == [saved[-1]]
