@@ -2,11 +2,12 @@
 
 The device decides every step and keeps, per step, a float32 ``[2, len(ROW_COLUMNS)]`` row:
 the loss and the global gradient norm, each detector's window mean, standard deviation and
-count before the step, and whether the step was applied. The host reads the rows ``k`` at a time
-(one transfer) and rebuilds each step's decision from them: the skip reasons and z-scores
-(exactly as ``SpikeDetector.score``, in float32), and, in :class:`HostBook`, the bad-step ring
-and the applied-step count that say when to roll back and when a snapshot is due (exactly as
-``numstab.guard.policy``). The device's ``apply`` is the one that was acted on.
+count before the step, and whether each was ok (the step was applied when both were). The
+host reads the rows ``k`` at a time (one transfer) and rebuilds each step's decision from
+them: the skip reasons and z-scores (exactly as ``SpikeDetector.score``, in float32), and,
+in :class:`HostBook`, the bad-step ring and the applied-step count that say when to roll
+back and when a snapshot is due (exactly as ``numstab.guard.policy``). The device's verdict
+is the one that was acted on.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ if TYPE_CHECKING:
     from numstab.guard.guard import TrainingGuard
 
 #: the columns of a step's row, one row per detector (0: the loss, 1: the gradient norm):
-#: the value, the window's mean, standard deviation and count before the step, and whether
-#: the step was applied (the same in both rows)
-ROW_COLUMNS = ("value", "mean", "std", "count", "apply")
+#: the value, the window's mean, standard deviation and count before the step, and "ok"
+#: (the value is finite and no spike): the step was applied when both rows are ok
+ROW_COLUMNS = ("value", "mean", "std", "count", "ok")
 
 
 def detector_constants(guard: TrainingGuard) -> dict[str, list[float]]:
@@ -56,10 +57,11 @@ def decisions_from_rows(guard: TrainingGuard, rows: Any, first_step: int) -> lis
         safe = np.where(std > 0, std, np.float32(1))
         z = np.where(std > 0, diff / safe, np.where(diff > 0, np.float32(np.inf), np.float32(0)))
         z = np.where(active, z, np.float32(0))
+    ok = (rows[:, :, 4] > 0).all(axis=1)  # each detector's verdict, from the device
     reasons = (~finite[:, 0]) * 1 + (~finite[:, 1]) * 2 + spike[:, 0] * 4 + spike[:, 1] * 8
     return [
         {
-            "apply": bool(rows[i, 0, 4] > 0),
+            "apply": bool(ok[i]),
             "reasons": int(reasons[i]),
             "loss": float(x[i, 0]),
             "grad_norm": float(x[i, 1]),

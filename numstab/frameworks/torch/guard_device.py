@@ -129,6 +129,13 @@ class DeviceDecider:
         self.two_sided = column(c["two"]) > 0 if any(c["two"]) else None
         self.record = column(c["rec"]) > 0
         self.on = column(c["on"]) > 0
+        # the threshold offset + scale * std: +inf for a disabled detector (never a spike)
+        self.scale = column(
+            [sig if on else 0.0 for sig, on in zip(c["sigma"], c["on"], strict=True)]
+        )
+        self.offset = column([0.0 if on else float("inf") for on in c["on"]])
+        # every detector records spikes (OLMo-core's rule): a finite value always enters
+        self._take_is_finite = all(c["rec"]) and all(c["on"])
         self.slots = torch.arange(max(self.sizes), **f)
         self.rows = torch.zeros(capacity, 2, len(ROW_COLUMNS), **f)
         # the enabled windows are full (the host saw it at a read): a shorter path, below
@@ -160,7 +167,7 @@ class DeviceDecider:
         apply = ok.all()
         take = (apply | self.record) & finite & self.on
         torch.where((self.slots == self.position) & take, x, self.win, out=self.win)
-        torch.cat([x, mean, std, n, apply.float().expand(2, 1)], dim=1, out=self.rows[i])
+        torch.cat([x, mean, std, n, ok.float()], dim=1, out=self.rows[i])
         step = take.float()
         torch.minimum(n + step, self.window, out=self.count)
         torch.remainder(self.position + step, self.window, out=self.position)
@@ -173,12 +180,12 @@ class DeviceDecider:
         diff = x - mean
         if self.two_sided is not None:
             diff = torch.where(self.two_sided, diff.abs(), diff)
-        finite = x.isfinite()
-        # a disabled detector: sigma inf, std 0, so inf * 0 = nan and no spike
-        apply = (finite & ~(diff > self.sigma * std)).all()
-        take = (apply | self.record) & finite & self.on
+        finite = x * 0.0 == 0.0  # false for nan and +-inf
+        ok = (diff <= torch.addcmul(self.offset, self.scale, std)) & finite
+        apply = ok.all()
+        take = finite if self._take_is_finite else (apply | self.record) & finite & self.on
         torch.where((self.slots == self.position) & take, x, self.win, out=self.win)
-        torch.cat([x, mean, std, self.count, apply.float().expand(2, 1)], dim=1, out=self.rows[i])
+        torch.cat([x, mean, std, self.count, ok.float()], dim=1, out=self.rows[i])
         torch.remainder(self.position + take.float(), self.window, out=self.position)
         return apply
 
