@@ -7,11 +7,11 @@ variables, with no host read: the undo copy lives in TF variables, a bad step is
 with ``where`` and every step's decision is written to a ``[k, ...]`` variable that the host
 reads every k steps (``runner.after_steps``: history, log, rollback, snapshot).
 
-The check of step t runs when batch t + 1 begins (or when the epoch or training ends), not
-in ``on_train_batch_end``: a callback without its own ``on_train_batch_end`` lets Keras keep
-dispatching its own per-batch logging asynchronously, as in a loop without the callback.
-The epoch's logs are computed before ``on_epoch_end``: a bad last batch of an epoch is
-undone, but its loss is in that epoch's logged mean.
+The check of step t runs when batch t + 1 begins (or when the epoch's validation begins, or
+the epoch or training ends), not in ``on_train_batch_end``: a callback without its own
+``on_train_batch_end`` lets Keras keep dispatching its own per-batch logging asynchronously,
+as in a loop without the callback. The epoch's logs are computed before ``on_epoch_end``: a
+bad last batch of an epoch is undone, but its loss is in that epoch's logged mean.
 """
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ class DeviceGuardCallback(GuardCallback):
         if self._stepped:
             self._check()
         self._stepped = True
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        # fit's validation: before evaluate() resets the metrics the check reads
+        self.on_epoch_end(-1)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self._stepped:
