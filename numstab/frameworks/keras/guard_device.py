@@ -10,8 +10,9 @@ reads every k steps (``runner.after_steps``: history, log, rollback, snapshot).
 The check of step t runs when batch t + 1 begins (or when the epoch's validation begins, or
 the epoch or training ends), not in ``on_train_batch_end``: a callback without its own
 ``on_train_batch_end`` lets Keras keep dispatching its own per-batch logging asynchronously,
-as in a loop without the callback. The epoch's logs are computed before ``on_epoch_end``: a
-bad last batch of an epoch is undone, but its loss is in that epoch's logged mean.
+as in a loop without the callback. Keras computes the epoch's logs before these hooks: when
+a bad last batch made them non-finite, ``on_epoch_end`` puts the metrics after the undo in
+their place (one read, in that case only), before ``History`` records them.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class DeviceGuardCallback(GuardCallback):
         everything = self._state_vars + self._metric_vars
         self._pending = getattr(self, "_pending", 0)
         self._stepped = False
+        self._results: dict | None = None
         if getattr(self, "_fn", None) is not None:  # a later fit(): the same variables
             for var, shadow in zip(everything, self._shadow_vars, strict=True):
                 shadow.assign(var.value)
@@ -77,15 +79,30 @@ class DeviceGuardCallback(GuardCallback):
 
     def on_test_begin(self, logs: dict | None = None) -> None:
         # fit's validation: before evaluate() resets the metrics the check reads
-        self.on_epoch_end(-1)
+        self._last_check()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._last_check()
+        if logs and self._results is not None:
+            # Keras took the epoch's logs before the last batch's check: where that batch
+            # made them non-finite and was undone, log the metrics as they are after the undo
+            # (History comes after this callback). Reads only in that case.
+            for key, value in list(logs.items()):
+                bad = isinstance(value, float) and not np.isfinite(value)
+                if bad and key in self._results:
+                    logs[key] = float(self._results[key])
+        self._results = None
+
+    def _last_check(self) -> None:
+        """Check the epoch's last batch; keep the metrics after it (tensors: no read)."""
         if self._stepped:
             self._check()
+            self._results = self.model.get_metrics_result()
         self._stepped = False
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self.on_epoch_end(-1)
+        self._last_check()
+        self._results = None
         self.flush()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
