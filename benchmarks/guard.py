@@ -3,34 +3,42 @@
 What is measured
 ----------------
 One training step of an MLP (``--layers`` Linear layers of ``--width``, tanh, batch
-``--batch``, MSE, Adam):
+``--batch``, MSE, Adam), each guard in two modes: ``host`` (``host_every=1``, the default:
+the decision read on the host every step) and ``device`` (``host_every=--host-every``: the
+steady step stays on the device, the host reads every k steps; docs/semantics.md §16.12).
 
 * torch: ``zero_grad; loss.backward(); optimizer.step()`` against ``zero_grad;
-  loss.backward(); guard.step(loss)`` (per-parameter norms in one ``_foreach_norm``, one host
-  read of loss and norm, the decision on the host, ``optimizer.step()``, the history).
-* jax: a jitted ``value_and_grad`` + ``tx.update`` +
-  ``apply_updates`` against the jitted ``guarded_step`` (norms and decision inside jit,
-  ``lax.cond``) followed by ``after_step`` on the host (one ``device_get`` per step).
+  loss.backward(); guard.step(loss)``. Device mode with the default Adam (the step is undone
+  on the device: backup + ``where``) and with ``fused=True`` Adam (``found_inf``: against a
+  plain fused-Adam loop). Floors, in the plain loop: the gradient norms the guard needs
+  alone, and the backup + undo alone.
+* jax: a jitted ``value_and_grad`` + ``tx.update`` + ``apply_updates`` against the jitted
+  ``guarded_step`` (norms and decision inside jit, a select) followed by ``after_step``
+  on the host (host mode: one ``device_get`` per step; device mode: none). The floor: the
+  plain jitted step also computing the gradient norms.
+* keras: ``model.fit`` (TensorFlow backend) with and without ``guard.keras_callback()``. The
+  floor: the undo copy of the state and the update norms alone, in one ``tf.function``.
 
-* keras: ``model.fit`` (TensorFlow backend) with and without ``guard.keras_callback()``.
-
-Both sides use snapshots every ``--snapshot-every`` good steps (default 100; memory only), so
-their cost is amortised as in a real run. No NaN is injected: this is the price of the guard
-on healthy steps.
+Snapshots every ``--snapshot-every`` good steps (default 100; memory only), so their cost is
+amortised as in a real run. No NaN is injected: this is the price of the guard on healthy
+steps.
 
 How
 ---
-Before timing, a short run checks that the guarded loop ends with the same parameters as the
-plain one (every step applied; bit-identical for torch, allclose for jax), so a guard that
-silently skips cannot look fast. Then rounds alternate AB / BA; each round times ``--steps``
-consecutive steps of each loop (with a device sync at the end); warmup rounds are not timed.
-Reported: median milliseconds per step, and ratio = guarded / plain (goal <= 1.05), and the
-device-to-host reads per step of each loop, counted outside the timed rounds
-(``_host_reads``: the CPU stand-in for ``torch.cuda.set_sync_debug_mode``; goal: no read
-beyond the plain loop's). Timings are printed, not asserted.
+Before timing, a short run checks that each guarded loop ends with the same parameters as
+the plain one (every step applied; bit-identical for torch, allclose for jax and Keras), so a
+guard that silently skips cannot look fast. Every loop then runs 128 + k steps (past the
+spike windows' first fill and a read). Each round times ``--steps`` consecutive steps of
+every loop, in an order that rotates from round to round (with a device sync after each);
+warmup rounds are not timed. Reported: median milliseconds per step; ratio = the median over
+rounds of guarded / base in the same round, with its quartiles (goal <= 1.05); and the
+device-to-host reads of each loop (``_host_reads``: the CPU stand-in for
+``torch.cuda.set_sync_debug_mode``) over k steps: per steady step (the median step) and
+amortised. Goal: no read beyond the base loop's on a steady step. Timings are printed, not
+asserted.
 
 Usage: python benchmarks/guard.py [--quick] [--backends torch,jax,keras] [--threads 1]
-       [--json PATH]
+       [--host-every K] [--json PATH]
 """
 
 from __future__ import annotations
@@ -49,51 +57,101 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 GOAL = 1.05  # guarded / plain step time; and no host read beyond the plain loop's
 
 
-def torch_case(args: argparse.Namespace) -> dict:
+def torch_case(args: argparse.Namespace) -> list[dict]:
+    """Rows: the host mode and the device mode (generic undo) with default Adam, the device
+    mode with fused Adam (found_inf) against a plain fused-Adam loop, and the floors."""
     import torch
 
+    from numstab.backends import load_backend
     from numstab.guard import TrainingGuard
+    from numstab.guard.monitor import layer_norms
 
     torch.set_num_threads(args.threads)
 
-    def make():
+    def make(fused=False):
         torch.manual_seed(0)
         layers = []
         for i in range(args.layers):
             layers.append(torch.nn.Linear(args.width if i else 32, args.width))
             layers.append(torch.nn.Tanh())
         model = torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 1))
-        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
 
     x = torch.randn(args.batch, 32, generator=torch.Generator().manual_seed(1))
     y = torch.randn(args.batch, 1, generator=torch.Generator().manual_seed(2))
-    guard = TrainingGuard(snapshot_every=args.snapshot_every)
+    be = load_backend("torch")
 
-    def loop(model, opt, tg):
-        def run(n):
+    def loop(fused=False, host_every=None, extra=None):
+        model, opt = make(fused)
+        guard = (
+            None
+            if host_every is None
+            else TrainingGuard(snapshot_every=args.snapshot_every, host_every=host_every)
+        )
+        tg = guard.for_torch(model, opt) if guard is not None else None
+        params = list(model.parameters())
+
+        def run(n, tick=None):
             for _ in range(n):
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
                 if tg is None:
+                    if extra is not None:
+                        extra(loss, params, opt)
                     opt.step()
                 else:
                     tg.step(loss)
+                if tick is not None:
+                    tick()
 
+        run.model = model
         return run
 
-    plain_model, plain_opt = make()
-    guard_model, guard_opt = make()
-    plain = loop(plain_model, plain_opt, None)
-    guarded = loop(guard_model, guard_opt, guard.for_torch(guard_model, guard_opt))
-    plain(20)
-    guarded(20)
-    for a, b in zip(plain_model.parameters(), guard_model.parameters(), strict=True):
-        assert torch.equal(a, b), "the guarded loop diverged from the plain one"
-    return _measure("torch", plain, guarded, args, lambda: None)
+    def norms_only(loss, params, opt):  # the floor: the gradient norms the guard needs
+        with torch.no_grad():
+            layer_norms(be, [p.grad for p in params])
+
+    backups = {}
+
+    def copy_only(loss, params, opt):  # the floor of the undo path: backup and select
+        with torch.no_grad():
+            tensors = params + [t for p in params for t in opt.state[p].values()]
+            if len(backups.get("b", ())) != len(tensors):
+                backups["b"] = [torch.empty_like(t) for t in tensors]
+            torch._foreach_copy_(backups["b"], tensors)
+            keep = loss.isfinite()
+            for t, b in zip(tensors, backups["b"], strict=True):
+                torch.where(keep, t, b, out=t)
+
+    k = args.host_every
+    loops = {
+        "plain": loop(),
+        "host": loop(host_every=1),
+        "device": loop(host_every=k),
+        "floor:norms": loop(extra=norms_only),
+        "floor:undo": loop(extra=copy_only),
+        "plain_fused": loop(fused=True),
+        "device_fused": loop(fused=True, host_every=k),
+    }
+    for fn in loops.values():
+        fn(20)
+    for base, other in (("plain", "host"), ("plain", "device"), ("plain_fused", "device_fused")):
+        for a, b in zip(
+            loops[base].model.parameters(), loops[other].model.parameters(), strict=True
+        ):
+            assert torch.equal(a, b), f"the {other} loop diverged from the {base} one"
+    pairs = [
+        ("torch", "host", "plain", "host"),
+        ("torch", f"device (host_every={k}, undo)", "plain", "device"),
+        ("torch", f"device (host_every={k}, fused Adam)", "plain_fused", "device_fused"),
+        ("torch", "floor: gradient norms alone", "plain", "floor:norms"),
+        ("torch", "floor: backup + undo alone", "plain", "floor:undo"),
+    ]
+    return _measure("torch", loops, pairs, args, lambda: None)
 
 
-def jax_case(args: argparse.Namespace) -> dict:
+def jax_case(args: argparse.Namespace) -> list[dict]:
     import functools
 
     import jax
@@ -126,44 +184,79 @@ def jax_case(args: argparse.Namespace) -> dict:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    guard = TrainingGuard(snapshot_every=args.snapshot_every)
-
     @functools.partial(jax.jit, static_argnums=0)
     def guard_step(guard, params, opt_state, gstate):
         loss, grads = jax.value_and_grad(loss_fn)(params)
         return guarded_step(guard, tx, params, opt_state, gstate, loss, grads)
 
-    og = guard.for_optax()
-    state = {"plain": (params0, tx.init(params0))}
-    state["guard"] = (params0, tx.init(params0), og.init(params0, tx.init(params0)))
+    @jax.jit
+    def norms_step(params, opt_state):  # the floor: the plain step and the guard's norms
+        grads = jax.grad(loss_fn)(params)
+        norms = jnp.stack([jnp.linalg.norm(g) for g in jax.tree.leaves(grads)])
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jnp.linalg.norm(norms)
 
-    def plain(n):
+    state = {"plain": (params0, tx.init(params0)), "floor": (params0, tx.init(params0))}
+
+    def plain(n, tick=None):
         p, o = state["plain"]
         for _ in range(n):
             p, o = plain_step(p, o)
+            if tick is not None:
+                tick()
         state["plain"] = (p, o)
 
-    def guarded(n):
-        p, o, g = state["guard"]
+    def floor(n, tick=None):
+        p, o = state["floor"]
         for _ in range(n):
-            p, o, g, d = guard_step(guard, p, o, g)
-            p, o, g = og.after_step(d, p, o, g)
-        state["guard"] = (p, o, g)
+            p, o, _ = norms_step(p, o)
+            if tick is not None:
+                tick()
+        state["floor"] = (p, o)
 
-    plain(20)
-    guarded(20)
-    for a, b in zip(*(jax.tree.leaves(state[k][0]) for k in ("plain", "guard")), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    def guarded_loop(name, host_every):
+        guard = TrainingGuard(snapshot_every=args.snapshot_every, host_every=host_every)
+        og = guard.for_optax()
+        state[name] = (params0, tx.init(params0), og.init(params0, tx.init(params0)))
+
+        def run(n, tick=None):
+            p, o, g = state[name]
+            for _ in range(n):
+                p, o, g, d = guard_step(guard, p, o, g)
+                p, o, g = og.after_step(d, p, o, g)
+                if tick is not None:
+                    tick()
+            state[name] = (p, o, g)
+
+        return run
+
+    loops = {
+        "plain": plain,
+        "host": guarded_loop("host", 1),
+        "device": guarded_loop("device", args.host_every),
+        "floor": floor,
+    }
+    for fn in loops.values():
+        fn(20)
+    for name in ("host", "device", "floor"):
+        for a, b in zip(*(jax.tree.leaves(state[k][0]) for k in ("plain", name)), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
     def sync():
-        jax.block_until_ready((state["plain"], state["guard"]))
+        jax.block_until_ready(list(state.values()))
 
-    return _measure("jax", plain, guarded, args, sync)
+    pairs = [
+        ("jax", "host", "plain", "host"),
+        ("jax", f"device (host_every={args.host_every})", "plain", "device"),
+        ("jax", "floor: gradient norms alone", "plain", "floor"),
+    ]
+    return _measure("jax", loops, pairs, args, sync)
 
 
-def keras_case(args: argparse.Namespace) -> dict:
-    """Keras 3 (TensorFlow backend) ``model.fit`` with and without ``guard.keras_callback()``.
-    One round is one ``fit`` call over ``--steps`` batches."""
+def keras_case(args: argparse.Namespace) -> list[dict]:
+    """Keras 3 (TensorFlow backend) ``model.fit`` with and without ``guard.keras_callback()``,
+    per batch (host mode) and with ``host_every`` (device mode). One round is one ``fit``
+    call over ``--steps`` batches."""
     import keras
     import numpy as np
 
@@ -173,66 +266,162 @@ def keras_case(args: argparse.Namespace) -> dict:
     x = rng.normal(size=(args.batch * args.steps, 32)).astype(np.float32)
     y = rng.normal(size=(args.batch * args.steps, 1)).astype(np.float32)
 
-    def make():
+    class Tick(keras.callbacks.Callback):
+        def __init__(self, tick):
+            super().__init__()
+            self.tick = tick
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.tick()
+
+    class Floor(keras.callbacks.Callback):
+        """The floor of the device mode: the undo copy and the update norms alone."""
+
+        def on_train_begin(self, logs=None):
+            import tensorflow as tf
+
+            if hasattr(self, "fn"):
+                return
+            model, opt = self.model, self.model.optimizer
+            if not opt.built:
+                opt.build(model.trainable_variables)
+            state = list(model.weights) + list(opt.variables) + list(model.metrics_variables)
+            shadow = [tf.Variable(v.value, trainable=False) for v in state]
+            n = len(model.trainable_variables)
+
+            def step():
+                pairs = zip(state[:n], shadow[:n], strict=True)
+                norms = tf.stack([tf.norm(v.value - s) for v, s in pairs])
+                for v, s in zip(state, shadow, strict=True):  # ordered after the reads
+                    s.assign(v.value)
+                return norms
+
+            self.fn = tf.function(step, autograph=False)
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.fn()
+
+    def loop(host_every=None, floor=False):
         keras.utils.set_random_seed(0)
         layers = [keras.layers.Dense(args.width, activation="tanh") for _ in range(args.layers)]
         model = keras.Sequential([keras.Input((32,)), *layers, keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-        return model
+        callbacks = [Floor()] if floor else []
+        if host_every is not None:
+            guard = TrainingGuard(snapshot_every=args.snapshot_every, host_every=host_every)
+            callbacks.append(guard.keras_callback())
 
-    plain_model, guard_model = make(), make()
-    callback = TrainingGuard(snapshot_every=args.snapshot_every).keras_callback()
-
-    def loop(model, callbacks):
-        def run(n):
+        def run(n, tick=None):
+            extra = [] if tick is None else [Tick(tick)]
             for _ in range(max(1, n // args.steps)):
                 model.fit(
-                    x, y, batch_size=args.batch, shuffle=False, verbose=0, callbacks=callbacks
+                    x,
+                    y,
+                    batch_size=args.batch,
+                    shuffle=False,
+                    verbose=0,
+                    callbacks=callbacks + extra,
                 )
 
+        run.model = model
         return run
 
-    plain, guarded = loop(plain_model, []), loop(guard_model, [callback])
-    plain(args.steps)
-    guarded(args.steps)
-    for a, b in zip(plain_model.get_weights(), guard_model.get_weights(), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    return _measure("tensorflow", plain, guarded, args, lambda: None)
+    loops = {
+        "plain": loop(),
+        "host": loop(1),
+        "device": loop(args.host_every),
+        "floor": loop(floor=True),
+    }
+    for fn in loops.values():
+        fn(args.steps)
+    for name in ("host", "device", "floor"):
+        for a, b in zip(
+            loops["plain"].model.get_weights(), loops[name].model.get_weights(), strict=True
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    pairs = [
+        ("keras", "host", "plain", "host"),
+        ("keras", f"device (host_every={args.host_every})", "plain", "device"),
+        ("keras", "floor: undo copy + update norms alone", "plain", "floor"),
+    ]
+    return _measure("tensorflow", loops, pairs, args, lambda: None)
 
 
-def _measure(framework: str, plain, guarded, args, sync) -> dict:
-    """Median step times (interleaved rounds) and host reads per step of both loops."""
+def _measure(framework: str, loops: dict, pairs: list, args, sync) -> list[dict]:
+    """Median step times (interleaved rounds) and host reads per step of every loop; one
+    row per (backend, mode, baseline loop, loop) of ``pairs``."""
     from _host_reads import counting
 
-    row = _time(plain, guarded, args, sync)
-    for name, fn in (("plain", plain), ("guard", guarded)):
-        with counting(framework) as reads:
-            fn(args.steps)
+    # past the spike windows' first fill (128 steps) and a read: the steady state
+    settle = 128 + args.host_every
+    for fn in loops.values():
+        fn(settle)
+    sync()
+    times = _time(loops, args, sync)
+    reads, steady = {}, {}
+    for name, fn in loops.items():
+        # a whole read period (host_every steps, at least --steps): the reads per step
+        # amortised over it, and the median step's reads (a steady step: no periodic read)
+        n = max(args.steps, args.host_every)
+        with counting(framework) as counter:
+            per_step = _ticks(fn, n, counter)
             sync()
-        row[f"{name}_host_reads_per_step"] = reads.count / args.steps
-    extra = row["guard_host_reads_per_step"] - row["plain_host_reads_per_step"]
-    row["extra_host_reads_per_step"] = extra
-    row["goal"] = GOAL
-    row["meets_goal"] = row["ratio"] <= GOAL and extra <= 0
-    return row
+        reads[name] = counter.count / n
+        steady[name] = statistics.median(
+            b - a for a, b in zip([0, *per_step[:-1]], per_step, strict=True)
+        )
+    rows = []
+    for backend, mode, base, name in pairs:
+        # the ratio in each round (both loops ran within seconds of each other), then the
+        # median over rounds: robust to the load of a shared machine drifting
+        ratios = [g / p for g, p in zip(times[name], times[base], strict=True)]
+        row = {
+            "backend": backend,
+            "mode": mode,
+            "plain_ms": statistics.median(times[base]),
+            "guard_ms": statistics.median(times[name]),
+            "ratio": statistics.median(ratios),
+            "ratio_quartiles": statistics.quantiles(ratios, n=4)[::2],
+            "plain_host_reads_per_step": reads[base],
+            "guard_host_reads_per_step": reads[name],
+            "plain_host_reads_steady_step": steady[base],
+            "guard_host_reads_steady_step": steady[name],
+        }
+        row["extra_host_reads_per_step"] = reads[name] - reads[base]
+        extra = steady[name] - steady[base]
+        row["extra_host_reads_steady_step"] = extra
+        row["goal"] = GOAL
+        floor = mode.startswith("floor")
+        row["meets_goal"] = None if floor else bool(row["ratio"] <= GOAL and extra <= 0)
+        rows.append(row)
+    return rows
 
 
-def _time(plain, guarded, args, sync) -> dict:
-    times = {"plain": [], "guard": []}
+def _ticks(fn, n: int, counter) -> list[int]:
+    """Run ``n`` steps of ``fn``; the read count after each."""
+    seen: list[int] = []
+    fn(n, tick=lambda: seen.append(counter.count))
+    return seen
+
+
+def _time(loops: dict, args, sync) -> dict:
+    """Ms per step of each loop in each round; each round runs every loop once, in an order
+    that rotates from round to round."""
+    names = list(loops)
+    times = {name: [] for name in names}
     for r in range(args.warmup + args.repeats):
-        order = (("plain", plain), ("guard", guarded))
-        for name, fn in order if r % 2 == 0 else order[::-1]:
+        shift = r % len(names)
+        order = names[shift:] + names[:shift]
+        for name in order if r % 2 == 0 else order[::-1]:
             gc.disable()
             t = time.perf_counter()
-            fn(args.steps)
+            loops[name](args.steps)
             sync()
             elapsed = time.perf_counter() - t
             gc.enable()
             if r >= args.warmup:
                 times[name].append(1e3 * elapsed / args.steps)
-    plain_ms = statistics.median(times["plain"])
-    guard_ms = statistics.median(times["guard"])
-    return {"plain_ms": plain_ms, "guard_ms": guard_ms, "ratio": guard_ms / plain_ms}
+    return times
 
 
 def main() -> None:
@@ -247,6 +436,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--snapshot-every", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--host-every", type=int, default=100, help="the device mode's host_every (k)"
+    )
     parser.add_argument("--quick", action="store_true", help="a small model, few rounds")
     args = parser.parse_args()
     unknown = set(args.backends.split(",")) - set(CASES)
@@ -254,21 +446,26 @@ def main() -> None:
         parser.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(CASES)}")
     if args.quick:
         args.width, args.layers, args.batch = 256, 4, 64
-        args.steps, args.repeats, args.warmup = 20, 5, 1
+        args.steps, args.repeats, args.warmup = 20, 11, 1
     print(
         f"MLP {args.layers}x{args.width}, batch {args.batch}, Adam; {args.steps} steps per "
         f"round, median of {args.repeats} rounds; torch threads {args.threads}"
     )
     rows = []
     for name in args.backends.split(","):
-        r = {"backend": name.strip(), **CASES[name.strip()](args)}
-        print(
-            f"{name:>10}: plain {r['plain_ms']:.3f} ms/step, guarded {r['guard_ms']:.3f} ms/step,"
-            f" ratio {r['ratio']:.3f} (goal {GOAL}); host reads per step: plain "
-            f"{r['plain_host_reads_per_step']:.2f}, guarded {r['guard_host_reads_per_step']:.2f}"
-            f" (goal: no extra) -> {'meets' if r['meets_goal'] else 'MISSES'} goal"
-        )
-        rows.append(r)
+        for r in CASES[name.strip()](args):
+            verdict = {None: "floor", True: "meets goal", False: "MISSES goal"}[r["meets_goal"]]
+            q = r["ratio_quartiles"]
+            print(
+                f"{r['backend']:>6} {r['mode']:<34} base {r['plain_ms']:7.3f} ms/step, guarded "
+                f"{r['guard_ms']:7.3f}, ratio {r['ratio']:.3f} [{q[0]:.2f}, {q[1]:.2f}] (goal "
+                f"{GOAL}); host reads per "
+                f"steady step {r['plain_host_reads_steady_step']:.0f} -> "
+                f"{r['guard_host_reads_steady_step']:.0f}, amortised "
+                f"{r['plain_host_reads_per_step']:.2f} -> {r['guard_host_reads_per_step']:.2f}"
+                f" [{verdict}]"
+            )
+            rows.append(r)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

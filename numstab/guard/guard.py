@@ -56,6 +56,11 @@ class TrainingGuard:
         ``keep_on_disk`` newest files are kept.
       log_path, log_callback: where each action goes as a JSON object (file: one per line).
       track_layers: keep per-layer gradient norms in the history (torch, optax).
+      host_every: how often the host reads the guard's decisions (int >= 1). 1 (default):
+        every step, and the host decides (one read per step). k > 1: the steady step stays
+        on the device (the decision and the skip, torch and optax) and the host reads the
+        accumulated decisions every k steps (and at ``flush()``): the log, the history,
+        snapshots and rollbacks happen then, events with the step they happened at.
     """
 
     loss_spikes: SpikeDetector | None = _OLMO
@@ -72,6 +77,7 @@ class TrainingGuard:
     log_path: str | os.PathLike | None = None
     log_callback: Callable[[dict[str, Any]], Any] | None = None
     track_layers: bool = True
+    host_every: int = 1
 
     def __post_init__(self) -> None:
         for name in ("loss_spikes", "grad_norm_spikes"):
@@ -88,6 +94,7 @@ class TrainingGuard:
             ("rollback_window", 1),
             ("skip_after_rollback", 0),
             ("keep_on_disk", 1),
+            ("host_every", 1),
         ):
             value = v.check_int(name, getattr(self, name))
             if value < low:
@@ -139,8 +146,10 @@ class TrainingGuard:
         return frameworks.module("jax", "guard").OptaxGuard(self)
 
     def keras_callback(self) -> Any:
-        """A :class:`numstab.frameworks.keras.guard.GuardCallback` for ``model.fit``."""
-        return frameworks.module("keras", "guard").GuardCallback(self)
+        """A :class:`numstab.frameworks.keras.guard.GuardCallback` for ``model.fit``; with
+        ``host_every`` > 1 on the TensorFlow backend, its device-side subclass
+        (``numstab.frameworks.keras.guard_device.DeviceGuardCallback``)."""
+        return frameworks.module("keras", "guard_device").callback(self)
 
     # -- the pure decision, on any backend -----------------------------------------------------
     def init_state(self, be: Backend | str = "numpy", like: Any = None) -> policy.GuardState:

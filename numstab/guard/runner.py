@@ -3,6 +3,7 @@ an :class:`Adapter` that each framework's guard code provides (numstab/framework
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from numstab.backends._base import Backend
@@ -98,12 +99,7 @@ class GuardRunner:
         applied (or skipped)."""
         step = int(d["step"])
         self.history.record(step, d["apply"], d["loss"], d["grad_norm"], layers, be)
-        numbers = {
-            "loss": d["loss"],
-            "grad_norm": d["grad_norm"],
-            "loss_z": d["loss_z"],
-            "grad_norm_z": d["grad_norm_z"],
-        }
+        numbers = _numbers(d)
         if not d["apply"]:
             self.skipped += 1
             self.offending_steps.append(step)
@@ -116,6 +112,36 @@ class GuardRunner:
             else:
                 self.snapshot(step + 1, state)
         return state
+
+    def after_steps(
+        self,
+        decisions: list[dict[str, Any]],
+        layers: list[Any] | None,
+        be: Any,
+        state: Callable[[], policy.GuardState],
+        steps_seen: int,
+    ) -> policy.GuardState | None:
+        """Act on the decisions of several steps read together (``host_every`` > 1), oldest
+        first: history and skips of every step; the first rollback among them (the later
+        steps ran on the trajectory it discards: they are recorded and logged, nothing
+        more); else a snapshot, taken now (``steps_seen``) if one fell due. ``state()``
+        gives the current guard state (called only for a rollback or a snapshot). Returns
+        the guard state after a rollback, else None."""
+        rolled = None
+        due = False
+        for i, d in enumerate(decisions):
+            act = rolled is None
+            quiet = {**d, "rollback": False, "snapshot": False}
+            self.after_step(quiet, None, None if layers is None else layers[i], be)  # type: ignore[arg-type]
+            if act and d["rollback"]:
+                rolled = self.rollback(int(d["step"]), state(), _numbers(d))
+            due = due or (act and d["snapshot"])
+        if due and rolled is None:
+            if self.defer_snapshots:
+                self._pending = (steps_seen, state())
+            else:
+                self.snapshot(steps_seen, state())
+        return rolled
 
     def take_pending_snapshot(self) -> None:
         """Take the snapshot that a deferred ``after_step`` found due, if any."""
@@ -166,6 +192,10 @@ class GuardRunner:
         state = _state_from_host(self.be, tree["guard_state"])
         self.ring.add(Snapshot(step, self.adapter.capture(), state, float(tree["lr_factor"])))
         return step, state
+
+
+def _numbers(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: d[k] for k in ("loss", "grad_norm", "loss_z", "grad_norm_z")}
 
 
 def _host_tree(be: Backend, state: Any) -> Any:

@@ -16,15 +16,17 @@
 
 ``step`` (traced, no host sync): per-leaf gradient norms and the global norm, the decision of
 ``numstab.guard.policy`` on the jax backend, then ``tx.update`` and ``optax.apply_updates``
-only when the step is good (``lax.cond``; a skipped step leaves params and optimizer state
-untouched, its count included). The updates are multiplied by ``gstate.lr_factor``: for any
-optimizer whose update is linear in the learning rate (every optax optimizer ending in
-``scale_by_learning_rate``: sgd, adam, adamw, lion, ...) that is the learning rate times the
-factor, without recompiling.
+kept only when the step is good (a select: a skipped step leaves params and optimizer state
+exactly as they were, its count included). The updates are multiplied by
+``gstate.lr_factor``: for any optimizer whose update is linear in the learning rate (every
+optax optimizer ending in ``scale_by_learning_rate``: sgd, adam, adamw, lion, ...) that is
+the learning rate times the factor, without recompiling.
 
 ``after_step`` (host): one ``jax.device_get`` of the decision, then history, log, snapshots
 (copies of params and optimizer state, so donated buffers are safe) and rollbacks, which
-return the restored params and optimizer state.
+return the restored params and optimizer state. With ``TrainingGuard(host_every=k)``, k > 1,
+``after_step`` only keeps the decision (no read) and acts on the k kept decisions every k
+steps, in one stacked transfer; ``flush`` does it at the end (docs/semantics.md §16.12).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class OptaxGuard:
         self._jax = load_backend("jax")
         self.runner: GuardRunner | None = None
         self._current: tuple[Any, Any] | None = None
+        self._pending: list[policy.Decision] = []
 
     def init(self, params: Any, opt_state: Any) -> policy.GuardState:
         """The initial guard state (a pytree of jax arrays); takes the first snapshot."""
@@ -81,7 +84,7 @@ class OptaxGuard:
         loss: jax.Array,
         grads: Any,
     ) -> tuple[Any, Any, policy.GuardState, policy.Decision]:
-        """``check``, then the optimizer step only if it is good (``lax.cond``)."""
+        """``check``, then the optimizer step, kept only if it is good (a select)."""
         return guarded_step(self.guard, tx, params, opt_state, gstate, loss, grads)
 
     # -- host ------------------------------------------------------------------------------------
@@ -96,6 +99,13 @@ class OptaxGuard:
         """Act on the decision: log, snapshot, roll back. Returns (params, opt_state,
         gstate), restored from the last good snapshot after a rollback."""
         runner = self._require()
+        if self.guard.host_every > 1:  # keep the decision on the device; read k at a time
+            self._pending.append(decision)
+            self._current = (params, opt_state)
+            self._steps_seen += 1
+            if len(self._pending) >= self.guard.host_every:
+                return self.flush(params, opt_state, gstate)
+            return params, opt_state, gstate
         d = jax.device_get(decision)  # one transfer of a few scalars (+ the layer norms)
         host = {k: x.item() for k, x in d._asdict().items() if k != "layer_norms"}
         for key in ("apply", "rollback", "snapshot"):
@@ -105,6 +115,33 @@ class OptaxGuard:
         gstate = runner.after_step(host, gstate, d.layer_norms, load_backend("numpy"))
         params, opt_state = self._current
         return params, opt_state, gstate
+
+    def flush(
+        self, params: Any, opt_state: Any, gstate: policy.GuardState
+    ) -> tuple[Any, Any, policy.GuardState]:
+        """``host_every`` > 1: read the decisions kept since the last read (one stacked
+        transfer) and act on them, oldest first: history, log, the first rollback among them,
+        a snapshot that fell due (taken now). Returns (params, opt_state, gstate), restored
+        after a rollback. Call it at the end of training too."""
+        runner = self._require()
+        pending, self._pending = self._pending, []
+        if not pending:
+            return params, opt_state, gstate
+        stacked = jax.device_get(_stack(pending))  # one dispatch, then one transfer
+        fields = [k for k in policy.Decision._fields if k != "layer_norms"]
+        decisions = []
+        for i in range(len(pending)):
+            d = {k: getattr(stacked, k)[i].item() for k in fields}
+            for key in ("apply", "rollback", "snapshot"):
+                d[key] = bool(d[key])
+            decisions.append(d)
+        self._steps_seen = decisions[-1]["step"] + 1
+        layers = None if stacked.layer_norms is None else list(stacked.layer_norms)
+        self._current = (params, opt_state)
+        host = load_backend("numpy")
+        rolled = runner.after_steps(decisions, layers, host, lambda: gstate, self._steps_seen)
+        params, opt_state = self._current
+        return params, opt_state, gstate if rolled is None else rolled
 
     @property
     def history(self) -> Any:
@@ -123,6 +160,7 @@ class OptaxGuard:
         self._current = (params, opt_state)
         step, gstate = runner.load_from_disk(step)
         self._steps_seen = step
+        self._pending = []
         return (*self._current, gstate)
 
     def _require(self) -> GuardRunner:
@@ -154,6 +192,13 @@ class OptaxGuard:
             jax.tree.unflatten(p_def, [jnp.asarray(x) for x in tree["params"]]),
             jax.tree.unflatten(o_def, [jnp.asarray(x) for x in tree["opt_state"]]),
         )
+
+
+@jax.jit
+def _stack(decisions: list[policy.Decision]) -> policy.Decision:
+    """The decisions of several steps as one Decision of stacked arrays (compiled once per
+    number of steps)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *decisions)
 
 
 # -- the traced functions, usable with the (hashable) TrainingGuard as a static jit argument --
@@ -192,18 +237,19 @@ def guarded_step(
     grads: Any,
 ) -> tuple[Any, Any, policy.GuardState, policy.Decision]:
     """``check``, then ``tx.update`` (updates times ``gstate.lr_factor``) and
-    ``optax.apply_updates`` only when the step is good; otherwise params and opt_state are
-    returned untouched. Returns (params, opt_state, gstate, decision)."""
+    ``optax.apply_updates``, kept only when the step is good; otherwise params and opt_state
+    are returned as they were. Returns (params, opt_state, gstate, decision)."""
     decision, gstate = check(guard, gstate, loss, grads)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    factor = gstate.lr_factor
+    updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
+    new_params = optax.apply_updates(params, updates)
 
-    def apply(_: None) -> tuple[Any, Any]:
-        updates, new_opt = tx.update(grads, opt_state, params)
-        factor = gstate.lr_factor
-        updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
-        return optax.apply_updates(params, updates), new_opt
+    def pick(new: Any, old: Any) -> Any:  # old exactly where the step is bad
+        return jnp.where(decision.apply, new, old).astype(jnp.result_type(new))
 
-    def skip(_: None) -> tuple[Any, Any]:
-        return params, opt_state
-
-    params, opt_state = jax.lax.cond(decision.apply, apply, skip, None)
+    # a select, not a lax.cond: it fuses into the update's own elementwise kernels, where a
+    # cond copies every buffer (3-6% of a small step on CPU)
+    params = jax.tree.map(pick, new_params, params)
+    opt_state = jax.tree.map(pick, new_opt, opt_state)
     return params, opt_state, gstate, decision

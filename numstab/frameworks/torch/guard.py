@@ -27,6 +27,11 @@ Every rank then runs the same policy on the same numbers. Per-layer norms stay p
 except FSDP2's DTensor gradients: their norms are made global first (``layer_norms``), so
 their global norm is taken as replicated whatever ``sharded`` says.
 
+With ``TrainingGuard(host_every=k)``, k > 1, the steady step stays on the device
+(``guard_device.py``): the decision in a few torch ops, the skip through the optimizer's
+``found_inf`` (fused optimizers) or a backup-and-undo, no host read; the host reads the
+decisions every k steps and at ``flush()`` (docs/semantics.md §16.12).
+
 Snapshots copy ``model.state_dict()`` (buffers included), ``optimizer.state_dict()`` and the
 scheduler's state on the device. A rollback loads them back (in place: the optimizer keeps
 its parameters), then multiplies every param group's ``lr`` (and ``initial_lr``, and the
@@ -47,6 +52,7 @@ from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.backend import is_dtensor
 from numstab.frameworks.torch.distributed import reduction_group
+from numstab.frameworks.torch.guard_device import DeviceSteps, LazyApplied
 from numstab.guard import policy
 from numstab.guard.runner import GuardRunner
 
@@ -104,24 +110,32 @@ class TorchGuard:
         names = [n for n, _ in named]
         self.runner = GuardRunner(guard, self, self._host, names, defer_snapshots=True)
         self.runner.snapshot(0, self.state)
+        self._device: DeviceSteps | None = None
+        if guard.host_every > 1 and self._params:
+            self._device = DeviceSteps(self, guard, self._params[0].device)
 
     # -- the loop ----------------------------------------------------------------------------
     @property
     def steps_seen(self) -> int:
-        return int(self.state.step)
+        return self._device.steps if self._device is not None else int(self.state.step)
 
     def skip_batch(self) -> bool:
         """True while the batches right after a rollback are skipped (logged)."""
         self.runner.take_pending_snapshot()
         return self.runner.consume_skip_batch(self.steps_seen)
 
-    def step(self, loss: torch.Tensor | float, step_fn: Callable[[], Any] | None = None) -> bool:
+    def step(
+        self, loss: torch.Tensor | float, step_fn: Callable[[], Any] | None = None
+    ) -> bool | LazyApplied:
         """Decide on this step from ``loss`` and the ``.grad`` of the parameters; call
         ``step_fn`` (default ``optimizer.step``) only when the step is good; take snapshots
         and roll back as the decision says. Returns whether the step was applied.
 
         A snapshot that falls due after this step is taken when the next ``step`` (or
-        ``skip_batch``, or ``flush``) starts, after the user's ``scheduler.step()``."""
+        ``skip_batch``, or ``flush``) starts, after the user's ``scheduler.step()``.
+
+        With ``host_every`` > 1 the step stays on the device (guard_device.py) and returns a
+        :class:`LazyApplied`: ``bool()`` of it reads the flag (a host sync)."""
         self.runner.take_pending_snapshot()
         grads = [
             e if p.grad is None else p.grad for p, e in zip(self._params, self._empty, strict=True)
@@ -135,6 +149,8 @@ class TorchGuard:
                 # the norm of DTensor gradients (FSDP2) is global already: a replicated one
                 sharded = self.sharded and not (grads and is_dtensor(grads[0]))
                 pair = _reduced(pair, group, sharded)
+            if self._device is not None:
+                return self._device.step(pair, norms, step_fn)
             loss_h, norm_h = pair.tolist()  # the one host sync of the step
         decision, self.state = policy.decide(
             self.guard,
@@ -152,7 +168,10 @@ class TorchGuard:
         return d["apply"]
 
     def flush(self) -> None:
-        """Take a snapshot that fell due after the last step (e.g. at the end of training)."""
+        """Act on the steps not read yet (``host_every`` > 1: history, log, rollback), and
+        take a snapshot that fell due after the last step (e.g. at the end of training)."""
+        if self._device is not None:
+            self._device.read()
         self.runner.take_pending_snapshot()
 
     # -- results ---------------------------------------------------------------------------------
@@ -168,6 +187,8 @@ class TorchGuard:
         """Restore model, optimizer and scheduler from the newest (or ``step``) snapshot file
         of ``snapshot_dir``, e.g. after a crash; returns its step."""
         step, self.state = self.runner.load_from_disk(step)
+        if self._device is not None:
+            self._device.reset(self.state, step)
         return step
 
     # -- the Adapter protocol of GuardRunner -------------------------------------------------------

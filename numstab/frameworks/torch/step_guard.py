@@ -25,6 +25,7 @@ its report (the first bad layer) is kept in ``first_nonfinite_report`` and logge
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -72,7 +73,10 @@ class StepGuard:
         if self.torch_guard is not None:
             return
         self.model = model
-        self.torch_guard = self.guard.for_torch(model, optimizer, scheduler=scheduler)
+        # these loops branch on every step's outcome (the Trainer's overflow flag, the
+        # GradScaler): the decision is read each step, whatever host_every says
+        guard = dataclasses.replace(self.guard, host_every=1)
+        self.torch_guard = guard.for_torch(model, optimizer, scheduler=scheduler)
         if hook_loss:
             self._hooks.append(model.register_forward_pre_hook(self._keep_batch, with_kwargs=True))
             self._hooks.append(model.register_forward_hook(self._loss_from_output))
