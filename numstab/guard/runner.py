@@ -216,3 +216,19 @@ def _state_from_host(be: Backend, tree: dict) -> policy.GuardState:
         grad_norm_window=WindowState(**{k: arr(x) for k, x in tree["grad_norm_window"].items()}),
         **{k: arr(x) for k, x in tree.items() if k not in ("loss_window", "grad_norm_window")},
     )
+
+
+class RunnerResults:
+    """``history`` and ``events`` of a framework adapter that holds a ``runner``."""
+
+    runner: GuardRunner | None
+
+    @property
+    def history(self) -> Any:
+        """The per-step history (``NormHistory``) the runner keeps."""
+        return self.runner.history
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """Every event logged so far (skips, spikes, snapshots, rollbacks), as dicts."""
+        return self.runner.log.events

@@ -36,13 +36,13 @@ from keras import ops
 
 from numstab.backends import load_backend
 from numstab.guard import policy
-from numstab.guard.runner import GuardRunner
+from numstab.guard.runner import GuardRunner, RunnerResults
 
 if TYPE_CHECKING:
     from numstab.guard.guard import TrainingGuard
 
 
-class GuardCallback(keras.callbacks.Callback):
+class GuardCallback(RunnerResults, keras.callbacks.Callback):
     """A :class:`TrainingGuard` for ``model.fit``; see the module docstring."""
 
     def __init__(self, guard: TrainingGuard) -> None:
@@ -130,14 +130,6 @@ class GuardCallback(keras.callbacks.Callback):
         # donates to the next train step
         for var, value in zip(self._state_vars + self._metric_vars, self._shadow, strict=True):
             var.assign(ops.copy(value))
-
-    @property
-    def history(self) -> Any:
-        return self.runner.history
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        return self.runner.log.events
 
     # -- the Adapter protocol of GuardRunner -------------------------------------------------------
     def capture(self) -> list[Any]:

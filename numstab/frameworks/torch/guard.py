@@ -54,14 +54,14 @@ from numstab.frameworks.torch.backend import is_dtensor
 from numstab.frameworks.torch.distributed import reduction_group
 from numstab.frameworks.torch.guard_device import DeviceSteps, LazyApplied
 from numstab.guard import policy
-from numstab.guard.runner import GuardRunner
+from numstab.guard.runner import GuardRunner, RunnerResults
 
 if TYPE_CHECKING:
     from numstab.guard.guard import TrainingGuard
 from numstab.guard.monitor import layer_norms
 
 
-class TorchGuard:
+class TorchGuard(RunnerResults):
     """A :class:`TrainingGuard` bound to a model, an optimizer and optionally a scheduler."""
 
     def __init__(
@@ -93,12 +93,8 @@ class TorchGuard:
             raise InvalidArgumentError(
                 f"Expected sharded to be a bool. Received: sharded={sharded!r}"
             )
-        self.guard = guard
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.sharded = sharded
-        self.process_group = process_group
+        self.guard, self.model, self.optimizer = guard, model, optimizer
+        self.scheduler, self.sharded, self.process_group = scheduler, sharded, process_group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self._empty = [p.new_empty(0) for p in self._params]  # norm 0 for a missing grad
@@ -175,14 +171,6 @@ class TorchGuard:
         self.runner.take_pending_snapshot()
 
     # -- results ---------------------------------------------------------------------------------
-    @property
-    def history(self) -> Any:
-        return self.runner.history
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        return self.runner.log.events
-
     def load_snapshot(self, step: int | None = None) -> int:
         """Restore model, optimizer and scheduler from the newest (or ``step``) snapshot file
         of ``snapshot_dir``, e.g. after a crash; returns its step."""
