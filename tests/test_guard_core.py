@@ -423,3 +423,10 @@ def test_runner_rolls_back_further_each_time_then_gives_up(tmp_path):
     fake.value = -1.0
     step, loaded = runner.load_from_disk()
     assert step == 4 and fake.value == 4.0 and int(loaded.step) == 4
+
+
+def test_entry_points_are_named_for_each_framework():
+    from numstab.guard import TrainingGuard
+
+    assert TrainingGuard.keras_callback is TrainingGuard.for_keras
+    assert callable(TrainingGuard.for_torch) and callable(TrainingGuard.for_optax)

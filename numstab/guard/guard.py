@@ -145,11 +145,13 @@ class TrainingGuard:
         """A :class:`numstab.frameworks.jax.guard.OptaxGuard` for a functional optax loop."""
         return frameworks.module("jax", "guard").OptaxGuard(self)
 
-    def keras_callback(self) -> Any:
+    def for_keras(self) -> Any:
         """A :class:`numstab.frameworks.keras.guard.GuardCallback` for ``model.fit``; with
         ``host_every`` > 1 on the TensorFlow backend, its device-side subclass
         (``numstab.frameworks.keras.guard_device.DeviceGuardCallback``)."""
         return frameworks.module("keras", "guard_device").callback(self)
+
+    keras_callback = for_keras  # the earlier name
 
     # -- the pure decision, on any backend -----------------------------------------------------
     def init_state(self, be: Backend | str = "numpy", like: Any = None) -> policy.GuardState:
