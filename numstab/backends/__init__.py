@@ -8,6 +8,7 @@ import contextlib
 import sys
 from typing import TYPE_CHECKING
 
+from numstab import frameworks
 from numstab.errors import BackendUnavailableError, UnknownBackendError
 from numstab.frameworks import FRAMEWORKS
 
@@ -40,7 +41,7 @@ def load_backend(name: str) -> Backend:
         return backend
     framework = FRAMEWORKS[name]
     try:
-        module = framework.module("backend")
+        module = frameworks.module(framework.name, "backend")  # the folder the entry names
     except ImportError as exc:
         hint = (
             f" Install it with: pip install 'numstab[{framework.extra}]'" if framework.extra else ""

@@ -34,14 +34,6 @@ class Framework:
     array_types: tuple[tuple[str, str], ...] = ()
     aliases: tuple[str, ...] = ()
 
-    @property
-    def package(self) -> str:
-        return f"{__name__}.{self.name}"
-
-    def module(self, name: str) -> ModuleType:
-        """This framework's module ``name`` (``"backend"``, ``"numerics"``, ...), imported."""
-        return importlib.import_module(f"{self.package}.{name}")
-
     def imported(self) -> bool:
         """Whether the process has already imported the framework itself."""
         return self.distributions[0] in sys.modules
@@ -94,10 +86,6 @@ MODEL_LIBRARIES: tuple[ModelLibrary, ...] = (
 
 #: other libraries numstab integrates with (reported by ``numstab info``, never imported)
 LIBRARIES = ("optax", "jmp", "keras", "flax", "equinox", "transformers", "lightning")
-
-
-def get(name: str) -> Framework:
-    return FRAMEWORKS[name]
 
 
 def module(framework: str, name: str) -> ModuleType:
