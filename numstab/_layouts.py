@@ -10,10 +10,10 @@ C call per leaf on every call; instead the public functions translate torch's
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from numstab import frameworks
 from numstab.errors import InvalidArgumentError
 from numstab.tree import leaves_with_paths
 
@@ -43,11 +43,11 @@ def dense_only(fn: F) -> F:
 
 
 def _first_sparse_leaf(trees: tuple) -> tuple[str, Any] | None:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
+    layouts = frameworks.loaded("tree", "sparse_layout")
     for tree in trees:
         for path, leaf in leaves_with_paths(tree):
-            if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
-                return path, leaf.layout
+            for layout_of in layouts:
+                layout = layout_of(leaf)
+                if layout is not None:
+                    return path, layout
     return None

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
-from collections.abc import Mapping
 from typing import Any
 
 from numstab import _validate as v
+from numstab import frameworks
 from numstab._dispatch import framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend, native_op
@@ -69,31 +68,15 @@ def named_leaves(tree: Tree) -> list[tuple[str, Any]]:
     ``named_buffers`` ("layers.3.attn.q_proj.weight"); a flat dict of str -> torch.Tensor (a
     state dict) gives its keys; a Keras layer or model gives its variables' ``.path``
     ("dense/kernel"); anything else follows ``numstab.tree`` ("['opt_state'][0].mu['w']")."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(tree, torch.nn.Module):
-        buffers = [(n, b) for n, b in tree.named_buffers() if b.is_floating_point()]
-        return list(tree.named_parameters()) + buffers
-    if torch is not None and _is_state_dict(tree, torch):
-        return list(tree.items())
-    keras = sys.modules.get("keras")
-    if keras is not None and isinstance(tree, keras.Layer):
-        return [(w.path, w.value) for w in tree.weights]
-    return [(path, _unwrap(leaf)) for path, leaf in leaves_with_paths(tree)]
-
-
-def _is_state_dict(tree: Any, torch: Any) -> bool:
-    return (
-        isinstance(tree, Mapping)
-        and len(tree) > 0
-        and all(isinstance(k, str) and isinstance(x, torch.Tensor) for k, x in tree.items())
-    )
-
-
-def _unwrap(leaf: Any) -> Any:
-    """A Keras variable found inside a tree stands for its backend tensor."""
-    if type(leaf).__module__.startswith("keras") and hasattr(leaf, "value"):
-        return leaf.value
-    return leaf
+    for named in frameworks.loaded("tree", "named_leaves"):
+        found = named(tree)
+        if found is not None:
+            return found
+    unwrappers = frameworks.loaded("tree", "unwrap")
+    pairs = leaves_with_paths(tree)
+    for unwrap in unwrappers:
+        pairs = [(path, unwrap(leaf)) for path, leaf in pairs]
+    return pairs
 
 
 @dense_only

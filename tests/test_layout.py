@@ -114,6 +114,55 @@ def test_no_function_over_80_lines():
     assert not long, long
 
 
+FRAMEWORK_MODULES = {
+    "torch", "tensorflow", "tf", "jax", "jaxlib", "keras", "optax", "flax", "equinox", "jmp",
+    "transformers", "lightning", "accelerate",
+}  # fmt: skip
+
+
+def _framework_uses(source: str) -> list[str]:
+    """Where ``source`` touches a framework's objects: an import of it, a ``sys.modules``
+    look-up of it, or a name bound to it. Names as strings (registry keys, messages) are
+    fine: they are how the registry is asked."""
+    found = []
+
+    def is_framework(name: str) -> bool:
+        return name.split(".")[0] in FRAMEWORK_MODULES
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if is_framework(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and is_framework(node.module):
+            found.append(f"from {node.module} import")
+        elif (
+            isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and is_framework(node.id)
+        ):
+            found.append(f"line {node.lineno}: {node.id}")
+        elif isinstance(node, (ast.Subscript, ast.Call)) and "sys.modules" in ast.unparse(node):
+            keys = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant)]
+            if any(isinstance(k, str) and is_framework(k) for k in keys):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_framework_objects_are_touched_only_in_their_folders():
+    """Outside ``numstab/frameworks/`` code reaches a framework only through the registry
+    (``frameworks.module``, ``frameworks.loaded``), never its modules or types."""
+    sample = 'import sys\nimport torch\nt = sys.modules.get("jax")\nx = keras.Layer\nkey = "tf"\n'
+    assert sorted(_framework_uses(sample)) == [
+        "import torch",
+        "line 3: sys.modules.get('jax')",
+        "line 4: keras",
+    ]
+    home = PACKAGE / "frameworks"
+    uses = {
+        str(p.relative_to(PACKAGE)): found
+        for p in _sources()
+        if home not in p.parents and (found := _framework_uses(p.read_text()))
+    }
+    assert not uses, uses
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

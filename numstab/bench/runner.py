@@ -17,8 +17,8 @@ from numstab.bench import metrics, results, sensitivity
 from numstab.bench.errors import ResultsFileError
 from numstab.bench.spec import Preset, RunSpec, plan_runs, preset_from_dict
 from numstab.bench.worker import PREFIX
+from numstab.frameworks import FRAMEWORKS
 
-EXTRAS = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow"}
 NOTHING_RAN_EXIT = 1
 AGREEMENT_FAILED_EXIT = 3
 INTERRUPTED_EXIT = 130
@@ -96,8 +96,8 @@ def run(options: Options, console: Any) -> int:
         if not installed(fw):
             data["frameworks"][fw] = {
                 "status": "not installed",
-                "message": f"{fw} is not installed (pip install 'numstab[{EXTRAS[fw]}]'); "
-                "the other frameworks still run",
+                "message": f"{fw} is not installed "
+                f"(pip install 'numstab[{FRAMEWORKS[fw].extra}]'); the other frameworks still run",
             }
             _say(console, f"[yellow]skipping {fw}: not installed[/yellow]")
     results.save(data, out)

@@ -11,9 +11,11 @@ import dataclasses
 import itertools
 from typing import Any
 
+from numstab import frameworks as registry
 from numstab.errors import InvalidArgumentError
 
-FRAMEWORKS = ("torch", "jax", "tensorflow")
+#: the frameworks with a benchmark model (``numstab/frameworks/<name>/bench.py``)
+FRAMEWORKS = tuple(name for name in registry.FRAMEWORKS if registry.has_module(name, "bench"))
 PRECISIONS = ("fp32", "bf16", "fp16")
 STACKS = ("native", "numstab")
 REMEDY_PARTS = ("ls", "clip", "qk_norm", "z_loss")  # combined with '+', in this order

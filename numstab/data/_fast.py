@@ -36,11 +36,11 @@ average 1.4-1.7: numpy-iterator 1.31-1.33 -> 1.28-1.31, numpy-images 1.25-1.31 -
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import numpy as np
 
+from numstab import frameworks
 from numstab._dispatch import framework_of
 from numstab._validate import is_floating, is_integer
 from numstab.backends import load_backend
@@ -68,14 +68,15 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
     it has a batch axis: its ``_host.sample_counts``, already computed, for the caller to
     reuse (its ``is`` identity tells which leaf; a TensorFlow tensor read through its view
     is handed on as the tensor)."""
-    torch = sys.modules.get("torch")
+    leaf_hooks = frameworks.loaded("data", "batch_leaf")
     sums: list = []
     sizes: list = []
     try:
-        _walk(batch, batch_axis, torch, sums, sizes)
+        _walk(batch, batch_axis, leaf_hooks, sums, sizes)
         if not sizes or sizes.count(sizes[0]) != len(sizes):
             return None
-        # torch: one fused sum per field, one sync; a finite total proves finite terms
+        # a framework's leaves (torch's): one fused sum per field, one sync; a finite total
+        # proves finite terms
         # (NaN/inf propagate), and an overflowing one only sends the batch the long way
         if sums and not math.isfinite(sum(sums[1:], sums[0]).item()):
             return SUSPECT
@@ -110,13 +111,15 @@ def _host(a: np.ndarray, axis: int, sizes: list) -> None:
         raise _Unknown
 
 
-def _walk(node: Any, axis: int, torch: Any, sums: list, sizes: list) -> None:
+def _walk(node: Any, axis: int, leaf_hooks: tuple, sums: list, sizes: list) -> None:
+    """Every leaf of ``node``: sizes into ``sizes``, fused sums (``leaf_hooks``: a framework's
+    ``data.batch_leaf``, ``(type, check)``) into ``sums``; ``_Suspect``/``_Unknown`` raised."""
     cls = type(node)
     if cls is np.ndarray:
         _host(node, axis, sizes)
     elif cls is dict:
         for child in node.values():
-            _walk(child, axis, torch, sums, sizes)
+            _walk(child, axis, leaf_hooks, sums, sizes)
     elif cls is list or cls is tuple:
         first = type(node[0]) if node else None
         if (first is str or first is bytes) and all(
@@ -126,24 +129,19 @@ def _walk(node: Any, axis: int, torch: Any, sums: list, sizes: list) -> None:
                 sizes.append(len(node))
             return
         for child in node:
-            _walk(child, axis, torch, sums, sizes)
-    elif torch is not None and isinstance(node, torch.Tensor):
-        # measured: a NumPy view of a CPU tensor (.numpy() + isfinite) costs more than
-        # this fused sum on a freshly gathered batch, so torch keeps its own check
-        if node.ndim > axis:
-            sizes.append(node.shape[axis])
-        dtype = node.dtype  # read once: each tensor attribute is a C call
-        if dtype.is_floating_point:
-            wide = dtype is torch.float32 or dtype is torch.float64
-            sums.append(node.sum() if wide else node.sum(dtype=torch.float32))
-        elif dtype.is_complex:
-            raise _Unknown
+            _walk(child, axis, leaf_hooks, sums, sizes)
     elif cls in _STATIC:
         return
-    elif hasattr(node, "dtype") and hasattr(node, "shape"):
-        _other_framework(node, axis, sums, sizes)
     else:
-        raise _Unknown
+        for leaf_type, check in leaf_hooks:
+            if isinstance(node, leaf_type):
+                if not check(node, axis, sums, sizes):
+                    raise _Unknown
+                return
+        if hasattr(node, "dtype") and hasattr(node, "shape"):
+            _other_framework(node, axis, sums, sizes)
+        else:
+            raise _Unknown
 
 
 def _other_framework(node: Any, axis: int, sums: list, sizes: list) -> None:

@@ -9,14 +9,13 @@ are checked, integer and bool ones are finite by definition.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from numstab import _validate as v
-from numstab import tree
+from numstab import frameworks, tree
 from numstab._dispatch import framework_of
 from numstab.backends import load_backend
 from numstab.backends._base import Backend
@@ -177,24 +176,16 @@ def sample_nonfinite(field: Field, batch_axis: int) -> tuple[np.ndarray, np.ndar
 
 
 def _readable(x: Any) -> np.ndarray | None:
-    """``x`` as a NumPy float16/32/64 array read in place: a NumPy array itself, the
-    zero-copy ``.numpy()`` view of a strided CPU torch tensor (detached: only read here), or
-    of a TensorFlow eager tensor in host memory (``_host.tf_view``); None for anything else
-    (bfloat16, other devices and frameworks)."""
+    """``x`` as a NumPy float16/32/64 array read in place: a NumPy array itself, or a
+    framework's zero-copy view of its host tensor (``data.host_view``: a strided CPU torch
+    tensor, a TensorFlow eager tensor in host memory); None for anything else (bfloat16,
+    other devices and frameworks)."""
     if type(x) is np.ndarray:
         return x if x.dtype.kind == "f" else None
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        if (
-            x.dtype in (torch.float32, torch.float64, torch.float16)
-            and x.device.type == "cpu"
-            and x.layout == torch.strided
-            and not x.is_neg()
-        ):
-            return x.detach().numpy()
-        return None
-    if "tensorflow" in sys.modules:
-        return _host.tf_view(x)
+    for view in frameworks.loaded("data", "host_view"):
+        found = view(x)
+        if found is not None:
+            return found
     return None
 
 

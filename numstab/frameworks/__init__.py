@@ -6,6 +6,12 @@ check-numerics; ``locate.py``; ``guard.py``; ``devices.py``; then its integratio
 Feature packages hold the framework-free logic and reach a framework's code through
 :func:`module`; nothing here imports a framework.
 
+Framework-free code that must recognise a framework's values (a torch module, a sparse
+TensorFlow gradient, a JAX pytree node) never names the framework: it asks :func:`loaded`
+for the hooks that the already-imported frameworks' folders provide, under names that the
+feature declares (``numstab.tree``: ``tree.sparse_types``; ``numstab.data``:
+``data.batch_leaf``; ...).
+
 Adding a framework: a new folder, one :class:`Framework` entry below, one conformance entry
 (docs/architecture.md lists the steps).
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import sys
 from types import ModuleType
 from typing import Any
@@ -62,7 +69,7 @@ class ModelLibrary:
     """A library whose models ``locate_nonfinite`` takes as they are: ``model_type`` is
     ``(module, attribute)`` of its module class; ``code`` is the numstab module (under
     ``numstab.frameworks``) that locates its models; ``runs_on`` the framework that runs
-    them (None: the Keras backend decides)."""
+    them (None: that code module's ``runs_on()`` tells, as Keras' backend does)."""
 
     name: str
     model_type: tuple[str, str]
@@ -108,3 +115,53 @@ def model_library(model: Any) -> ModelLibrary | None:
         if cls is not None and isinstance(model, cls):
             return library
     return None
+
+
+#: the folders that may provide hooks (``loaded``), in the order they are asked, each with
+#: the module whose import makes its values possible
+HOOK_FOLDERS: tuple[tuple[str, str], ...] = (
+    *((f.name, f.distributions[0]) for f in FRAMEWORKS.values()),
+    ("keras", "keras"),
+)
+
+_imported_folders: dict[str, str] = {}  # folder -> its framework's module name, once imported
+_hook_cache: dict[tuple[str, str], tuple] = {}
+_modules_seen = [0]  # len(sys.modules) at the last look: a framework's import always grows it
+
+
+def loaded(module_name: str, attribute: str) -> tuple[Any, ...]:
+    """``numstab.frameworks.<folder>.<module_name>.<attribute>`` of every folder in
+    :data:`HOOK_FOLDERS` whose framework the process has already imported and whose module
+    defines it, in that order: ``()`` when none does. Never imports a framework (a value of a
+    framework's type exists only once it is imported); answered from a cache, rechecking only
+    the frameworks not yet imported, and only after the process imported something."""
+    if len(sys.modules) != _modules_seen[0] and len(_imported_folders) < len(HOOK_FOLDERS):
+        _note_new_imports()
+    key = (module_name, attribute)
+    found = _hook_cache.get(key)
+    if found is None:
+        found = _hook_cache[key] = tuple(
+            getattr(module(folder, module_name), attribute)
+            for folder, _ in HOOK_FOLDERS
+            if folder in _imported_folders and _has_hook(folder, module_name, attribute)
+        )
+    return found
+
+
+def _note_new_imports() -> None:
+    _modules_seen[0] = len(sys.modules)
+    for folder, framework in HOOK_FOLDERS:
+        if folder not in _imported_folders and framework in sys.modules:
+            _imported_folders[folder] = framework
+            _hook_cache.clear()
+
+
+def has_module(folder: str, module_name: str) -> bool:
+    """Whether ``numstab/frameworks/<folder>/<module_name>.py`` exists (nothing imported but
+    the folder's light ``__init__``)."""
+    name = f"{__name__}.{folder}.{module_name}"
+    return name in sys.modules or importlib.util.find_spec(name) is not None
+
+
+def _has_hook(folder: str, module_name: str, attribute: str) -> bool:
+    return has_module(folder, module_name) and hasattr(module(folder, module_name), attribute)

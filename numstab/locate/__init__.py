@@ -16,7 +16,6 @@ See docs/semantics.md §15 for the exact rules.
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -55,8 +54,12 @@ def locate_nonfinite(
     library = _model_library(model, inputs, backend)
     if library is None:  # a plain function of JAX arrays made of numstab.locate.jax.layer calls
         return frameworks.module("jax", "locate").locate(model, inputs, loss_fn, targets)
-    code = importlib.import_module(f"{frameworks.__name__}.{library.code}")
-    return code.locate_model(model, inputs, loss_fn, targets)
+    return _code(library).locate_model(model, inputs, loss_fn, targets)
+
+
+def _code(library: frameworks.ModelLibrary) -> Any:
+    """The numstab module that locates ``library``'s models."""
+    return importlib.import_module(f"{frameworks.__name__}.{library.code}")
 
 
 _KERAS_BACKENDS = ("tensorflow", "torch", "jax")
@@ -81,7 +84,7 @@ def _model_library(
             )
         framework = "jax"
     elif library.runs_on is None:  # Keras: the backend it was imported with
-        framework = sys.modules["keras"].backend.backend()
+        framework = _code(library).runs_on()
         if framework not in _KERAS_BACKENDS:
             raise InvalidArgumentError(
                 f"Expected a Keras model on one of the backends {_KERAS_BACKENDS}. Received: "

@@ -71,11 +71,16 @@ class _Recorder:
         return call
 
 
-def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
-    """The registry's entry point: a Keras model on its Keras backend."""
+def runs_on() -> str:
+    """The framework Keras runs its models on: its backend (``keras.backend.backend()``)."""
     import keras
 
-    framework = keras.backend.backend()
+    return keras.backend.backend()
+
+
+def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
+    """The registry's entry point: a Keras model on its Keras backend."""
+    framework = runs_on()
     if framework == "jax":
         from numstab.frameworks.jax.locate import locate as locate_jax
         from numstab.frameworks.keras.locate_jax import as_layers
