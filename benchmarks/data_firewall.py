@@ -83,7 +83,7 @@ from numstab.data import (
     MADFilter,
     ZScoreFilter,
     _host,
-    guard,
+    protect,
 )
 
 N_SAMPLES, N_FEATURES = 1_000_000, 32
@@ -246,12 +246,12 @@ def numpy_rows(x, y, bad, batch, rounds):
 
     label = lambda b: b["y"]
     read = lambda b: finite_read(b["x"])
-    check_dropped(guard(source()), label, bad, None)
+    check_dropped(protect(source()), label, bad, None)
     return [
         compare(
             "numpy-iterator",
             lambda: count(source(), label),
-            lambda: count(guard(source()), label),
+            lambda: count(protect(source()), label),
             rounds,
             source,
             floor=lambda: count_read(source(), label, read),
@@ -280,12 +280,12 @@ def numpy_image_rows(batch, rounds, n=8192, shape=(3, 64, 64)):
 
     label = lambda b: b["y"]
     read = lambda b: finite_read(b["x"])
-    check_dropped(guard(source()), label, bad, None, n)
+    check_dropped(protect(source()), label, bad, None, n)
     return [
         compare(
             "numpy-images",
             lambda: count(source(), label),
-            lambda: count(guard(source()), label),
+            lambda: count(protect(source()), label),
             rounds,
             source,
             floor=lambda: count_read(source(), label, read),
@@ -327,12 +327,12 @@ def torch_rows(x, y, bad, batch, rounds, torch_batches):
     # the floor: one fused sum and one host sync, the cheapest exact torch check measured
     # (``torch.isfinite(x).all()`` and ``.numpy()`` + ``isfinite`` were slower)
     read = lambda b: math.isfinite(b[0].sum().item())
-    check_dropped(guard(batched()), label, bad, None)
+    check_dropped(protect(batched()), label, bad, None)
     rows = [
         compare(
             "torch-per-sample",
             lambda: count(per_sample(), label),
-            lambda: count(guard(per_sample()), label),
+            lambda: count(protect(per_sample()), label),
             rounds,
             per_sample,
             floor=lambda: count_read(per_sample(), label, read),
@@ -341,7 +341,7 @@ def torch_rows(x, y, bad, batch, rounds, torch_batches):
         compare(
             "torch-batched",
             lambda: count(batched(), label),
-            lambda: count(guard(batched()), label),
+            lambda: count(protect(batched()), label),
             rounds,
             batched,
             floor=lambda: count_read(batched(), label, read),
@@ -366,13 +366,13 @@ def tf_rows(x, y, bad, batch, rounds):
     # executor's per-call cost
     flagged = base.map(lambda b: {**b, "bad": tf.reduce_any(~tf.math.is_finite(b["x"]), axis=1)})
     read = lambda b: finite_read(np.asarray(b["x"]))  # zero-copy view of a host tensor
-    check_dropped(guard(base), label, bad, None)
+    check_dropped(protect(base), label, bad, None)
     check_dropped(graph, label, bad, None)
     return [
         compare(
             "tf.data-eager",
             lambda: count(base, label),
-            lambda: count(guard(base), label),
+            lambda: count(protect(base), label),
             rounds,
             lambda: base,
             headline="pass",  # tf.data prefetches in C++ threads: next() hides its cost
@@ -418,7 +418,7 @@ def detection_rows(n: int) -> list[dict]:
         x[outlier, cols[outlier]] += 10.0 * rng.choice([-1.0, 1.0], outlier.sum())
         x[nonfinite, cols[nonfinite]] = rng.choice([np.nan, np.inf, -np.inf], nonfinite.sum())
         batches = ({"x": x[i : i + 1000]} for i in range(0, m, 1000))
-        loader = guard(batches, "drop", outliers=make())
+        loader = protect(batches, "drop", outliers=make())
         start = time.perf_counter()
         for _ in loader:
             pass

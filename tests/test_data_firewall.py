@@ -1,4 +1,4 @@
-"""numstab.data: check_batch, guard (drop / replace / raise), quarantine, outlier filters.
+"""numstab.data: check_batch, protect (drop / replace / raise), quarantine, outlier filters.
 
 Backend conformance of check_batch and the per-sample counts is in
 conformance_tests/test_data_firewall.py; these tests cover the loaders and policies.
@@ -20,8 +20,8 @@ from numstab.data import (
     MADFilter,
     ZScoreFilter,
     check_batch,
-    guard,
     nonfinite_per_sample,
+    protect,
 )
 from numstab.data.outliers import bonferroni_threshold, gaussian_tail, truncated_std_ratio
 from numstab.errors import (
@@ -106,10 +106,10 @@ def test_check_batch_errors():
         check_batch({"x": torch.ones(2)}, backend="numpy")
 
 
-# -- guard: policies over a Python iterator -------------------------------------------------
+# -- protect: policies over a Python iterator -------------------------------------------------
 def test_drop_removes_only_bad_samples_and_records_global_indices():
     x, y = _data()
-    loader = guard(_batches(x, y), "drop")
+    loader = protect(_batches(x, y), "drop")
     out = list(loader)
     good = np.setdiff1d(np.arange(N), list(BAD))
     np.testing.assert_array_equal(np.concatenate([b["y"] for b in out]), good)
@@ -129,7 +129,7 @@ def test_drop_removes_only_bad_samples_and_records_global_indices():
 def test_clean_batches_pass_as_the_same_object():
     x, y = _data()
     batches = list(_batches(x, y))
-    out = list(guard(batches, "drop"))
+    out = list(protect(batches, "drop"))
     assert out[2] is batches[2]  # fast path: untouched
     assert out[0] is not batches[0] and len(out[0]["y"]) == B - 1
 
@@ -139,8 +139,8 @@ def test_fast_and_general_paths_agree():
     Pair = collections.namedtuple("Pair", "x y")
     x, y = _data()
     chunks = list(zip(x.reshape(-1, 8, D), y.reshape(-1, 8), strict=True))
-    via_tuple = guard([Pair(bx, by) for bx, by in chunks])
-    via_dict = guard([{"x": bx, "y": by} for bx, by in chunks])
+    via_tuple = protect([Pair(bx, by) for bx, by in chunks])
+    via_dict = protect([{"x": bx, "y": by} for bx, by in chunks])
     out_t, out_d = list(via_tuple), list(via_dict)
     assert [type(b) for b in out_t] == [Pair] * len(out_t)
     np.testing.assert_array_equal(
@@ -151,7 +151,7 @@ def test_fast_and_general_paths_agree():
 
 def test_replace_sets_only_nonfinite_values():
     x, y = _data()
-    loader = guard(_batches(x, y), "replace", replace_value=-7.0)
+    loader = protect(_batches(x, y), "replace", replace_value=-7.0)
     got = np.concatenate([b["x"] for b in loader])
     np.testing.assert_array_equal(got, np.where(np.isfinite(x), x, np.float32(-7.0)))
     assert got.dtype == np.float32
@@ -161,7 +161,7 @@ def test_replace_sets_only_nonfinite_values():
 
 def test_raise_names_field_and_global_index():
     x, y = _data()
-    loader = guard(_batches(x, y), "raise")
+    loader = protect(_batches(x, y), "raise")
     with pytest.raises(NonFiniteError, match=r"sample 7 .*batch 0, position 7.*\['x'\]") as err:
         list(loader)
     assert err.value.paths == ("['x']",) and err.value.nan_count == 1
@@ -170,24 +170,24 @@ def test_raise_names_field_and_global_index():
 
 def test_all_dropped_batch_is_skipped_or_kept_empty():
     x = np.full((4, 2), np.nan, np.float32)
-    loader = guard([{"x": x}, {"x": np.ones((4, 2), np.float32)}])
+    loader = protect([{"x": x}, {"x": np.ones((4, 2), np.float32)}])
     assert [len(b["x"]) for b in loader] == [4]
     assert loader.stats.batches_skipped == 1
-    kept = list(guard([{"x": x, "s": ["a", "b", "c", "d"]}], keep_empty=True))
+    kept = list(protect([{"x": x, "s": ["a", "b", "c", "d"]}], keep_empty=True))
     assert kept[0]["x"].shape == (0, 2) and kept[0]["s"] == []
 
 
 def test_string_fields_are_dropped_alongside():
     x = np.ones((3, 2), np.float32)
     x[1, 0] = np.nan
-    (out,) = list(guard([{"x": x, "name": ("a", "b", "c")}]))
+    (out,) = list(protect([{"x": x, "name": ("a", "b", "c")}]))
     assert out["name"] == ("a", "c") and out["x"].shape == (2, 2)
 
 
 def test_epochs_restart_batch_numbers_and_continue_indices():
     x, y = _data()
     batches = list(_batches(x, y))
-    loader = guard(batches)
+    loader = protect(batches)
     list(loader)
     list(loader)
     assert loader.stats.epochs == 2 and loader.stats.samples_seen == 2 * N
@@ -198,19 +198,19 @@ def test_epochs_restart_batch_numbers_and_continue_indices():
 
 def test_argument_errors():
     with pytest.raises(InvalidArgumentError, match="policy to be one of"):
-        guard([], "skip")
+        protect([], "skip")
     with pytest.raises(InvalidArgumentError, match="replace_value"):
-        guard([], "replace", replace_value=float("nan"))
+        protect([], "replace", replace_value=float("nan"))
     with pytest.raises(InvalidArgumentError, match="outlier_policy"):
-        guard([], outliers="zscore", outlier_policy="replace")
+        protect([], outliers="zscore", outlier_policy="replace")
     with pytest.raises(InvalidArgumentError, match="outliers to be None"):
-        guard([], outliers="iforest")
+        protect([], outliers="iforest")
     with pytest.raises(InvalidArgumentError, match="iterable of batches"):
-        guard(5)
+        protect(5)
     with pytest.raises(InvalidArgumentError, match="no batched field"):
-        list(guard([np.float32(np.nan)]))
+        list(protect([np.float32(np.nan)]))
     with pytest.raises(InvalidArgumentError, match="outlier_fields"):
-        guard([], outliers="zscore", outlier_fields="['x']")
+        protect([], outliers="zscore", outlier_fields="['x']")
     with pytest.raises(InvalidArgumentError, match="threshold"):
         ZScoreFilter(threshold=0)
     with pytest.raises(InvalidArgumentError, match="warmup >= 2"):
@@ -225,7 +225,7 @@ def test_argument_errors():
 def test_quarantine_files_load_without_pickle(tmp_path):
     x, y = _data()
     batches = [{**b, "id": [f"s{i}" for i in b["y"]]} for b in _batches(x, y)]
-    loader = guard(batches, "drop", quarantine_dir=tmp_path / "q")
+    loader = protect(batches, "drop", quarantine_dir=tmp_path / "q")
     list(loader)
     files = loader.stats.quarantine_files
     assert len(files) == 4  # batches 0, 1, 6 and 15 hold bad samples
@@ -250,7 +250,7 @@ def test_torch_dataloader_wrapper_and_collate_fn(monkeypatch):
 
     x, y = _data()
     dataset = TensorDataset(torch.from_numpy(x).to(torch.bfloat16), torch.from_numpy(y))
-    loader = guard(DataLoader(dataset, batch_size=B), "drop")
+    loader = protect(DataLoader(dataset, batch_size=B), "drop")
     assert len(loader) == 16
     out = list(loader)
     assert isinstance(out[0][0], torch.Tensor) and out[0][0].dtype == torch.bfloat16
@@ -282,7 +282,7 @@ def test_tf_data_guard_and_graph_mode_functions():
     good = np.setdiff1d(np.arange(n), bad)
     ds = tf.data.Dataset.from_tensor_slices({"x": x, "y": y})
 
-    loader = guard(ds.batch(B), "drop")  # eager iteration, global indices recorded
+    loader = protect(ds.batch(B), "drop")  # eager iteration, global indices recorded
     out = list(loader)
     assert isinstance(out[0]["x"], tf.Tensor)
     np.testing.assert_array_equal(np.concatenate([b["y"].numpy() for b in out]), good)
@@ -552,7 +552,7 @@ def test_a_batch_found_dirty_is_counted_without_a_second_clean_check(monkeypatch
 
     monkeypatch.setattr(firewall, "surely_finite", never)
     x, y = _data()
-    out = list(guard(_batches(x, y), "drop"))
+    out = list(protect(_batches(x, y), "drop"))
     assert sum(len(b["y"]) for b in out) == N - len(BAD)
 
 
@@ -651,7 +651,7 @@ def _stream_with_outliers(d, n=60_000, warmup=5000, seed=4):
 )
 def test_detection_recall_and_false_positives(make, d):
     x, outlier, nonfinite = _stream_with_outliers(d, n=30_000 if d == 4 else 100_000)
-    loader = guard(_batches(x, np.arange(len(x)), size=1000), "drop", outliers=make())
+    loader = protect(_batches(x, np.arange(len(x)), size=1000), "drop", outliers=make())
     for _ in loader:
         pass
     stats = loader.stats
@@ -723,24 +723,26 @@ def test_outlier_policy_raise_fields_and_callable_features():
     x[350, 0] = 40.0
     w[360, 0] = 40.0
     batches = [{"x": x[i : i + 50], "w": w[i : i + 50]} for i in range(0, 400, 50)]
-    only_w = guard(batches, outliers=ZScoreFilter(6.0, warmup=100), outlier_fields=["['w']"])
+    only_w = protect(batches, outliers=ZScoreFilter(6.0, warmup=100), outlier_fields=["['w']"])
     list(only_w)
     assert only_w.stats.outliers == (360,)
-    via_fn = guard(batches, outliers=ZScoreFilter(6.0, warmup=100), outlier_fields=lambda b: b["x"])
+    via_fn = protect(
+        batches, outliers=ZScoreFilter(6.0, warmup=100), outlier_fields=lambda b: b["x"]
+    )
     list(via_fn)
     assert via_fn.stats.outliers == (350,)
     with pytest.raises(OutlierError, match="sample 350") as err:
-        list(guard(batches, "raise", outliers=ZScoreFilter(6.0, warmup=100)))
+        list(protect(batches, "raise", outliers=ZScoreFilter(6.0, warmup=100)))
     assert err.value.indices == (350, 360) and err.value.filter == "zscore"
     with pytest.raises(InvalidArgumentError, match="outlier_fields among"):
-        list(guard(batches, outliers="zscore", outlier_fields=["['nope']"]))
+        list(protect(batches, outliers="zscore", outlier_fields=["['nope']"]))
 
 
 def test_isolation_forest_without_scikit_learn_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn", None)
     monkeypatch.setitem(sys.modules, "sklearn.ensemble", None)
     with pytest.raises(BackendUnavailableError, match=r"numstab\[outliers\]"):
-        guard([], outliers="isolation_forest")
+        protect([], outliers="isolation_forest")
 
 
 def test_import_numstab_data_imports_no_framework():
@@ -750,3 +752,9 @@ def test_import_numstab_data_imports_no_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_guard_is_the_old_name_of_protect():
+    import numstab.data as data
+
+    assert data.guard is data.protect

@@ -2,9 +2,10 @@
 
 - ``check_batch(batch)``: a BatchReport of NaN/inf counts per field and the bad samples;
 - ``nonfinite_per_sample(batch)``: the graph-safe per-sample count behind it;
-- ``guard(iterable, policy="drop" | "replace" | "raise", outliers=None, ...)``: wraps a
+- ``protect(iterable, policy="drop" | "replace" | "raise", outliers=None, ...)``: wraps a
   torch DataLoader, a tf.data.Dataset or any iterable of batches; per-sample decisions,
-  everything recorded in ``.stats`` and optionally quarantined to ``.npz``;
+  everything recorded in ``.stats`` and optionally quarantined to ``.npz`` (``guard``: its
+  name before 0.2, the same function);
 - ``Firewall``: the same logic per batch (``process``), also as a torch ``collate_fn``;
 - ``ZScoreFilter``, ``MADFilter``, ``IsolationForestFilter``: streaming outlier filters;
 - ``TFDataGuard`` (imports tensorflow on first access): graph-mode ``Dataset.filter`` /
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from numstab.data.check import BatchReport, FieldReport, check_batch, nonfinite_per_sample
-from numstab.data.firewall import Firewall, GuardedIterable, guard
+from numstab.data.firewall import Firewall, GuardedIterable, guard, protect
 from numstab.data.outliers import (
     IsolationForestFilter,
     MADFilter,
@@ -44,6 +45,7 @@ __all__ = [
     "guard",
     "make_outlier_filter",
     "nonfinite_per_sample",
+    "protect",
 ]
 
 

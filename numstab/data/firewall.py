@@ -1,4 +1,4 @@
-"""``guard``: per-sample NaN/inf and outlier screening of a stream of batches.
+"""``protect``: per-sample NaN/inf and outlier screening of a stream of batches.
 
 Each batch is split into fields (numstab.data._fields). A clean batch costs one fused sum per
 floating field and one host sync, and is handed on unchanged (the same object). Otherwise the
@@ -45,7 +45,7 @@ Features = Sequence[str] | Callable[[Any], Any] | None
 
 
 class Firewall:
-    """The per-batch logic and state of ``guard``; usable on its own: ``process(batch)``.
+    """The per-batch logic and state of ``protect``; usable on its own: ``process(batch)``.
 
     Args:
         policy: ``"drop"``, ``"replace"`` or ``"raise"`` for samples with NaN/inf.
@@ -92,7 +92,7 @@ class Firewall:
         self._epoch = 0
 
     def new_epoch(self) -> None:
-        """Start numbering batches from 0 again (``guard`` calls it on every ``iter``)."""
+        """Start numbering batches from 0 again (``protect`` calls it on every ``iter``)."""
         self._epoch = self.stats.epochs
         self.stats.epochs += 1
         self._batch_in_epoch = 0
@@ -273,7 +273,7 @@ class Firewall:
                     "Expected the firewall's collate_fn in the main process (num_workers=0), "
                     "where its stats are kept, or a quarantine_dir to record flagged samples "
                     "from workers. Received: a DataLoader worker without quarantine_dir. "
-                    "Prefer numstab.data.guard(loader)."
+                    "Prefer numstab.data.protect(loader)."
                 )
             saved, self.keep_empty = self.keep_empty, True
             try:
@@ -373,7 +373,7 @@ class GuardedIterable:
         return len(self.source)
 
 
-def guard(
+def protect(
     iterable: Iterable,
     policy: str = "drop",
     outliers: str | OutlierFilter | None = None,
@@ -382,7 +382,7 @@ def guard(
     """Wrap a torch DataLoader, a tf.data.Dataset (iterated eagerly) or any iterable of
     batches; see Firewall for ``options`` and the module docstring for the semantics.
 
-    >>> loader = guard(batches, "drop", replace_value=0.0)   # doctest: +SKIP
+    >>> loader = protect(batches, "drop", replace_value=0.0)   # doctest: +SKIP
     >>> for batch in loader: ...                             # doctest: +SKIP
     >>> loader.stats.dropped                                 # global sample indices
     """
@@ -392,3 +392,7 @@ def guard(
             f"Received: iterable of type {type(iterable).__name__}"
         )
     return GuardedIterable(iterable, Firewall(policy, outliers=outliers, **options))
+
+
+#: the name before 0.2 (it read as the ``numstab.guard`` package): the same function
+guard = protect

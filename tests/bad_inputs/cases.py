@@ -121,9 +121,9 @@ def hyperparameter_cases() -> Iterator[Case]:
         yield from _hyper(
             "data.ZScoreFilter", lambda v, n=name: ns.data.ZScoreFilter(**{n: v}), name, values
         )
-    yield from _hyper("data.guard", lambda v: ns.data.guard([], v), "policy", {"unknown": "skip"})
+    yield from _hyper("data.guard", lambda v: ns.data.protect([], v), "policy", {"unknown": "skip"})
     yield from _hyper(
-        "data.guard", lambda v: ns.data.guard([], outliers=v), "outliers", {"unknown": "iqr"}
+        "data.guard", lambda v: ns.data.protect([], outliers=v), "outliers", {"unknown": "iqr"}
     )
 
 
@@ -561,17 +561,17 @@ def more_api_cases() -> Iterator[Case]:
         Case("ZClip.init.params=str", lambda c: ns.ZClip().init("p"), bad("params")),
         Case(
             "data.guard.outlier_policy=unknown",
-            lambda c: ns.data.guard([], outlier_policy="skip"),
+            lambda c: ns.data.protect([], outlier_policy="skip"),
             bad("outlier_policy"),
         ),
         Case(
             "data.guard.replace_value=nan",
-            lambda c: ns.data.guard([], "replace", replace_value=NAN),
+            lambda c: ns.data.protect([], "replace", replace_value=NAN),
             bad("replace_value"),
         ),
         Case(
             "data.guard.batch_axis=negative",
-            lambda c: ns.data.guard([], batch_axis=-1),
+            lambda c: ns.data.protect([], batch_axis=-1),
             bad("batch_axis"),
         ),
         Case(

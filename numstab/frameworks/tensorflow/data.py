@@ -10,7 +10,7 @@
 - ``replace_nonfinite``: a ``Dataset.map`` function: NaN/inf become ``replace_value``.
 
 They keep counts only, not indices (enumerate the dataset first to keep an index field, or
-use ``numstab.data.guard(dataset)``, which iterates eagerly and records global indices).
+use ``numstab.data.protect(dataset)``, which iterates eagerly and records global indices).
 Elements may be tensors, tuples or dicts (``map`` unpacks tuples into arguments).
 
 ``host_view`` is the firewall's in-place read of an eager tensor in host memory.
