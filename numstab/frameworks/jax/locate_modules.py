@@ -149,14 +149,13 @@ class FlaxNNX(Library):
 
 
 def library_of(model: Any) -> Library | None:
-    """The library whose module ``model`` is (only libraries already imported are asked)."""
-    import sys
+    """The library whose module ``model`` is, as the registry's ``MODEL_LIBRARIES`` finds it
+    (only libraries already imported are asked); None for any other model."""
+    from numstab import frameworks
 
-    if "equinox" in sys.modules and isinstance(model, sys.modules["equinox"].Module):
-        return Equinox()
-    if "flax.nnx" in sys.modules and isinstance(model, sys.modules["flax.nnx"].Module):
-        return FlaxNNX()
-    return None
+    found = frameworks.model_library(model)
+    library = {"equinox": Equinox, "nnx": FlaxNNX}.get(found.name if found else "")
+    return library() if library else None
 
 
 def as_layers(library: Library, model: Any) -> Callable[..., Any]:
