@@ -124,7 +124,7 @@ HOOK_FOLDERS: tuple[tuple[str, str], ...] = (
     ("keras", "keras"),
 )
 
-_imported_folders: dict[str, str] = {}  # folder -> its framework's module name, once imported
+_imported_folders: set[str] = set()  # the folders whose framework is imported
 _hook_cache: dict[tuple[str, str], tuple] = {}
 _modules_seen = [0]  # len(sys.modules) at the last look: a framework's import always grows it
 
@@ -152,7 +152,7 @@ def _note_new_imports() -> None:
     _modules_seen[0] = len(sys.modules)
     for folder, framework in HOOK_FOLDERS:
         if folder not in _imported_folders and framework in sys.modules:
-            _imported_folders[folder] = framework
+            _imported_folders.add(folder)
             _hook_cache.clear()
 
 
