@@ -31,3 +31,19 @@ def test_numpy_use_imports_no_deep_learning_framework():
 def test_available_backends_imports_nothing():
     loaded = _modules_after("import numstab\nassert 'numpy' in numstab.available_backends()")
     assert loaded == []
+
+
+def test_framework_hooks_follow_what_is_imported():
+    """``frameworks.loaded`` imports no framework, and sees one as soon as the user imports
+    it (the NumPy tree walk, then a torch module's named leaves)."""
+    code = (
+        "import numpy as np\n"
+        "from numstab import frameworks, find_nonfinite\n"
+        "assert frameworks.loaded('tree', 'named_leaves') == ()\n"
+        "assert find_nonfinite({'w': np.array([1.0, np.nan])})[0].path == \"['w']\"\n"
+        "import torch\n"
+        "(named,) = frameworks.loaded('tree', 'named_leaves')\n"
+        "assert [p for p, _ in named(torch.nn.Linear(2, 2))] == ['weight', 'bias']\n"
+        "assert frameworks.loaded('tree', 'sparse_type') == ()\n"
+    )
+    assert _modules_after(code) == ["torch", "numpy"]
