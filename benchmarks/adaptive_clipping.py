@@ -10,9 +10,11 @@ How: both sides run in one process on the same inputs, interleaved (AB BA ...), 
 warmup calls (which also compile); torch gradients are restored from a copy before each call,
 outside the timed region; JAX calls end in block_until_ready. Before timing, both sides'
 outputs are asserted equal, so a fast but wrong path cannot win. Reported: median ms per call
-and ratio = numstab / reference (< 1: numstab faster).
+and ratio = numstab / reference (< 1: numstab faster), against the goal of a call against
+its native counterpart (issue 20): 1.05 eager (ZClip), 1.02 compiled (AGC).
 
 Usage: python benchmarks/adaptive_clipping.py [--layers 16] [--width 512] [--repeats 30] [--quick]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+from _goals import COMPILED_GOAL, EAGER_GOAL, add_json_option, goal_row, print_rows, write_json
 
 
 def _interleaved(a, b, repeats, before=lambda: None):
@@ -44,7 +47,7 @@ def bench_zclip(layers, width, repeats):
     import torch
     import zclip
 
-    from numstab.frameworks.torch.grad_scaler import ZClip
+    from numstab.integrations.torch import ZClip
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
@@ -72,7 +75,8 @@ def bench_zclip(layers, width, repeats):
 
     numstab_ms, ref_ms = _interleaved(sync_ours, lambda: ref.step(model), repeats, restore)
     n = sum(p.numel() for p in model.parameters())
-    return f"ZClip torch ({2 * layers} leaves, {n / 1e6:.1f}M params)", numstab_ms, ref_ms
+    case = f"ZClip torch ({2 * layers} leaves, {n / 1e6:.1f}M params)"
+    return goal_row(case, numstab_ms / ref_ms, EAGER_GOAL, numstab_ms=numstab_ms, ref_ms=ref_ms)
 
 
 def bench_agc(layers, width, repeats):
@@ -80,7 +84,7 @@ def bench_agc(layers, width, repeats):
     import jax.numpy as jnp
     import optax
 
-    from numstab.frameworks.jax.optax import agc
+    from numstab.integrations.optax import agc
 
     rng = np.random.default_rng(0)
     params, grads = {}, {}
@@ -103,7 +107,8 @@ def bench_agc(layers, width, repeats):
         repeats,
     )
     n = sum(x.size for x in params.values())
-    return f"AGC jax.jit ({2 * layers} leaves, {n / 1e6:.1f}M params)", numstab_ms, ref_ms
+    case = f"AGC jax.jit ({2 * layers} leaves, {n / 1e6:.1f}M params)"
+    return goal_row(case, numstab_ms / ref_ms, COMPILED_GOAL, numstab_ms=numstab_ms, ref_ms=ref_ms)
 
 
 def main() -> None:
@@ -112,6 +117,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    add_json_option(parser)
     args = parser.parse_args()
     if args.quick:
         args.layers, args.width, args.repeats = 4, 128, 10
@@ -119,10 +125,9 @@ def main() -> None:
         bench_zclip(args.layers, args.width, args.repeats),
         bench_agc(args.layers, args.width, args.repeats),
     ]
-    print(f"{'case':44s} {'numstab ms':>11s} {'reference ms':>13s} {'ratio':>7s}")
-    for name, ours, ref in rows:
-        print(f"{name:44s} {ours:11.3f} {ref:13.3f} {ours / ref:7.2f}")
+    print_rows(rows, [("numstab_ms", ".3f"), ("ref_ms", ".3f")])
     print("reference: zclip.ZClip().step (zclip package) / optax.adaptive_grad_clip(0.01)")
+    write_json(args.json, args, rows)
 
 
 if __name__ == "__main__":

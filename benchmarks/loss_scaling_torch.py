@@ -57,7 +57,7 @@ from collections.abc import Callable
 import torch
 
 import numstab
-from numstab.frameworks.torch.grad_scaler import GradScaler, clip_grad_norm_
+from numstab.integrations.torch import GradScaler, clip_grad_norm_
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _host_reads
 

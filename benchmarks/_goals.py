@@ -1,0 +1,68 @@
+"""What every benchmark reports (issue 20): rows carrying ``ratio``, ``goal`` and
+``meets_goal``, printed as a table and written with ``--json PATH``.
+
+A row is a plain dict: ``case`` (what was measured), the measured numbers, then ``ratio``
+(numstab over the native or naive alternative timed in the same run; lower is better),
+``goal`` (the largest ratio that meets it) and ``meets_goal``. Benchmarks with their own
+table (``overhead.py``, ``guard.py``, ...) write the same three keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+#: the issue's goals for a call against its native counterpart (issue 20, goal 2)
+EAGER_GOAL = 1.05
+COMPILED_GOAL = 1.02
+
+
+def goal_row(case: str, ratio: float, goal: float, **measured: Any) -> dict[str, Any]:
+    """One row: ``meets_goal`` is ``ratio <= goal`` (False for a NaN ratio)."""
+    return {
+        "case": case,
+        **measured,
+        "ratio": ratio,
+        "goal": goal,
+        "meets_goal": bool(ratio <= goal) if not math.isnan(ratio) else False,
+    }
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", metavar="PATH", help="also write the rows (ratio, goal, meets_goal) here"
+    )
+
+
+def print_rows(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
+    """The rows as a table: ``case``, then ``columns`` (``(key, format)``, e.g.
+    ``("numstab_ms", ".3f")``), then ratio, goal and whether it is met."""
+    keys = [key for key, _ in columns]
+    headers = ["case", *keys, "ratio", "goal", "met"]
+    cells = [
+        [
+            str(row["case"]),
+            *(format(row[key], spec) for key, spec in columns),
+            f"{row['ratio']:.3f}",
+            f"<= {row['goal']:g}",
+            "yes" if row["meets_goal"] else "NO",
+        ]
+        for row in rows
+    ]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    for line in (headers, *cells):
+        first, *rest = (cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
+                        enumerate(zip(line, widths, strict=True)))  # fmt: skip
+        print("  ".join([first, *rest]))
+    met = sum(row["meets_goal"] for row in rows)
+    print(f"{met} of {len(rows)} rows meet their goal")
+
+
+def write_json(path: str | None, args: argparse.Namespace, rows: Sequence[dict]) -> None:
+    """``{"args": ..., "rows": [...]}`` at ``path`` (nothing when ``path`` is None)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"args": vars(args), "rows": list(rows)}, f, indent=1)
