@@ -20,15 +20,12 @@ EAGER_GOAL = 1.05
 COMPILED_GOAL = 1.02
 
 
-def goal_row(case: str, ratio: float, goal: float, **measured: Any) -> dict[str, Any]:
-    """One row: ``meets_goal`` is ``ratio <= goal`` (False for a NaN ratio)."""
-    return {
-        "case": case,
-        **measured,
-        "ratio": ratio,
-        "goal": goal,
-        "meets_goal": bool(ratio <= goal) if not math.isnan(ratio) else False,
-    }
+def goal_row(case: str, ratio: float, goal: float | None, **measured: Any) -> dict[str, Any]:
+    """One row: ``meets_goal`` is ``ratio <= goal`` (False for a NaN ratio); a row without a
+    goal (``None``: a reference shown for context, such as the native call's first compile)
+    has ``meets_goal`` None."""
+    meets = None if goal is None else (not math.isnan(ratio) and ratio <= goal)
+    return {"case": case, **measured, "ratio": ratio, "goal": goal, "meets_goal": meets}
 
 
 def add_json_option(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +44,8 @@ def print_rows(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]
             str(row["case"]),
             *(format(row[key], spec) for key, spec in columns),
             f"{row['ratio']:.3f}",
-            f"<= {row['goal']:g}",
-            "yes" if row["meets_goal"] else "NO",
+            "-" if row["goal"] is None else f"<= {row['goal']:g}",
+            {None: "-", True: "yes", False: "NO"}[row["meets_goal"]],
         ]
         for row in rows
     ]
@@ -57,8 +54,8 @@ def print_rows(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]
         first, *rest = (cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
                         enumerate(zip(line, widths, strict=True)))  # fmt: skip
         print("  ".join([first, *rest]))
-    met = sum(row["meets_goal"] for row in rows)
-    print(f"{met} of {len(rows)} rows meet their goal")
+    goals = [row["meets_goal"] for row in rows if row["goal"] is not None]
+    print(f"{sum(goals)} of {len(goals)} rows with a goal meet it")
 
 
 def write_json(path: str | None, args: argparse.Namespace, rows: Sequence[dict]) -> None:

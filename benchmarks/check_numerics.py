@@ -35,11 +35,12 @@ as a noise gauge, the median, min and max over rounds of the CPU ratio to the ``
 the same round (``--steps 1 --rounds 30`` alternates step by step). ``--configs`` picks
 configurations (``off`` always runs); ``--pieces`` adds, for JAX, the sentinel's per-step pieces
 timed in isolation. Intra-op threads are pinned to ``--threads``
-(default 1). Goal: sentinel <= 1.05.
+(default 1). Goal: sentinel <= 1.05 (wall time over ``off``); the other configurations are
+shown for context. ``--json PATH`` writes the rows (ratio, goal, meets_goal).
 
 Usage: python benchmarks/check_numerics.py [--backends torch,jax,tensorflow] [--layers 2]
        [--width 256] [--seq 128] [--batch 8] [--vocab 1024] [--steps 8] [--rounds 5]
-       [--threads 1] [--configs sentinel,op] [--pieces] [--quick]
+       [--threads 1] [--configs sentinel,op] [--pieces] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
+from _goals import EAGER_GOAL, add_json_option, goal_row, print_rows, write_json
 
 from numstab.numerics import check_numerics, finite_summary
 
@@ -406,7 +408,7 @@ def _limit_threads(n: int, backends: list[str]) -> None:
 BUILDERS = {"torch": torch_step, "jax": jax_step, "tensorflow": tensorflow_step}
 
 
-def measure(name: str, args) -> None:
+def measure(name: str, args) -> list[dict]:
     configs = BUILDERS[name](args)
     if args.configs:
         wanted = {"off", *(c.strip() for c in args.configs.split(","))}
@@ -426,18 +428,29 @@ def measure(name: str, args) -> None:
     samples = {k: [t for r in per_round for t in r] for k, per_round in rounds.items()}
     base = [statistics.median(t[i] for t in samples["off"]) for i in (0, 1)]
     print(f"\n{name}: median step time over {args.rounds} interleaved rounds")
-    print(
-        f"  {'config':16s} {'wall ms':>9s} {'ratio':>7s} {'cpu ms':>9s} {'ratio':>7s}  steps"
-        "   cpu ratio per round: median [min, max]"
-    )
+    rows = []
     for k, times in samples.items():
         wall, cpu = (statistics.median(t[i] for t in times) for i in (0, 1))
         per_round = sorted(_cpu_ratio(r, o) for r, o in zip(rounds[k], rounds["off"], strict=True))
-        print(
-            f"  {k:16s} {wall * 1e3:9.2f} {wall / base[0]:7.3f} {cpu * 1e3:9.2f} "
-            f"{cpu / base[1]:7.3f}  {len(times):5d}   {statistics.median(per_round):.3f} "
-            f"[{per_round[0]:.3f}, {per_round[-1]:.3f}]"
+        rows.append(
+            goal_row(
+                f"{name}: {k}",
+                wall / base[0],
+                EAGER_GOAL if k == "sentinel" else None,
+                wall_ms=wall * 1e3,
+                cpu_ms=cpu * 1e3,
+                cpu_ratio=cpu / base[1],
+                steps=len(times),
+                round_cpu_ratios=[statistics.median(per_round), per_round[0], per_round[-1]],
+            )
         )
+    columns = [("wall_ms", ".2f"), ("cpu_ms", ".2f"), ("cpu_ratio", ".3f"), ("steps", "d")]
+    print_rows(rows, columns)
+    print("ratio: wall time over off; cpu ratio per round (median [min, max]):")
+    for row in rows:
+        middle, low, high = row["round_cpu_ratios"]
+        print(f"  {row['case']:28s} {middle:.3f} [{low:.3f}, {high:.3f}]")
+    return rows
 
 
 def _cpu_ratio(times, off_times) -> float:
@@ -461,6 +474,7 @@ def main() -> None:
     parser.add_argument("--configs", default="", help="e.g. sentinel,op (off always runs)")
     parser.add_argument("--pieces", action="store_true", help="jax: time the sentinel's pieces")
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
+    add_json_option(parser)
     args = parser.parse_args()
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     _limit_threads(args.threads, backends)
@@ -470,10 +484,12 @@ def main() -> None:
         f"model: {args.layers} blocks, width {args.width}, {args.heads} heads, seq {args.seq}, "
         f"batch {args.batch}, vocab {args.vocab}; {args.steps} steps x {args.rounds} rounds"
     )
+    rows = []
     for name in backends:
-        measure(name, args)
+        rows += measure(name, args)
         if name == "jax" and args.pieces:
             jax_pieces(args)
+    write_json(args.json, args, rows)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,11 @@ the garbage collector is paused. Reported: median milliseconds and ratio = numst
 processes on a shared machine), and the ratio of the bytes the two compiled programs access by
 XLA's cost analysis, which machine load does not disturb. Before timing, the outputs of both sides
 are asserted equal (params, updates, norms, scales), so a fast but wrong path cannot win.
+Goal: a compiled call's, ratio <= 1.02 (issue 20); ``--json PATH`` writes the rows (ratio,
+goal, meets_goal).
 
 Usage: python benchmarks/clipping_jax.py [--leaves 200] [--params 20e6] [--repeats 15]
-       [--warmup 3] [--quick]
+       [--warmup 3] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _goals import COMPILED_GOAL, add_json_option, goal_row, print_rows, write_json
 
 import numstab
 from numstab import LossScaler
@@ -189,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="2M params, 5 repeats")
+    add_json_option(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.params, args.repeats, args.warmup = 2e6, 5, 1
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(jax.tree.leaves(grads))} leaves, {n_params / 1e6:.1f}M params fp32, "
         f"{args.repeats} interleaved rounds (median)"
     )
-    rows = [
+    pairs = [
         ("clip_by_global_norm", "optax.clip_by_global_norm", clip_pair(grads)),
         ("loss_scaled(adam) step", "jmp + apply_if_finite(adam)", step_pair(params, scaled, None)),
         (
@@ -212,22 +216,29 @@ def main(argv: list[str] | None = None) -> int:
             step_pair(params, scaled, 1.0),
         ),
     ]
-    print(
-        f"{'numstab':30s} {'baseline':41s} {'ms':>7s} {'base ms':>8s} {'ratio':>6s} "
-        f"{'cpu ratio':>9s} {'XLA bytes':>9s}"
-    )
-    for ours_name, base_name, (ours, theirs) in rows:
+    rows = []
+    for ours_name, base_name, (ours, theirs) in pairs:
         t = timed_pair(
             lambda p=ours: p[0](*p[1]), lambda p=theirs: p[0](*p[1]), args.repeats, args.warmup
         )
         (wall, cpu), (base_wall, base_cpu) = t["a"], t["b"]
-        bytes_ratio = xla_bytes(ours) / xla_bytes(theirs)
-        print(
-            f"{ours_name:30s} {base_name:41s} {wall * 1e3:7.2f} {base_wall * 1e3:8.2f} "
-            f"{wall / base_wall:6.3f} {cpu / base_cpu:9.3f} {bytes_ratio:9.3f}"
+        rows.append(
+            goal_row(
+                ours_name,
+                wall / base_wall,
+                COMPILED_GOAL,
+                baseline=base_name,
+                ms=wall * 1e3,
+                base_ms=base_wall * 1e3,
+                cpu_ratio=cpu / base_cpu,
+                xla_bytes_ratio=xla_bytes(ours) / xla_bytes(theirs),
+            )
         )
-    print("ratio: median wall time; cpu ratio: median process CPU time; XLA bytes: bytes")
+    columns = [("baseline", "s"), ("ms", ".2f"), ("base_ms", ".2f"), ("cpu_ratio", ".3f")]
+    print_rows(rows, [*columns, ("xla_bytes_ratio", ".3f")])
+    print("ratio: median wall time; cpu_ratio: median process CPU time; xla_bytes_ratio: bytes")
     print("accessed by the compiled programs (XLA cost analysis); all numstab / baseline")
+    write_json(args.json, args, rows)
     return 0
 
 

@@ -8,10 +8,11 @@ repeated runs, wall and CPU time (``time.process_time``: every thread of this pr
 less disturbed by other processes; with several intra-op threads, as XLA and TensorFlow use,
 it sums them); ratios against the plain step measured in the same run. Goal: locate within
 3 plain steps. JAX: the instrumented pass is compiled once per model and shapes; its
-compile time is reported separately, next to the plain step's.
+compile time is reported separately, next to the plain step's. ``--json PATH`` writes the
+rows (ratio, goal, meets_goal; the ratio is the wall time over the plain step's).
 
     python benchmarks/locate.py [--quick] [--backends torch,tensorflow,jax] [--repeats N]
-                                [--torch-threads N]
+                                [--torch-threads N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _goals import add_json_option, goal_row, print_rows, write_json
 
 from conformance_tests import locate_models as lm
 from numstab.locate import locate_nonfinite
@@ -124,6 +127,7 @@ def bench_jax(size: dict, repeats: int) -> dict:
     }
 
 
+GOAL = 3.0  # locate_nonfinite within 3 plain steps (wall)
 args_threads = 0  # --torch-threads: intra-op threads (0 = torch's default)
 
 BENCHES = {"torch": bench_torch, "tensorflow": bench_tensorflow, "jax": bench_jax}
@@ -137,6 +141,7 @@ def main() -> None:
         "--torch-threads", type=int, default=0, help="torch intra-op threads (0: default)"
     )
     parser.add_argument("--repeats", type=int, default=0, help="runs per median (0: 5 / 20)")
+    add_json_option(parser)
     args = parser.parse_args()
     global args_threads
     args_threads = args.torch_threads
@@ -149,19 +154,25 @@ def main() -> None:
     repeats = args.repeats or repeats
     size["t"]["vocab"] = size["w"]["vocab"]
     print(f"network: {size['w']} x 2 blocks, batch {size['t']}; median of {repeats}")
+    rows = []
     for name in args.backends.split(","):
         times = BENCHES[name.strip()](size, repeats)
         plain, plain_cpu = times["plain step"]
-        print(f"\n{'[' + name + ']':42s}      wall  ratio         CPU  ratio")
         for label, (wall, cpu) in times.items():
-            print(
-                f"  {label:40s} {wall * 1e3:8.2f} ms {wall / plain:6.2f}x "
-                f"{cpu * 1e3:8.2f} ms {cpu / plain_cpu:6.2f}x"
+            goal = GOAL if label == "locate_nonfinite" else None  # the others: for context
+            rows.append(
+                goal_row(
+                    f"{name.strip()}: {label}",
+                    wall / plain,
+                    goal,
+                    wall_ms=wall * 1e3,
+                    cpu_ms=cpu * 1e3,
+                    cpu_ratio=cpu / plain_cpu,
+                )
             )
-        wall, cpu = times["locate_nonfinite"]
-        verdict = "meets" if wall <= 3 * plain else "MISSES"
-        print(f"  goal locate_nonfinite <= 3 plain steps (wall): {verdict}")
-        print(f"  CPU-time ratio (less sensitive to load): {cpu / plain_cpu:.2f}x")
+    print_rows(rows, [("wall_ms", ".2f"), ("cpu_ms", ".2f"), ("cpu_ratio", ".2f")])
+    print("ratio: wall time over the plain step's; cpu_ratio (less sensitive to load): CPU time")
+    write_json(args.json, args, rows)
 
 
 if __name__ == "__main__":
