@@ -186,6 +186,7 @@ def test_device_decisions_equal_the_policy():
                 rtol=64 * eps,
                 atol=64 * eps,
             )
+
         def flat(st):
             return [x for leaf in st for x in (leaf if isinstance(leaf, tuple) else (leaf,))]
 
