@@ -126,14 +126,21 @@ class DevicePolicy:
         return rows[[(first_step + i) % k for i in range(n)]]
 
     def state(self) -> policy.GuardState:
-        """The guard state as NumPy (a host read: at events only)."""
-        host = [
-            type(leaf)(*(t.cpu().numpy() for t in leaf))
-            if isinstance(leaf, tuple)
-            else leaf.cpu().numpy()
-            for leaf in self.leaves
-        ]
-        return policy.GuardState(*host)
+        """The guard state as NumPy, in one transfer (a host read: at events only)."""
+        flat = self._flat()
+        bits = torch.cat([t.reshape(-1).view(torch.int32) for t in flat]).cpu().numpy()
+        host, at = [], 0
+        for t in flat:  # every leaf is int32 or float32: 4-byte words
+            word = bits[at : at + t.numel()].view(np.float32 if t.is_floating_point() else np.int32)
+            host.append(word.reshape(tuple(t.shape)).copy())
+            at += t.numel()
+        it = iter(host)
+        return policy.GuardState(
+            *(
+                type(leaf)(*(next(it) for _ in leaf)) if isinstance(leaf, tuple) else next(it)
+                for leaf in self.leaves
+            )
+        )
 
     def load(self, state: policy.GuardState, step: int) -> None:
         """Set the device state to a (NumPy) ``GuardState``, its step counter to ``step``."""
