@@ -11,7 +11,7 @@ steady step stays on the device, the host reads every k steps; docs/semantics.md
   loss.backward(); guard.step(loss)``. Device mode with the default Adam (the step is undone
   on the device: backup + ``where``) and with ``fused=True`` Adam (``found_inf``: against a
   plain fused-Adam loop). Floors, in the plain loop: the gradient norms the guard needs
-  alone, and the backup + undo alone.
+  alone, and the backup + undo alone (``_foreach_copy_`` and the guard's compiled ``where``).
 * jax: a jitted ``value_and_grad`` + ``tx.update`` + ``apply_updates`` against the jitted
   ``guarded_step`` (norms and decision inside jit, a select) followed by ``after_step``
   on the host (host mode: one ``device_get`` per step; device mode: none). The floor: the
@@ -63,6 +63,7 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
     import torch
 
     from numstab.backends import load_backend
+    from numstab.frameworks.torch.guard_compiled import undo
     from numstab.guard import TrainingGuard
     from numstab.guard.monitor import layer_norms
 
@@ -120,9 +121,7 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
             if len(backups.get("b", ())) != len(tensors):
                 backups["b"] = [torch.empty_like(t) for t in tensors]
             torch._foreach_copy_(backups["b"], tensors)
-            keep = loss.isfinite()
-            for t, b in zip(tensors, backups["b"], strict=True):
-                torch.where(keep, t, b, out=t)
+            undo(loss.isfinite(), tensors, backups["b"])  # the guard's compiled where
 
     k = args.host_every
     loops = {

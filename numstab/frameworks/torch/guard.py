@@ -28,9 +28,10 @@ except FSDP2's DTensor gradients: their norms are made global first (``layer_nor
 their global norm is taken as replicated whatever ``sharded`` says.
 
 With ``TrainingGuard(host_every=k)``, k > 1, the steady step stays on the device
-(``guard_device.py``): the decision in a few torch ops, the skip through the optimizer's
-``found_inf`` (fused optimizers) or a backup-and-undo, no host read; the host reads the
-decisions every k steps and at ``flush()`` (docs/semantics.md §16.12).
+(``guard_device.py``): ``policy.decide`` compiled on a torch state (``guard_compiled.py``),
+the skip through the optimizer's ``found_inf`` (fused optimizers) or a backup-and-undo, no
+host read; the host reads the decisions every k steps and at ``flush()`` (docs/semantics.md
+§16.12).
 
 Snapshots copy ``model.state_dict()`` (buffers included), ``optimizer.state_dict()`` and the
 scheduler's state on the device. A rollback loads them back (in place: the optimizer keeps

@@ -1,0 +1,173 @@
+"""The torch device step's two hot pieces, compiled once per shape and shared in the process.
+
+* :class:`DevicePolicy`: ``numstab.guard.policy.decide`` itself (the one implementation of
+  the decision), run on a torch ``GuardState`` that it updates in place, writing the step's
+  ``Decision`` as a row of ``numstab.guard.deferred.ROW_COLUMNS`` to a ``[k, 8]`` ring at
+  ``step % k``.
+* :func:`undo`: ``t = where(apply, t, backup)`` over every tensor of a step (parameters and
+  optimizer state), exact (no arithmetic on the values), in one call.
+
+Both are traced with ``make_fx`` (fake tensors) and compiled by inductor
+(``torch._inductor.compile``: C++ on CPU, which needs a compiler; Triton on GPU). No dynamo:
+its guards cost more per call (~40 us on CPU) than the eager ops they replace. The compiled
+code is specialized on the guard's constants and the tensors' shapes, dtypes, strides and
+devices, and cached per such key for the life of the process. Where compilation fails (no
+compiler, an unsupported device), the same code runs eagerly, with one warning: the
+results are the same, only slower.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from numstab.backends import load_backend
+from numstab.guard import policy
+from numstab.guard.deferred import ROW_COLUMNS
+
+if TYPE_CHECKING:
+    from numstab.guard.guard import TrainingGuard
+
+_CACHE: dict[Any, Callable[..., Any] | None] = {}
+_WARNED: list[bool] = []
+
+
+def _compiled(key: Any, fn: Callable[..., Any], example: list[torch.Tensor]) -> Callable | None:
+    """``fn`` (pure torch ops on ``example``'s tensors, in-place writes allowed) compiled by
+    inductor, cached under ``key``; None where compilation failed (run ``fn`` eagerly)."""
+    if key not in _CACHE:
+        try:
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            with torch.no_grad():
+                graph = make_fx(fn, tracing_mode="fake")(*example)
+                _CACHE[key] = torch._inductor.compile(graph, example)
+        except Exception as err:  # no C++ compiler, no Triton, an op inductor rejects
+            _CACHE[key] = None
+            if not _WARNED:
+                _WARNED.append(True)
+                warnings.warn(
+                    f"numstab TrainingGuard(host_every>1): torch could not compile the "
+                    f"device step ({type(err).__name__}: {err}); it runs eagerly (same "
+                    f"results, slower)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    return _CACHE[key]
+
+
+def _signature(tensors: list[torch.Tensor]) -> tuple:
+    return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+# -- the decision ----------------------------------------------------------------------------
+class DevicePolicy:
+    """``policy.decide`` on a torch ``GuardState`` kept on ``device``, and the rows ring."""
+
+    def __init__(self, guard: TrainingGuard, device: torch.device, capacity: int) -> None:
+        self.guard = guard
+        self.be = load_backend("torch")
+        like = torch.zeros((), device=device)
+        self.leaves = list(policy.init_state(guard, self.be, like))
+        self.rows = torch.zeros(capacity, len(ROW_COLUMNS), device=device)
+        self._state_def = policy.GuardState(*([None] * len(self.leaves)))
+        key = (
+            "decide",
+            guard.loss_spikes,
+            guard.grad_norm_spikes,
+            guard.rollback_window,
+            guard.rollback_after,
+            guard.snapshot_every,
+            capacity,
+            str(device),
+        )
+        example = [*self._flat(), torch.zeros(2, device=device), self.rows]
+        self._fn = _compiled(key, self._step, example)
+
+    def _flat(self) -> list[torch.Tensor]:
+        return [t for leaf in self.leaves for t in (leaf if isinstance(leaf, tuple) else (leaf,))]
+
+    def _step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pure over its arguments (flat state, ``[loss, norm]``, rows): decide, write the
+        row at ``step % k`` and the next state in place; ``(apply, 1 - apply as float)``."""
+        *flat, x, rows = args
+        it = iter(flat)
+        leaves = [
+            type(leaf)(*(next(it) for _ in leaf)) if isinstance(leaf, tuple) else next(it)
+            for leaf in self.leaves
+        ]
+        state = policy.GuardState(*leaves)
+        d, new = policy.decide(self.guard, self.be, state, x[0], x[1])
+        row = torch.stack([getattr(d, c).to(torch.float32) for c in ROW_COLUMNS])
+        slot = torch.remainder(state.step, rows.shape[0]).reshape(1).to(torch.int64)
+        rows.index_copy_(0, slot, row.reshape(1, -1))
+        new_flat = [t for leaf in new for t in (leaf if isinstance(leaf, tuple) else (leaf,))]
+        for old, now in zip(flat, new_flat, strict=True):
+            if now is not old:
+                old.copy_(now)
+        return d.apply, (~d.apply).to(torch.float32)
+
+    @torch.no_grad()
+    def decide(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(apply, found_inf)`` of the step whose float32 ``[loss, global norm]`` is ``x``
+        (0-d bool, 0-d float ``1 - apply``); writes its row; no host read."""
+        args = [*self._flat(), x, self.rows]
+        out = self._fn(*args) if self._fn is not None else self._step(*args)
+        return out[0], out[1]
+
+    def read_rows(self, first_step: int, n: int) -> np.ndarray:
+        """The rows of steps ``first_step .. first_step + n - 1`` (one transfer), oldest first."""
+        k = self.rows.shape[0]
+        rows = self.rows.cpu().numpy()
+        return rows[[(first_step + i) % k for i in range(n)]]
+
+    def state(self) -> policy.GuardState:
+        """The guard state as NumPy, in one transfer (a host read: at events only)."""
+        flat = self._flat()
+        bits = torch.cat([t.reshape(-1).view(torch.int32) for t in flat]).cpu().numpy()
+        host, at = [], 0
+        for t in flat:  # every leaf is int32 or float32: 4-byte words
+            word = bits[at : at + t.numel()].view(np.float32 if t.is_floating_point() else np.int32)
+            host.append(word.reshape(tuple(t.shape)).copy())
+            at += t.numel()
+        it = iter(host)
+        return policy.GuardState(
+            *(
+                type(leaf)(*(next(it) for _ in leaf)) if isinstance(leaf, tuple) else next(it)
+                for leaf in self.leaves
+            )
+        )
+
+    def load(self, state: policy.GuardState, step: int) -> None:
+        """Set the device state to a (NumPy) ``GuardState``, its step counter to ``step``."""
+        state = state._replace(step=np.int32(step))
+        src = [x for leaf in state for x in (leaf if isinstance(leaf, tuple) else (leaf,))]
+        for dst, value in zip(self._flat(), src, strict=True):
+            dst.copy_(torch.as_tensor(np.asarray(value)).reshape(dst.shape))
+
+
+# -- the undo of a bad step --------------------------------------------------------------------
+def _select(flag: torch.Tensor, *pairs: torch.Tensor) -> None:
+    n = len(pairs) // 2
+    for t, backup in zip(pairs[:n], pairs[n:], strict=True):
+        t.copy_(torch.where(flag, t, backup))
+
+
+@torch.no_grad()
+def undo(flag: torch.Tensor, tensors: list[torch.Tensor], backups: list[torch.Tensor]) -> None:
+    """``t = where(flag, t, backup)`` for each tensor on ``flag``'s device, in one compiled
+    call (eager where compilation failed); the tensors must not require a grad-tracked
+    in-place write (run under ``no_grad``)."""
+    if not tensors:
+        return
+    fn = _compiled(
+        ("undo", _signature([flag, *tensors, *backups])), _select, [flag, *tensors, *backups]
+    )
+    if fn is not None:
+        fn(flag, *tensors, *backups)
+    else:
+        _select(flag, *tensors, *backups)
