@@ -39,8 +39,11 @@ for the cores inflate far less than wall time (a check on noisy shared machines)
 device-to-host reads of one call of each side, counted on any device by
 ``benchmarks/_host_reads.py`` (on CUDA each is a host sync).
 
+``--json PATH`` writes the rows (ratio, goal, meets_goal, host reads).
+
 Usage: PYTHONPATH=. python benchmarks/loss_scaling_torch.py [--device cpu|cuda]
        [--tensors 200] [--params 20000000] [--repeats 21] [--warmup 3] [--threads N]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ import torch
 import numstab
 from numstab.integrations.torch import GradScaler, clip_grad_norm_
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _host_reads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _host_reads, _goals
+
+from _goals import add_json_option, goal_row, print_rows, write_json
 
 SCALE = 2.0**16
 MAX_NORM = 1.0
@@ -237,6 +242,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    add_json_option(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -313,24 +319,28 @@ def main() -> None:
         f"parameters, SGD foreach, threads {torch.get_num_threads()}, "
         f"median of {args.repeats} (warmup {args.warmup}), interleaved"
     )
-    print(
-        f"{'row':<10}{'numstab ms':>12}{'torch ms':>10}{'ratio':>8}{'goal':>8}  met"
-        f"{'| CPU ms: numstab':>19}{'torch':>9}{'ratio':>7}"
-        f"{'| host reads: numstab':>22}{'torch':>6}"
-    )
+    table = []
     for name, (*_, goal) in rows.items():
         (a, a_cpu), (b, b_cpu) = (
             (statistics.median(w for w, _ in t) * 1e3, statistics.median(c for _, c in t) * 1e3)
             for t in times[name]
         )
-        ratio = a / b
-        print(
-            f"{name:<10}{a:>12.2f}{b:>10.2f}{ratio:>8.3f}"
-            f"{'-' if goal is None else '<=' + str(goal):>8}  "
-            f"{'-' if goal is None else 'yes' if ratio <= goal else 'NO':<3}"
-            f"| {a_cpu:>16.2f}{b_cpu:>9.2f}"
-            f"{a_cpu / b_cpu:>7.3f}| {reads[name][0]:>20}{reads[name][1]:>6}"
+        table.append(
+            goal_row(
+                name,
+                a / b,
+                goal,
+                numstab_ms=a,
+                torch_ms=b,
+                cpu_ratio=a_cpu / b_cpu,
+                host_reads=reads[name][0],
+                torch_host_reads=reads[name][1],
+            )
         )
+    columns = [("numstab_ms", ".2f"), ("torch_ms", ".2f"), ("cpu_ratio", ".3f")]
+    print_rows(table, [*columns, ("host_reads", "d"), ("torch_host_reads", "d")])
+    print("cpu_ratio: median process CPU time, numstab / torch; host reads: one call each")
+    write_json(args.json, args, table)
     print(sync_note)
 
 
