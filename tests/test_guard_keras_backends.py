@@ -50,9 +50,18 @@ def test_guard_callback_survives_a_nan_batch(runs, backend):
 # guard_device.DeviceGuardCallback; JAX, torch: guard_arrays.ArrayGuardCallback) and the host
 # reads the decisions every 5 batches
 HOST_EVERY_SCRIPT = r"""
-import sys, numpy as np, keras, numstab as ns
+import sys, threading, numpy as np, keras, numstab as ns
 sys.path.insert(0, "benchmarks")
+import _host_reads
 from _host_reads import counting
+
+# only the reads of the training loop's thread: Keras converts its per-batch logs on a thread
+# pool, whose reads are Keras' own and land in the count or not by timing
+_wrap = _host_reads.ReadCounter.wrap
+def _main_thread_wrap(self, fn, counts=lambda *_: True):
+    main = threading.main_thread()
+    return _wrap(self, fn, lambda *a: threading.current_thread() is main and counts(*a))
+_host_reads.ReadCounter.wrap = _main_thread_wrap
 from numstab.frameworks.keras.guard_deferred import DeferredGuardCallback
 backend = keras.backend.backend()
 rng = np.random.default_rng(0)
@@ -104,13 +113,14 @@ assert events(cb) == events(host_cb), (events(cb), events(host_cb))
 assert at[14] == at[13] == at[10] and at[15] > at[14], at  # read at batch 15 only
 
 # steady batches: no host read beyond Keras' own (the reads of 32 more batches: start and end
-# cancel out); the per-batch host mode reads, so the counter can fail
+# cancel out); the per-batch host mode reads (each batch's loss, update norms), so the
+# counter can fail
 def steady(guard):
     return fit(guard, (x, y), epochs=3)[3] - fit(guard, (x, y), epochs=1)[3]
 
 plain, host = steady(None), steady(ns.TrainingGuard())
 device = steady(ns.TrainingGuard(host_every=100))
-assert device <= plain and host >= plain + 32, (plain, device, host)
+assert device == plain and host >= plain + 32, (plain, device, host)
 print("ok", backend, "reads of 32 batches: plain", plain, "host_every=100", device, "host", host)
 """
 

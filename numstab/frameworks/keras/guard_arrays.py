@@ -81,6 +81,9 @@ class ArrayGuardCallback(DeferredGuardCallback):
         self._be = load_backend(backend)
         self._set_device_state(self.state)
         self._rows: list[Any] = getattr(self, "_rows", [])
+        self._jax_at = _jax_state_places(self.model, self._state_vars + self._metric_vars)
+        if getattr(self, "_fn", None) is not None:  # a later fit(): compiled already
+            return
         args = (self.guard, self._be)
         at = (self._tracker_at, self._weight_at)
         if backend == "jax":
@@ -103,11 +106,36 @@ class ArrayGuardCallback(DeferredGuardCallback):
 
     def _device_check(self, i: int) -> None:
         variables = self._state_vars + self._metric_vars
-        values = [v.value for v in variables]
-        kept, self._shadow, self._gstate, row = self._fn(values, self._shadow, self._gstate)
+        kept, self._shadow, self._gstate, row = self._fn(self._values(), self._shadow, self._gstate)
         for var, x in zip(variables, kept, strict=True):
             var.assign(x)
+        self._synced()
         self._rows.append(row)
+
+    # -- Keras on JAX: its training state, read without first writing it to the variables ----
+    def _sync(self) -> None:
+        if self._jax_at is None:
+            super()._sync()
+
+    def _values(self) -> list[Any]:
+        """The variables' values; on JAX, from the state Keras trains on (``_jax_state``)
+        where it has not been written back to the variables."""
+        model = self.model
+        state = getattr(model, "_jax_state", None)
+        if self._jax_at is None or not state or getattr(model, "_jax_state_synced", True):
+            return [v.value for v in self._state_vars + self._metric_vars]
+        return [state[key][j] for key, j in self._jax_at]
+
+    def _synced(self) -> None:
+        """The variables hold the state: Keras on JAX reads them at its next step (and its
+        own sync at the epoch's end does not overwrite them)."""
+        if self._jax_at is not None:
+            self.model._jax_state_synced = True
+
+    def _undo(self) -> None:
+        super()._sync()
+        super()._undo()
+        self._synced()
 
     def _read_rows(self, n: int) -> Any:
         rows, self._rows = self._rows[-n:], []
@@ -124,3 +152,19 @@ class ArrayGuardCallback(DeferredGuardCallback):
 
     def _keep_metrics_as_undo(self) -> None:
         self._shadow[len(self._state_vars) :] = _copy(self._metric_vars)
+
+
+def _jax_state_places(model: Any, variables: list[Any]) -> list[tuple[str, int]] | None:
+    """Where each variable sits in Keras' JAX training state (``model._jax_state``, whose
+    lists follow these four variable lists), or None off JAX or where one is missing."""
+    if keras.backend.backend() != "jax" or not hasattr(model, "jax_state_sync"):
+        return None
+    lists = {
+        "trainable_variables": model.trainable_variables,
+        "non_trainable_variables": model.non_trainable_variables,
+        "optimizer_variables": model.optimizer.variables,
+        "metrics_variables": model.metrics_variables,
+    }
+    where = {id(v): (key, j) for key, vs in lists.items() for j, v in enumerate(vs)}
+    places = [where.get(id(v)) for v in variables]
+    return None if None in places else places

@@ -92,8 +92,12 @@ class DeferredGuardCallback(GuardCallback):
             self._results = self.model.get_metrics_result()
         self._stepped = False
 
-    def _check(self) -> None:
+    def _sync(self) -> None:
+        """Keras on JAX trains on a copy of the state: write it back to the variables."""
         getattr(self.model, "jax_state_sync", lambda: None)()
+
+    def _check(self) -> None:
+        self._sync()
         steps_seen = int(self.state.step) + self._pending
         if self.runner.consume_skip_batch(steps_seen):
             self._undo()
