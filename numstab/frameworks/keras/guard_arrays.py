@@ -120,7 +120,7 @@ class ArrayGuardCallback(DeferredGuardCallback):
     def _values(self) -> list[Any]:
         """The variables' values; on JAX, from the state Keras trains on (``_jax_state``)
         where it has not been written back to the variables."""
-        model = self.model
+        model = self._model  # Callback.model would write the state to the variables first
         state = getattr(model, "_jax_state", None)
         if self._jax_at is None or not state or getattr(model, "_jax_state_synced", True):
             return [v.value for v in self._state_vars + self._metric_vars]
@@ -130,7 +130,7 @@ class ArrayGuardCallback(DeferredGuardCallback):
         """The variables hold the state: Keras on JAX reads them at its next step (and its
         own sync at the epoch's end does not overwrite them)."""
         if self._jax_at is not None:
-            self.model._jax_state_synced = True
+            self._model._jax_state_synced = True
 
     def _undo(self) -> None:
         super()._sync()
