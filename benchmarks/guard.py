@@ -16,7 +16,8 @@ steady step stays on the device, the host reads every k steps; docs/semantics.md
   ``guarded_step`` (norms and decision inside jit, a select) followed by ``after_step``
   on the host (host mode: one ``device_get`` per step; device mode: none). The floor: the
   plain jitted step also computing the gradient norms.
-* keras: ``model.fit`` (TensorFlow backend) with and without ``guard.keras_callback()``. The
+* keras: ``model.fit`` (TensorFlow backend; another with ``KERAS_BACKEND=jax`` or ``torch``)
+  with and without ``guard.keras_callback()``. The
   floor: the undo copy of the state and the update norms alone, in one ``tf.function``.
 
 Snapshots every ``--snapshot-every`` good steps (default 100; memory only), so their cost is
@@ -253,11 +254,15 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
 
 
 def keras_case(args: argparse.Namespace) -> list[dict]:
-    """Keras 3 (TensorFlow backend) ``model.fit`` with and without ``guard.keras_callback()``,
-    per batch (host mode) and with ``host_every`` (device mode). One round is one ``fit``
-    call over ``--steps`` batches."""
+    """Keras 3 ``model.fit`` with and without ``guard.keras_callback()``, per batch (host mode)
+    and with ``host_every`` (device mode), on the Keras backend of ``KERAS_BACKEND``
+    (TensorFlow by default; the floor row on TensorFlow only). One round is one ``fit`` call
+    over ``--steps`` batches."""
     import keras
     import numpy as np
+
+    backend = keras.backend.backend()
+    name = "keras" if backend == "tensorflow" else f"keras ({backend})"
 
     from numstab.guard import TrainingGuard
 
@@ -325,25 +330,22 @@ def keras_case(args: argparse.Namespace) -> list[dict]:
         run.model = model
         return run
 
-    loops = {
-        "plain": loop(),
-        "host": loop(1),
-        "device": loop(args.host_every),
-        "floor": loop(floor=True),
-    }
+    loops = {"plain": loop(), "host": loop(1), "device": loop(args.host_every)}
+    if backend == "tensorflow":
+        loops["floor"] = loop(floor=True)
     for fn in loops.values():
         fn(args.steps)
-    for name in ("host", "device", "floor"):
+    for other in loops:
         for a, b in zip(
-            loops["plain"].model.get_weights(), loops[name].model.get_weights(), strict=True
+            loops["plain"].model.get_weights(), loops[other].model.get_weights(), strict=True
         ):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     pairs = [
-        ("keras", "host", "plain", "host"),
-        ("keras", f"device (host_every={args.host_every})", "plain", "device"),
-        ("keras", "floor: undo copy + update norms alone", "plain", "floor"),
-    ]
-    return _measure("tensorflow", loops, pairs, args, lambda: None)
+        (name, "host", "plain", "host"),
+        (name, f"device (host_every={args.host_every})", "plain", "device"),
+        (name, "floor: undo copy + update norms alone", "plain", "floor"),
+    ][: len(loops) - 1]
+    return _measure(backend, loops, pairs, args, lambda: None)
 
 
 def _measure(framework: str, loops: dict, pairs: list, args, sync) -> list[dict]:

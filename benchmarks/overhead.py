@@ -28,7 +28,10 @@ What is measured
    global_norm, clip_by_global_norm, all_finite, the loss-scaler step (unscale + finite check
    + update) and find_nonfinite (eager only: it reads the host), each against what a user of
    the framework writes without numstab; the table of natives is in _overhead_tree.py. Same
-   modes, interleaving, agreement check (rtol 2e-5) and goals as the large case.
+   modes, interleaving, agreement check (rtol 2e-5) and goals as the large case. The
+   loss-scaler rows also give the host reads per step of each side ("reads ns/nat", --json
+   ``host_reads`` / ``native_host_reads``): device-to-host reads of one untimed call, mean of
+   HOST_READ_CALLS, counted by benchmarks/_host_reads.py (on a GPU each is a host sync).
 
 How
 ---
@@ -88,6 +91,7 @@ import numstab
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _overhead_tree
+from _host_reads import counting
 
 BACKENDS = ("torch", "jax", "tensorflow")
 ALIASES = {"tf": "tensorflow", "pytorch": "torch"}
@@ -104,6 +108,8 @@ IMPORT_SAMPLES = 5
 LOAD_WARNING = 0.5  # 1-minute load average above which the report warns of CPU contention
 BATCH_SECONDS = 0.05  # tiny calls are timed in batches of about this length
 ROUND_SECONDS = 0.1  # a timed round of a large case or tree op lasts at least about this
+HOST_READ_CALLS = 3  # untimed calls whose host reads are counted, per side of a scaler row
+SCALER_OP = "scaler step"  # the loss-scaler rows: they also count host reads
 #: tiny-call goal: microseconds over the native loss (issue 20, goal 2)
 TINY_GOAL_US = {"torch": 10.0, "jax": 10.0, "tensorflow": 50.0}
 
@@ -407,6 +413,18 @@ class Row:
     # the noise floor of the comparison in this run, median and quartiles of its rounds
     floor: float | None = None
     floor_q1_q3: tuple[float, float] | None = None
+    # loss-scaler rows: device-to-host reads per call of each side (benchmarks/_host_reads.py)
+    host_reads: float | None = None
+    native_host_reads: float | None = None
+
+
+def host_reads_per_call(framework: str, step: Step, calls: int = HOST_READ_CALLS) -> float:
+    """Mean device-to-host reads of one call of ``step`` (``framework``'s arrays), counted by
+    benchmarks/_host_reads.py over ``calls`` calls; no sync is counted, only the call."""
+    with counting(framework) as reads:
+        for _ in range(calls):
+            step()
+    return reads.count / calls
 
 
 def rounds_and_calls(step: Step, sync: Callable[[Any], None]) -> int:
@@ -516,7 +534,11 @@ def bench_tree(
             where = f"{h.name} {mode} {op}"
             print(f"  {where} ...", flush=True)
             _overhead_tree.assert_agree(where, _host(h, ours()), _host(h, theirs()))
-            rows.append(timed_row(h, op, mode, ours, theirs, warmup, repeats, most))
+            row = timed_row(h, op, mode, ours, theirs, warmup, repeats, most)
+            if op == SCALER_OP:  # after the timing: compiled, warm
+                row.host_reads = host_reads_per_call(h.name, ours)
+                row.native_host_reads = host_reads_per_call(h.name, theirs)
+            rows.append(row)
     return rows
 
 
@@ -615,13 +637,15 @@ def _mark(ok: bool) -> str:
 
 def ratio_table(first: str, rows: list[Row]) -> str:
     """The numstab-vs-native table; ``first`` names the first column (case or op). ``floor``:
-    native timed against itself the same way, for rows over their goal (``-`` elsewhere)."""
+    native timed against itself the same way, for rows over their goal (``-`` elsewhere).
+    ``reads ns/nat``: host reads per call of numstab and native, where counted."""
     headers = [
         first, "backend", "mode", "numstab ms", "native ms", "ratio", "rounds q1-q3", "rounds",
         "goal", "meets", "floor (q1-q3)",
     ]  # fmt: skip
+    reads = any(r.host_reads is not None for r in rows)
     return format_table(
-        headers,
+        headers + ["reads ns/nat"] * reads,
         [
             [
                 r.case,
@@ -636,9 +660,16 @@ def ratio_table(first: str, rows: list[Row]) -> str:
                 _mark(r.meets_goal),
                 "-" if r.floor is None else f"{r.floor:.3f} ({_span(r.floor_q1_q3)})",
             ]
+            + [_reads(r)] * reads
             for r in rows
         ],
     )
+
+
+def _reads(r: Row) -> str:
+    if r.host_reads is None or r.native_host_reads is None:
+        return "-"
+    return f"{r.host_reads:g}/{r.native_host_reads:g}"
 
 
 def _span(pair: tuple[float, float] | None, digits: int = 2) -> str:

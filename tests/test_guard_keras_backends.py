@@ -44,3 +44,93 @@ def runs():
 def test_guard_callback_survives_a_nan_batch(runs, backend):
     code, out, err = runs[backend]
     assert code == 0 and f"ok {backend}" in out, err[-3000:]
+
+
+# TrainingGuard(host_every=5): the check stays on the device on every backend (TensorFlow:
+# guard_device.DeviceGuardCallback; JAX, torch: guard_arrays.ArrayGuardCallback) and the host
+# reads the decisions every 5 batches
+HOST_EVERY_SCRIPT = r"""
+import sys, threading, numpy as np, keras, numstab as ns
+sys.path.insert(0, "benchmarks")
+import _host_reads
+from _host_reads import counting
+
+# only the reads of the training loop's thread: Keras converts its per-batch logs on a thread
+# pool, whose reads are Keras' own and land in the count or not by timing
+_wrap = _host_reads.ReadCounter.wrap
+def _main_thread_wrap(self, fn, counts=lambda *_: True):
+    main = threading.main_thread()
+    return _wrap(self, fn, lambda *a: threading.current_thread() is main and counts(*a))
+_host_reads.ReadCounter.wrap = _main_thread_wrap
+from numstab.frameworks.keras.guard_deferred import DeferredGuardCallback
+backend = keras.backend.backend()
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 8)).astype("float32")
+y = (x @ rng.normal(size=(8, 1))).astype("float32")
+
+class Seen(keras.callbacks.Callback):  # after the guard: its events as each batch begins
+    def __init__(self, guard_cb):
+        super().__init__()
+        self.guard_cb, self.at = guard_cb, []
+    def on_train_batch_begin(self, batch, logs=None):
+        self.at.append(len(self.guard_cb.events) if self.guard_cb else 0)
+
+def fit(guard, data, epochs=1):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    cb = guard.keras_callback() if guard else None
+    seen = Seen(cb)
+    with counting(backend) as reads:
+        model.fit(*data, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[c for c in (cb, seen) if c])
+    return model, cb, seen.at, reads.count
+
+def events(cb):
+    return [(e["event"], e["step"], tuple(e.get("reasons", ()))) for e in cb.events
+            if e["event"] in ("skip", "rollback")]
+
+# a NaN batch (step 6 of 16) is skipped: the weights are those of a run without that batch
+bad = x.copy(); bad[100, 0] = np.nan
+model, cb, _, _ = fit(ns.TrainingGuard(host_every=5), (bad, y))
+assert isinstance(cb, DeferredGuardCallback), type(cb)
+assert events(cb) == [("skip", 6, ("nonfinite_loss", "nonfinite_grad"))], events(cb)
+keep = np.r_[0:96, 112:256]
+without, _, _, _ = fit(None, (x[keep], y[keep]))
+for a, b in zip(model.get_weights(), without.get_weights(), strict=True):
+    np.testing.assert_array_equal(a, b)
+assert len(cb.history) == 16
+
+# a loss spike at step 12 is skipped and logged with its step when steps 10..14 are read, as
+# batch 15 begins; the same events as the per-batch host mode
+spiky = y.copy(); spiky[192:208] *= 1e3
+kw = dict(loss_spikes=ns.SpikeDetector(window=8, sigma=4.0, warmup=4), snapshot_every=1000)
+_, cb, at, _ = fit(ns.TrainingGuard(host_every=5, **kw), (x, spiky))
+_, host_cb, _, _ = fit(ns.TrainingGuard(**kw), (x, spiky))
+assert ("skip", 12, ("loss_spike",)) in events(cb), events(cb)
+assert events(cb) == events(host_cb), (events(cb), events(host_cb))
+assert at[14] == at[13] == at[10] and at[15] > at[14], at  # read at batch 15 only
+
+# steady batches: no host read beyond Keras' own (the reads of 32 more batches: start and end
+# cancel out); the per-batch host mode reads (each batch's loss, update norms), so the
+# counter can fail
+def steady(guard):
+    return fit(guard, (x, y), epochs=3)[3] - fit(guard, (x, y), epochs=1)[3]
+
+plain, host = steady(None), steady(ns.TrainingGuard())
+device = steady(ns.TrainingGuard(host_every=100))
+assert device == plain and host >= plain + 32, (plain, device, host)
+print("ok", backend, "reads of 32 batches: plain", plain, "host_every=100", device, "host", host)
+"""
+
+
+@pytest.fixture(scope="module")
+def host_every_runs():
+    return run_per_keras_backend(HOST_EVERY_SCRIPT)
+
+
+@pytest.mark.parametrize("backend", KERAS_BACKENDS)
+def test_host_every_skips_logs_at_the_read_and_reads_nothing_per_batch(host_every_runs, backend):
+    code, out, err = host_every_runs[backend]
+    assert code == 0 and f"ok {backend}" in out, err[-3000:]

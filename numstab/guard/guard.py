@@ -147,9 +147,10 @@ class TrainingGuard:
 
     def for_keras(self) -> Any:
         """A :class:`numstab.frameworks.keras.guard.GuardCallback` for ``model.fit``; with
-        ``host_every`` > 1 on the TensorFlow backend, its device-side subclass
-        (``numstab.frameworks.keras.guard_device.DeviceGuardCallback``)."""
-        return frameworks.module("keras", "guard_device").callback(self)
+        ``host_every`` > 1, its device-side subclass for the Keras backend
+        (``numstab.frameworks.keras.guard_device`` on TensorFlow, ``guard_arrays`` on JAX
+        and torch)."""
+        return frameworks.module("keras", "guard_arrays").callback(self)
 
     keras_callback = for_keras  # the earlier name
 

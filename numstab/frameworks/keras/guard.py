@@ -23,7 +23,8 @@ the rollback is logged with ``"lr_factor_applied": false``). With ``steps_per_ex
 the callback sees, and undoes, whole executions. Backend-neutral (``keras.ops`` only): on
 the TensorFlow, JAX and torch backends. On JAX, Keras keeps the training state off the
 variables between steps; the callback syncs it back each batch (``model.jax_state_sync()``).
-With ``TrainingGuard(host_every=k)``, k > 1, on TensorFlow: ``guard_device.py``.
+With ``TrainingGuard(host_every=k)``, k > 1: ``guard_deferred.py`` (TensorFlow:
+``guard_device.py``; JAX, torch: ``guard_arrays.py``).
 """
 
 from __future__ import annotations

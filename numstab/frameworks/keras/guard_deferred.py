@@ -1,0 +1,158 @@
+"""The hooks of the Keras guard callback with ``TrainingGuard(host_every=k)``, k > 1, shared by
+the TensorFlow version (``guard_device.py``) and the JAX / torch one (``guard_arrays.py``).
+
+Each backend runs the per-batch work (the batch's loss from the loss tracker, the update
+norms, the decision of ``numstab.guard.policy`` and the undo of a bad step) on the device
+with no host read, and keeps each step's decision as a float32 row; every k steps the host
+reads the rows (one transfer) and acts on them (``runner.after_steps``: history, log,
+rollback, snapshot).
+
+The check of step t runs when batch t + 1 begins (or when the epoch's validation begins, or
+the epoch or training ends), not in ``on_train_batch_end``: a callback without its own
+``on_train_batch_end`` lets Keras keep dispatching its own per-batch logging asynchronously,
+as in a loop without the callback. Keras computes the epoch's logs before these hooks: when
+a bad last batch made them non-finite, ``on_epoch_end`` puts the metrics after the undo in
+their place (one read, in that case only), before ``History`` records them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+
+from numstab.errors import InvalidArgumentError
+from numstab.frameworks.keras.guard import GuardCallback
+from numstab.guard import policy
+
+#: the columns of a step's row before the layer norms: the Decision's fields
+FIELDS = [k for k in policy.Decision._fields if k != "layer_norms"]
+
+
+class DeferredGuardCallback(GuardCallback):
+    """:class:`GuardCallback` whose steady batch stays on the device; a backend gives
+    ``_start_device``, ``_device_check``, ``_read_rows``, ``_device_state``,
+    ``_set_device_state``, ``_keep_as_undo`` and ``_keep_metrics_as_undo``."""
+
+    # Keras' default: its per-batch logging stays asynchronous
+    on_train_batch_end = keras.callbacks.Callback.on_train_batch_end
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        super().on_train_begin(logs)
+        self._pending = getattr(self, "_pending", 0)
+        self._stepped = False
+        self._results: dict | None = None
+        everything = self._state_vars + self._metric_vars
+        where = {id(v): i for i, v in enumerate(everything)}
+        self._tracker_at = [where.get(id(t)) for t in self._tracker]
+        self._weight_at = [where[id(w)] for w in self._weights]
+        if len(self._tracker_at) != 2 or None in self._tracker_at:
+            raise InvalidArgumentError(
+                "Expected a model compiled with a loss (its loss tracker gives each batch's "
+                "loss) for TrainingGuard(host_every > 1); use host_every=1. Received: "
+                f"host_every={self.guard.host_every}"
+            )
+        self._start_device()
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._stepped:
+            self._check()
+        self._stepped = True
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        # fit's validation: before evaluate() resets the metrics the check reads
+        self._last_check()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        # Keras reset the metrics: the undo copy must hold the reset values
+        self._keep_metrics_as_undo()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._last_check()
+        if logs and self._results is not None:
+            # Keras took the epoch's logs before the last batch's check: where that batch
+            # made them non-finite and was undone, log the metrics as they are after the undo
+            # (History comes after this callback). Reads only in that case.
+            for key, value in list(logs.items()):
+                bad = isinstance(value, float) and not np.isfinite(value)
+                if bad and key in self._results:
+                    logs[key] = float(keras.ops.convert_to_numpy(self._results[key]))
+        self._results = None
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._last_check()
+        self._results = None
+        self.flush()
+
+    def _last_check(self) -> None:
+        """Check the epoch's last batch; keep the metrics after it (tensors: no read)."""
+        if self._stepped:
+            self._check()
+            self._results = self.model.get_metrics_result()
+        self._stepped = False
+
+    def _sync(self) -> None:
+        """Keras on JAX trains on a copy of the state: write it back to the variables."""
+        getattr(self.model, "jax_state_sync", lambda: None)()
+
+    def _check(self) -> None:
+        self._sync()
+        steps_seen = int(self.state.step) + self._pending
+        if self.runner.consume_skip_batch(steps_seen):
+            self._undo()
+            return
+        self._device_check(self._pending)
+        self._pending += 1
+        if self._pending >= self.guard.host_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Read the decisions kept since the last read (one transfer) and act on them."""
+        n, self._pending = self._pending, 0
+        if not n:
+            return
+        rows = self._read_rows(n)
+        decisions = []
+        for r in rows:
+            d = dict(zip(FIELDS, r[: len(FIELDS)].tolist(), strict=True))
+            for key in ("apply", "rollback", "snapshot"):
+                d[key] = bool(d[key])
+            d["reasons"], d["step"] = int(d["reasons"]), int(d["step"])
+            decisions.append(d)
+        layers = list(rows[:, len(FIELDS) :]) if self.guard.track_layers else None
+        self.state = self._device_state()
+        rolled = self.runner.after_steps(
+            decisions, layers, self._host, lambda: self.state, int(self.state.step)
+        )
+        if rolled is not None:
+            self.state = rolled
+            self._set_device_state(rolled)
+            self._keep_as_undo()
+
+    # -- per backend -----------------------------------------------------------------------------
+    def _start_device(self) -> None:
+        """Build the device state (or, on a later ``fit``, renew its undo copy)."""
+        raise NotImplementedError
+
+    def _device_check(self, i: int) -> None:
+        """Decide step ``i`` of the pending ones on the device, undo it there when bad."""
+        raise NotImplementedError
+
+    def _read_rows(self, n: int) -> Any:
+        """The ``n`` pending rows as NumPy float32 ``[n, len(FIELDS) + layers]``."""
+        raise NotImplementedError
+
+    def _device_state(self) -> policy.GuardState:
+        """The device's guard state, read as NumPy."""
+        raise NotImplementedError
+
+    def _set_device_state(self, state: policy.GuardState) -> None:
+        raise NotImplementedError
+
+    def _keep_as_undo(self) -> None:
+        """The current variables become the undo copy."""
+        raise NotImplementedError
+
+    def _keep_metrics_as_undo(self) -> None:
+        raise NotImplementedError
