@@ -146,20 +146,24 @@ def split_batch(batch: Any, batch_axis: int) -> Batch:
 
 
 def _flat_host(batch: Any) -> tuple[list[str], list, tree.TreeDef] | None:
-    """``_flatten``'s answer for the common batch, a dict, list or tuple of NumPy arrays
-    (paths, leaves, treedef), without its generic per-node tests; None for anything else."""
+    """``_flatten``'s answer for the common batch, a dict, list or tuple whose children are
+    all leaves (NumPy arrays, or what ``tree._all_plain_leaves`` accepts: a framework's
+    tensors), as (paths, leaves, treedef), without its per-node tests; None otherwise."""
     cls = type(batch)
     if cls is dict:
         leaves = list(batch.values())
-        if not all(type(x) is np.ndarray for x in leaves):
-            return None
+    elif (cls is list or cls is tuple) and batch:
+        leaves = list(batch)
+    else:
+        return None
+    if not all(type(x) is np.ndarray for x in leaves) and not tree._all_plain_leaves(leaves):
+        return None
+    if cls is dict:
         keys = list(batch)
         rebuild = lambda values: dict(zip(keys, values, strict=True))
         return [f"[{k!r}]" for k in keys], leaves, tree.TreeDef(rebuild, (tree.LEAF,) * len(keys))
-    if (cls is list or cls is tuple) and batch and all(type(x) is np.ndarray for x in batch):
-        n = len(batch)  # rebuild: a bare list / tuple, as tree.unflatten expects
-        return [f"[{i}]" for i in range(n)], list(batch), tree.TreeDef(cls, (tree.LEAF,) * n)
-    return None
+    n = len(batch)  # rebuild: a bare list / tuple, as tree.unflatten expects
+    return [f"[{i}]" for i in range(n)], leaves, tree.TreeDef(cls, (tree.LEAF,) * n)
 
 
 def _classify(path: str, leaf: Any, batch_axis: int) -> Field:
