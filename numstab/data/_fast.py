@@ -31,6 +31,17 @@ second read) and the general path lost a few NumPy calls: per dirty 256 x 32 bat
 -> 96-99 us median, dirty images 1.4-2.2 -> 1.0-1.7 ms when the drop's copy lands in warm
 memory (4.6-5.5 ms in fresh memory, unchanged); in-pass, 5 interleaved runs each, load
 average 1.4-1.7: numpy-iterator 1.31-1.33 -> 1.28-1.31, numpy-images 1.25-1.31 -> 1.24-1.30.
+
+2026-12-04 (issue 20, goal 4: floor + 0.03): a flat dict/list/tuple of NumPy arrays is read in
+one loop, every child even after a dirty one, and a dirty batch takes ``_lean``'s short way
+(no BatchReport): per dirty 256 x 32 batch ~135 -> ~35 us median in the benchmark's loop
+(~20 us hot), per clean one 3.8 -> 3.2 us against the floor's 2.2 us read. In-pass,
+``--quick``, old and new code interleaved, load average 4.3-4.6 (2 shared cores):
+numpy-iterator 1.27-1.33 -> 1.18-1.24 (floor 1.09-1.10: still 0.08-0.14 over it),
+numpy-images 1.21-1.24 -> 1.18-1.21 (its drop copies 12.6 MB, ~0.05 of the ratio that the
+floor never pays), torch-per-sample 1.017-1.030 -> 1.013-1.018 (floor + 0.01: met),
+torch-batched 1.083-1.110 -> 1.094 (floor 1.024-1.035: a dirty batch runs cold in the
+loop, ~150-300 us against ~80 us hot). See docs/semantics.md §17.8.
 """
 
 from __future__ import annotations
