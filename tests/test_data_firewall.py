@@ -847,3 +847,40 @@ def test_short_way_for_cpu_torch_batches_matches_the_general_path(monkeypatch):
             assert (got is None) == (expected is None)
             for g, e in zip(got or (), expected or (), strict=True):
                 np.testing.assert_array_equal(g, e)
+
+
+def test_short_ways_follow_a_stream_whose_structure_dtype_and_size_change(monkeypatch):
+    """One stream whose batches change container, dtype, field count and size (the last
+    batch short), with NaN first appearing late: records and outputs as the general path's."""
+    from numstab.data import _lean
+
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(40, 3))
+    x32 = x.astype(np.float32)
+    late = x32.copy()
+    late[[2, 5], 1] = [np.nan, -np.inf]
+    stream = [
+        {"x": x32[:8], "y": np.arange(8)},  # clean
+        [x32[8:16], np.arange(8)],  # list now
+        {"x": late[:8].astype(np.float64), "y": np.arange(8)},  # float64, dirty
+        {"x": late[:8], "y": np.arange(8), "w": late[:8, :1].copy()},  # a third field
+        (late[:3],),  # the last batch short, a tuple
+    ]
+
+    def run():
+        fw = Firewall("drop")
+        return [fw.process(b) for b in stream], fw.stats
+
+    out, stats = run()
+    with monkeypatch.context() as m:
+        m.setattr(_lean, "handle_flat", lambda *a: _lean.UNHANDLED)
+        m.setattr(_lean, "handle", lambda *a: _lean.UNHANDLED)
+        want_out, want = run()
+    assert stats.records == want.records and stats.summary() == want.summary()
+    assert stats.dropped == (18, 21, 26, 29, 34) and out[0] is stream[0] and out[1] is stream[1]
+    for got, expected in zip(out, want_out, strict=True):
+        assert type(got) is type(expected)
+        values = (lambda b: list(b.values())) if isinstance(expected, dict) else list
+        for g, e in zip(values(got), values(expected), strict=True):
+            assert g.dtype == e.dtype
+            np.testing.assert_array_equal(g, e)
