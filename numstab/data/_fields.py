@@ -18,7 +18,7 @@ from numstab import _validate as v
 from numstab import frameworks, tree
 from numstab._dispatch import framework_of
 from numstab.backends import load_backend
-from numstab.backends._base import Backend
+from numstab.backends._base import Backend, numpy_dtype_name
 from numstab.data import _host
 from numstab.errors import InvalidArgumentError
 
@@ -89,6 +89,18 @@ class Batch:
                     f.counts = counts
 
 
+def compress(field: Field, x: Any, keep: np.ndarray, batch_axis: int) -> Any:
+    """``x``, the value of ``field`` (or its replacement), with only the samples where
+    ``keep`` is True; a field without a batch axis unchanged."""
+    if not field.batched:
+        return x
+    if type(x) is np.ndarray:  # what the NumPy backend calls, without two wrappers
+        return x.compress(keep, axis=batch_axis)
+    if field.backend is None:  # per-sample strings
+        return type(x)(item for item, k in zip(x, keep, strict=True) if k)
+    return field.backend.compress(x, keep, batch_axis)
+
+
 def check_batch_axis(batch_axis: Any) -> int:
     batch_axis = v.check_int("batch_axis", batch_axis)
     if batch_axis < 0:
@@ -107,14 +119,21 @@ def backend_of(leaf: Any) -> Backend:
 
 def split_batch(batch: Any, batch_axis: int) -> Batch:
     """Classify every leaf and find the batch size (every batched field must agree)."""
-    paths: list[str] = []
-    leaves: list[Any] = []
-    treedef = _flatten(batch, "", paths, leaves)
+    flat = _flat_host(batch)
+    if flat is None:
+        paths: list[str] = []
+        leaves: list[Any] = []
+        treedef = _flatten(batch, "", paths, leaves)
+    else:
+        paths, leaves, treedef = flat
     fields, size, size_path = [], None, ""
     for path, leaf in zip(paths, leaves, strict=True):
         field = _classify(path, leaf, batch_axis)
         if field.batched:
-            n = len(leaf) if field.backend is None else field.backend.shape(leaf)[batch_axis]
+            if type(leaf) is np.ndarray:
+                n = leaf.shape[batch_axis]
+            else:
+                n = len(leaf) if field.backend is None else field.backend.shape(leaf)[batch_axis]
             if size is None:
                 size, size_path = n, field.label
             elif n is not None and n != size:
@@ -126,7 +145,32 @@ def split_batch(batch: Any, batch_axis: int) -> Batch:
     return Batch(fields, treedef, size)
 
 
+def _flat_host(batch: Any) -> tuple[list[str], list, tree.TreeDef] | None:
+    """``_flatten``'s answer for the common batch, a dict, list or tuple whose children are
+    all leaves (NumPy arrays, or what ``tree._all_plain_leaves`` accepts: a framework's
+    tensors), as (paths, leaves, treedef), without its per-node tests; None otherwise."""
+    cls = type(batch)
+    if cls is dict:
+        leaves = list(batch.values())
+    elif (cls is list or cls is tuple) and batch:
+        leaves = list(batch)
+    else:
+        return None
+    if not all(type(x) is np.ndarray for x in leaves) and not tree._all_plain_leaves(leaves):
+        return None
+    if cls is dict:
+        keys = list(batch)
+        rebuild = lambda values: dict(zip(keys, values, strict=True))
+        return [f"[{k!r}]" for k in keys], leaves, tree.TreeDef(rebuild, (tree.LEAF,) * len(keys))
+    n = len(batch)  # rebuild: a bare list / tuple, as tree.unflatten expects
+    return [f"[{i}]" for i in range(n)], leaves, tree.TreeDef(cls, (tree.LEAF,) * n)
+
+
 def _classify(path: str, leaf: Any, batch_axis: int) -> Field:
+    if type(leaf) is np.ndarray:  # what the general branch answers, without its look-ups
+        dtype = numpy_dtype_name(leaf.dtype)
+        kind = "float" if v.is_floating(dtype) else "exact"
+        return Field(path, leaf, kind, load_backend("numpy"), leaf.ndim > batch_axis, dtype)
     if _is_string_list(leaf):
         return Field(path, leaf, "exact", None, batch_axis == 0, "str")
     if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):

@@ -101,9 +101,17 @@ def _count(
     ``bad``: the mask ``~isfinite(part)`` when the caller has it."""
     if bad is None:
         bad = ~np.isfinite(part)
-    where = np.unravel_index(np.flatnonzero(bad), part.shape)
-    samples = where[axis] if owner is None else owner[where[0]] % n
-    nan = np.isnan(part[where])
+    # the non-finite values' positions in C order of the logical shape (``ravel`` copies only
+    # a non-C-contiguous mask), read back through ``flat`` in that same order: no
+    # ``unravel_index`` (~3 us), no ``flatnonzero`` wrapper (~1.5 us)
+    flat = bad.ravel().nonzero()[0]
+    shape = part.shape
+    samples = flat // max(1, math.prod(shape[axis + 1 :]))
+    if owner is not None:
+        samples = owner[samples] % n
+    elif axis:
+        samples %= shape[axis]
+    nan = np.isnan(part.flat[flat])
     bad_counts = np.bincount(samples, minlength=n).astype(np.int32)
     return bad_counts, np.bincount(samples[nan], minlength=n).astype(np.int32)
 

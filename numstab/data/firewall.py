@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 
 from numstab import _validate as v
-from numstab.data import quarantine
+from numstab.data import _lean, quarantine
 from numstab.data._fast import SUSPECT, clean_batch_size
 from numstab.data._fields import (
     Batch,
-    Field,
     backend_of,
     check_batch_axis,
+    compress,
     split_batch,
     surely_finite,
 )
@@ -103,12 +103,17 @@ class Firewall:
         stats = self.stats
         counted: list = []  # counts the fast path computed on a dirty NumPy leaf
         size = clean_batch_size(batch, self.batch_axis, counted) if self.outliers is None else None
-        if size is not None and size != SUSPECT:  # the fast path: provably clean
+        if size is not None and size >= 0:  # the fast path: provably clean
             stats.samples_seen += size
             stats.samples_passed += size
             stats.batches_seen += 1
             self._batch_in_epoch += 1
             return batch
+        lean = size == SUSPECT and self.quarantine_dir is None and self.policy != "raise"
+        if lean:  # found dirty (so no outlier filter), drop or replace: the short ways
+            out = _lean.handle_flat(self, batch, counted)
+            if out is not _lean.UNHANDLED:
+                return out
         parts = split_batch(batch, self.batch_axis)
         if parts.size is None:
             raise InvalidArgumentError(
@@ -121,6 +126,10 @@ class Firewall:
         stats.batches_seen += 1
         self._batch_in_epoch += 1
         parts.keep_counts(counted)
+        if lean:
+            out = _lean.handle(self, batch, parts, first_index, number)
+            if out is not _lean.UNHANDLED:
+                return out
         floats = parts.float_fields
         # SUSPECT: the fast path already found a leaf it could not prove finite
         clean = size != SUSPECT and (not floats or surely_finite(floats, self.batch_axis))
@@ -238,7 +247,7 @@ class Firewall:
         if dropped:
             keep = ~drop
             pairs = zip(parts.fields, values, strict=True)
-            values = [_compress(f, x, keep, self.batch_axis) for f, x in pairs]
+            values = [compress(f, x, keep, self.batch_axis) for f, x in pairs]
         kept = len(drop) - dropped
         self.stats.samples_passed += kept
         if kept == 0 and not self.keep_empty:
@@ -293,14 +302,6 @@ def _value_counts(bad_fields: tuple, i: int) -> tuple[int, int]:
             total += int(f.per_sample[0][i])
             nan += int(f.per_sample[1][i])
     return nan, total - nan
-
-
-def _compress(field: Field, x: Any, keep: np.ndarray, batch_axis: int) -> Any:
-    if not field.batched:
-        return x
-    if field.backend is None:  # per-sample strings
-        return type(x)(item for item, k in zip(x, keep, strict=True) if k)
-    return field.backend.compress(x, keep, batch_axis)
 
 
 def _check_outlier_fields(spec: Features) -> Features:
