@@ -185,6 +185,56 @@ def test_tensorflow_xla_jit_compile():
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
+def test_tensorflow_graph_constants_stay_intact():
+    """Inputs that are constants of the tf.function graph: grappler folds the first chunk's
+    weight gradient into a constant, which the in-place accumulation must copy rather than
+    overwrite. Every call gives the eager result."""
+    tf = pytest.importorskip("tensorflow")
+    hidden, weight, _, labels, _ = _data()
+
+    def loss_and_grads():
+        h, w, y = tf.constant(hidden), tf.constant(weight), tf.constant(labels)
+        with tf.GradientTape() as tape:
+            tape.watch([h, w])
+            loss = fused_linear_cross_entropy(h, w, y, chunk_size=4)
+        return [loss, *tape.gradient(loss, [h, w])]
+
+    want = [t.numpy() for t in loss_and_grads()]
+    step = tf.function(loss_and_grads)
+    for _ in range(3):
+        for got, expected in zip(step(), want, strict=True):
+            np.testing.assert_allclose(got.numpy(), expected, rtol=1e-12, atol=1e-15)
+
+
+def test_tensorflow_graph_holds_one_chunk_of_logits():
+    """Under tf.function each chunk starts after the previous one is done, so the step holds
+    one chunk of logits (turned into its gradient in place) beside the weight gradient and a
+    block of its update, measured by TensorFlow's CPU allocator."""
+    tf = pytest.importorskip("tensorflow")
+    tokens, width, vocab, chunk = 512, 16, 32768, 64  # 8 chunks of 8 MiB logits; dw 2 MiB
+    rng = np.random.default_rng(0)
+    with tf.device("/CPU:0"):
+        h = tf.constant(rng.normal(size=(tokens, width)).astype(np.float32))
+        w = tf.constant(rng.normal(size=(vocab, width)).astype(np.float32))
+        y = tf.constant(rng.integers(0, vocab, tokens))
+
+        @tf.function
+        def step(h, w):
+            with tf.GradientTape() as tape:
+                tape.watch([h, w])
+                loss = fused_linear_cross_entropy(h, w, y, chunk_size=chunk)
+            dh, dw = tape.gradient(loss, [h, w])
+            return loss, tf.reduce_sum(dh), tf.reduce_sum(dw)
+
+        step(h, w)
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        step(h, w)
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    logits, dw, dh = 4 * chunk * vocab, 4 * vocab * width, 4 * tokens * width
+    assert peak <= 1.25 * logits + 2 * dw + dh, f"{peak / 2**20:.1f} MiB"
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_every_case_and_dtype(eager_target, case):
     for dtype in TOLERANCE:

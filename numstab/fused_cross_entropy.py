@@ -252,6 +252,11 @@ class _Plan:
         x = be.cast(be.matmul(h, w, transpose_b=True), self.cdt)
         if b32 is not None:
             x = x + b32
+        if scale is not None and not eps and not z and has_native(be, "softmax_nll_grad"):
+            # one fused kernel, which shifts each row by its max itself (the same bits as on
+            # x - m); x's only reader, so its buffer can become the gradient's
+            nll, grad = native_op(be, "softmax_nll_grad")(x, y)
+            return (nll if want_rows else None), grad * be.reshape(scale, (-1, 1))
         # shifted by the row max m: lse(x) - x[c] = lse(x - m) - (x[c] - m) keeps its digits
         # at any offset, and so does the gradient's exp(x - lse); z-loss needs the true lse
         shift, m = be.row_shift(x)
@@ -267,9 +272,6 @@ class _Plan:
                 rows = rows + z * (lse + m) * (lse + m)
         if scale is None:
             return rows, None
-        if not eps and not z and has_native(be, "softmax_nll_grad"):  # one fused kernel
-            nll, grad = native_op(be, "softmax_nll_grad")(x, y)
-            return (nll if want_rows else None), grad * be.reshape(scale, (-1, 1))
         coefficient = scale * (1.0 + 2.0 * z * (lse + m)) if z else scale
         shift = scale * (eps / vocab) if eps else None
         x = be.softmax_grad_owned(x, lse, coefficient, shift)  # reusing the name frees x
