@@ -304,9 +304,11 @@ def worker(args) -> dict:
     hidden, weight, labels = _inputs(args.tokens, args.d_model, args.vocab)
     chunk = args.chunk
     if args.variant == "floor" and chunk is None:  # the chunk the fused path chooses
+        from numstab.backends import load_backend
         from numstab.fused_cross_entropy import default_chunk_size
 
-        chunk = default_chunk_size(args.tokens, args.vocab)
+        budget = load_backend(args.backend).fused_chunk_bytes
+        chunk = default_chunk_size(args.tokens, args.vocab, budget)
     step, gpu_stats, compile_ = STEPS[args.backend](
         args.variant, hidden, weight, labels, chunk, gpu, args.dtype
     )

@@ -321,3 +321,10 @@ def test_spread_near_float32_max_stays_finite(eager_target):
     kwargs = {"label_smoothing": 0.1, "reduction": "none"}  # a sum of 1e38 rows overflows
     got, _ = _check(eager_target, "float32", kwargs, data=data, wrt=(0,))
     assert np.isfinite(got).all()
+
+
+def test_default_chunk_follows_the_backend_budget():
+    from numstab.backends import load_backend
+
+    assert load_backend("numpy").fused_chunk_bytes == 32 * 2**20
+    assert default_chunk_size(4096, 65536, 64 * 2**20) == 256  # TensorFlow's budget

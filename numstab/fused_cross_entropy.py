@@ -30,7 +30,8 @@ from numstab.losses import REDUCTIONS, _safe_divide
 Array = Any
 NAN = float("nan")
 
-#: ``chunk_size=None`` keeps one chunk of float32 logits near this many bytes.
+#: ``chunk_size=None`` keeps one chunk of float32 logits near this many bytes (the
+#: backend's ``fused_chunk_bytes``: TensorFlow's is twice this)
 CHUNK_BYTES = 32 * 2**20
 
 
@@ -102,7 +103,7 @@ def fused_linear_cross_entropy(
         raise_out_of_range(be, labels, vocab, ignore_index)
 
     plan = _Plan(be, eps, z_loss, ignore_index, reduction, cdt, vocab, rows,
-                 chunk_size or default_chunk_size(rows, vocab))  # fmt: skip
+                 chunk_size or default_chunk_size(rows, vocab, be.fused_chunk_bytes))  # fmt: skip
     with be.float_errors_ignored():
         out = be.custom_gradient(plan.forward, plan.backward, (h, weight, bias, y))
     if reduction == "none":

@@ -45,6 +45,8 @@ class Backend(abc.ABC):
     name: str = "abstract"
     #: dtype of class indices (JAX without x64 has no int64)
     index_dtype: str = "int64"
+    #: fused linear cross-entropy's default chunk: float32 logits of about this many bytes
+    fused_chunk_bytes: int = 32 * 2**20
 
     # -- conversion and metadata ------------------------------------------------------------
     @abc.abstractmethod
