@@ -39,7 +39,7 @@ def _as_operand(value, like):
 class TensorflowBackend(Backend):
     name = "tensorflow"
     # each chunk rereads the whole weight gradient: 256 rows at vocab 65536 halve that per
-    # row (fused / unfused time 1.17 -> 1.08 on CPU; docs 11.1 "Gradient and memory")
+    # row (fused / unfused time 1.34 -> 1.19 on an idle CPU; docs 11.1 "Gradient and memory")
     fused_chunk_bytes = 64 * 2**20
 
     def asarray(self, x, dtype=None, like=None):
