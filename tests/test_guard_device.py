@@ -95,6 +95,33 @@ def test_torch_nan_batch_is_skipped_and_logged_as_in_host_mode(optim):
     assert d["layer_norms"].shape == (60, 4)
 
 
+def test_torch_device_mode_runs_eagerly_where_it_cannot_compile(monkeypatch):
+    """No C++ compiler (or an op inductor rejects): one RuntimeWarning, the same code run
+    eagerly, the same weights, optimizer state and events as the compiled run."""
+    torch = _torch()
+    from numstab.frameworks.torch import guard_compiled
+
+    nan = (0, 23, 40)
+    compiled = _train(TrainingGuard(snapshot_every=1000, host_every=8), "adam", nan)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(guard_compiled, "_CACHE", {})
+    monkeypatch.setattr(guard_compiled, "_WARNED", [])
+    monkeypatch.setattr(torch._inductor, "compile", no_compiler)
+    with pytest.warns(RuntimeWarning, match="runs eagerly") as caught:
+        eager = _train(TrainingGuard(snapshot_every=1000, host_every=8), "adam", nan)
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    assert set(guard_compiled._CACHE.values()) == {None}  # every piece ran eagerly
+    assert _events(eager[2]) == _events(compiled[2])
+    for a, b in zip(compiled[0].parameters(), eager[0].parameters(), strict=True):
+        assert torch.equal(a, b)
+    for p, q in zip(compiled[0].parameters(), eager[0].parameters(), strict=True):
+        for k, v in compiled[1].state[p].items():
+            assert torch.equal(v, eager[1].state[q][k]), k
+
+
 def test_torch_spikes_and_rollback_in_device_mode():
     torch = _torch()
     guard = TrainingGuard(
