@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import numstab as ns
+from numstab.backends._native import generic_forced
 from numstab.errors import InvalidArgumentError
 from numstab.fused_cross_entropy import default_chunk_size, fused_linear_cross_entropy
 
@@ -208,8 +209,9 @@ def test_tensorflow_graph_constants_stay_intact():
 
 def test_tensorflow_graph_holds_one_chunk_of_logits():
     """Under tf.function each chunk starts after the previous one is done, so the step holds
-    one chunk of logits (turned into its gradient in place) beside the weight gradient and a
-    block of its update, measured by TensorFlow's CPU allocator."""
+    one chunk of logits (turned into its gradient in place by the native kernel; beside its
+    gradient under NUMSTAB_FORCE_GENERIC) with the weight gradient and a block of its update,
+    measured by TensorFlow's CPU allocator."""
     tf = pytest.importorskip("tensorflow")
     tokens, width, vocab, chunk = 512, 16, 32768, 64  # 8 chunks of 8 MiB logits; dw 2 MiB
     rng = np.random.default_rng(0)
@@ -232,7 +234,8 @@ def test_tensorflow_graph_holds_one_chunk_of_logits():
         step(h, w)
         peak = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
     logits, dw, dh = 4 * chunk * vocab, 4 * vocab * width, 4 * tokens * width
-    assert peak <= 1.25 * logits + 2 * dw + dh, f"{peak / 2**20:.1f} MiB"
+    chunk_buffers = 2 if generic_forced() else 1  # the generic softmax gradient is a new array
+    assert peak <= (chunk_buffers + 0.25) * logits + 2 * dw + dh, f"{peak / 2**20:.1f} MiB"
 
 
 @pytest.mark.parametrize("case", CASES)
