@@ -30,6 +30,14 @@ LARGEST_FINITE = {
     "float64": 1.7976931348623157e308,
 }
 
+#: The smallest normal value per dtype: a ``max_norm`` below it may round to 0 in the dtype.
+SMALLEST_NORMAL = {
+    "float16": 6.103515625e-05,
+    "bfloat16": 1.1754943508222875e-38,
+    "float32": 1.1754943508222875e-38,
+    "float64": 2.2250738585072014e-308,
+}
+
 
 def _float_leaves(
     tree: Tree, backend: str | None, *extra: Array, name: str = "tree"
@@ -163,22 +171,28 @@ def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None
 
 
 def _coefficient(be: Backend, norm: Array, max_norm: float) -> Array:
-    """``max_norm / max(norm, max_norm)`` where ``max_norm < norm < inf``, else exactly 1, in
-    ``norm``'s dtype (float32 for a non-float ``norm``).
+    """``max_norm / max(norm, max_norm)`` where ``norm < inf``, else exactly 1, in ``norm``'s
+    dtype (float32 for a non-float ``norm``).
 
     ``max_norm`` becomes an array first, clamped to the dtype's largest finite value (a finite
-    norm never exceeds it: nothing is clipped, where inf / inf gave NaN); one below the
-    smallest subnormal rounds to 0, which scales every nonzero norm to 0 (and 0 stays 0, not
-    0 / 0). The division is then IEEE's on every backend (torch computes ``scalar / tensor``
-    as ``reciprocal(tensor) * scalar``: one ulp below 1 for ~14% of float32 ``max_norm``).
-    A NaN or -inf norm fails both comparisons: factor 1.
+    norm never exceeds it: nothing is clipped, where inf / inf gave NaN). The division is then
+    IEEE's on every backend (torch computes ``scalar / tensor`` as ``reciprocal(tensor) *
+    scalar``: one ulp below 1 for ~14% of float32 ``max_norm``), and ``x / x`` is exactly 1,
+    so a norm at most ``max_norm`` scales by exactly 1. A NaN norm fails ``norm < inf``: 1.
+    A ``max_norm`` below the dtype's smallest normal may round to 0: there the factor also
+    needs ``norm > max_norm``, so that 0 / 0 never reaches a zero norm (which keeps 1) and
+    every other finite norm scales to 0.
     """
     dtype = be.dtype_name(norm)
     dtype = dtype if v.is_floating(dtype) else "float32"
-    limit = be.asarray(min(float(max_norm), LARGEST_FINITE[dtype]), dtype, like=norm)
-    with be.float_errors_ignored():  # 0 / 0 where max_norm rounds to 0 and norm is 0: unused
+    value = min(float(max_norm), LARGEST_FINITE[dtype])
+    limit = be.asarray(value, dtype, like=norm)
+    with be.float_errors_ignored():  # inf / inf, or 0 / 0 for a zero limit: unused
         factor = limit / be.maximum(norm, limit)
-    return be.where((norm > limit) & (norm < math.inf), factor, 1.0)
+    applies = norm < math.inf
+    if value < SMALLEST_NORMAL[dtype]:
+        applies = applies & (norm > limit)
+    return be.where(applies, factor, 1.0)
 
 
 def scale_leaves(be: Backend, leaves: list, factor: Array, *, toward_zero: bool = False) -> list:
