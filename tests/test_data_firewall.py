@@ -796,8 +796,12 @@ def _dirty_stream(seed, kind, axis):
 @pytest.mark.parametrize("policy", ["drop", "replace"])
 @pytest.mark.parametrize("axis", [0, 1])
 @pytest.mark.parametrize("keep_empty", [False, True])
-def test_short_ways_match_the_general_path(monkeypatch, kind, policy, axis, keep_empty):
+@pytest.mark.parametrize("sparse_max", [256, 0])
+def test_short_ways_match_the_general_path(monkeypatch, kind, policy, axis, keep_empty, sparse_max):
+    """``sparse_max`` 0: the records come from the dense counts (a batch full of NaN)."""
     from numstab.data import _lean
+
+    monkeypatch.setattr(_lean, "SPARSE_MAX", sparse_max)
 
     def run():
         fw = Firewall(policy, batch_axis=axis, keep_empty=keep_empty)
@@ -827,7 +831,7 @@ def test_short_ways_match_the_general_path(monkeypatch, kind, policy, axis, keep
 
 def test_short_way_for_cpu_torch_batches_matches_the_general_path(monkeypatch):
     torch = pytest.importorskip("torch")
-    from numstab.data import _lean
+    from numstab.data import _lean, firewall
 
     def run(policy):
         fw = Firewall(policy)
@@ -838,8 +842,12 @@ def test_short_way_for_cpu_torch_batches_matches_the_general_path(monkeypatch):
         return outs, fw.stats
 
     for policy in ("drop", "replace"):
-        out, stats = run(policy)
         with monkeypatch.context() as m:
+            if policy == "drop":  # a flat CPU torch batch: no split, one index_select a field
+                m.setattr(firewall, "split_batch", lambda *a: pytest.fail("split under drop"))
+            out, stats = run(policy)
+        with monkeypatch.context() as m:
+            m.setattr(_lean, "handle_flat", lambda *a: _lean.UNHANDLED)
             m.setattr(_lean, "handle", lambda *a: _lean.UNHANDLED)
             want_out, want = run(policy)
         assert stats.records == want.records and stats.summary() == want.summary()

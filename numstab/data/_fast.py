@@ -55,7 +55,7 @@ from numstab import frameworks
 from numstab._dispatch import framework_of
 from numstab._validate import is_floating, is_integer
 from numstab.backends import load_backend
-from numstab.data._host import all_finite, screen, tf_types, tf_view
+from numstab.data._host import SUM_MIN_SIZE, all_finite, find, mask_found, tf_types, tf_view
 
 
 class _Unknown(Exception):
@@ -64,7 +64,7 @@ class _Unknown(Exception):
 
 class _Suspect(Exception):
     """A floating leaf not provably finite (a NaN/inf, or a framework sum that overflowed);
-    ``args``: the NumPy array and its per-sample counts, when they are known."""
+    ``args``: the NumPy array and its non-finite values (``_host.Found``), when known."""
 
 
 #: ``clean_batch_size``'s answer for a batch with a leaf not provably finite: the caller can
@@ -75,10 +75,10 @@ SUSPECT = -1
 def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -> int | None:
     """The batch size if the batch is provably all finite; ``SUSPECT`` if some floating leaf
     is not provably finite; None for anything else ("look closer"). With ``SUSPECT``,
-    ``counted`` (if given) receives ``(array, counts)`` for the NumPy arrays found dirty, when
-    they have a batch axis: their ``_host.sample_counts``, already computed, for the caller to
-    reuse (the ``is`` identity tells which leaf; a TensorFlow tensor read through its view
-    is handed on as the tensor).
+    ``counted`` (if given) receives ``(array, found)`` for the NumPy arrays found dirty, when
+    they have a batch axis: where their non-finite values are (``_host.Found``), already
+    located, for the caller to reuse (the ``is`` identity tells which leaf; a TensorFlow
+    tensor read through its view is handed on as the tensor).
 
     The common batch, a dict, list or tuple of NumPy arrays, is read in one loop with no call
     but the read (``_host.screen``); any other child (a framework's tensor, a nested
@@ -94,22 +94,30 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
     else:
         children = (batch,)
     size = -1
-    sums = sizes = found = None
+    sums = sizes = dirty = None
     try:
         for leaf in children:
             if type(leaf) is np.ndarray and leaf.ndim > batch_axis:
-                n = leaf.shape[batch_axis]
+                n = len(leaf) if batch_axis == 0 else leaf.shape[batch_axis]
                 if n != size:
                     if size >= 0:
                         return None
                     size = n
-                kind = leaf.dtype.kind
-                if kind == "f":
-                    counts = screen(leaf, batch_axis)
-                    if counts is not None:  # dirty: noted, and the other children still read
-                        found = found or []
-                        found.append((leaf, counts))
-                elif kind not in "iub":
+                # the common dtypes by identity (builtin dtypes are singletons), others by kind
+                dtype = leaf.dtype
+                if dtype is _F32 or dtype is _F64 or dtype.kind == "f":
+                    if leaf.size < SUM_MIN_SIZE:  # ``find``'s small route, inline
+                        finite = _isfinite(leaf)
+                        if _count_nonzero(finite) == leaf.size:
+                            continue
+                        found = mask_found(leaf, batch_axis, finite)
+                    else:
+                        found = find(leaf, batch_axis)
+                        if found is None:
+                            continue
+                    dirty = dirty or []  # noted, and the other children still read
+                    dirty.append((leaf, found))
+                elif dtype is not _I64 and dtype.kind not in "iub":
                     return None
                 continue
             if sums is None:
@@ -123,9 +131,9 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
             size = sizes[0]
         if size < 0:
             return None
-        if found:
+        if dirty:
             if counted is not None:
-                counted += found
+                counted += dirty
             return SUSPECT
         # a framework's leaves (torch's): one fused sum per field, one sync; a finite total
         # proves finite terms (NaN/inf propagate), and an overflowing one only sends the
@@ -134,7 +142,7 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
             return SUSPECT
     except _Suspect as suspect:
         if counted is not None:
-            counted += found or ()
+            counted += dirty or ()
             if suspect.args:
                 counted.append(suspect.args)
         return SUSPECT
@@ -144,19 +152,21 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
 
 
 _TEXT = (str, bytes)
+_F32, _F64, _I64 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64)
+_isfinite, _count_nonzero = np.isfinite, np.count_nonzero
 _STATIC = (str, bytes, int, float, bool, type(None))
 
 
 def _host(a: np.ndarray, axis: int, sizes: list) -> None:
     """A NumPy array (or zero-copy view): its size, and proof that it is finite; if it is
-    not, ``_Suspect`` carries its per-sample counts (``_host.screen``) when it is batched."""
+    not, ``_Suspect`` carries its non-finite values (``_host.find``) when it is batched."""
     kind = a.dtype.kind
     if a.ndim > axis:
         sizes.append(a.shape[axis])
         if kind == "f":
-            counts = screen(a, axis)
-            if counts is not None:
-                raise _Suspect(a, counts)
+            found = find(a, axis)
+            if found is not None:
+                raise _Suspect(a, found)
             return
     elif kind == "f":
         if not all_finite(a):
@@ -223,7 +233,7 @@ def _other_framework(node: Any, axis: int, sums: list, sizes: list) -> None:
 def _tf_eager(node: Any, axis: int, sizes: list) -> bool:
     """Handle an eager tensor without a TF op when possible (True): integer and bool ones
     only give their size, float16/32/64 ones in host memory are read in place
-    (``_host.tf_view``). A dirty one's counts are handed on under the tensor itself."""
+    (``_host.tf_view``). A dirty one's ``Found`` is handed on under the tensor itself."""
     eager, _, exact = tf_types()
     if type(node) is not eager:
         return False

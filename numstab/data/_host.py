@@ -58,22 +58,52 @@ def all_finite(a: np.ndarray) -> bool:
     return np.count_nonzero(np.isfinite(a)) == a.size
 
 
-def screen(a: np.ndarray, axis: int) -> Counts | None:
-    """None iff every value of the float array ``a`` is finite (exact); else its
-    ``sample_counts`` along ``axis < a.ndim``, counted from what the check found (the
+class Found:
+    """The non-finite values of one float array of ``n`` samples, as ``find`` located them:
+    ``samples[k]``, the sample holding the k-th (in C order), ``nan[k]`` whether it is a NaN.
+    ``counts()``: the dense per-sample ``Counts`` (two ``bincount``), computed once, only
+    when asked (the short way of a dirty batch works from the sparse form)."""
+
+    __slots__ = ("_counts", "n", "nan", "samples")
+
+    def __init__(self, samples: np.ndarray, nan: np.ndarray, n: int) -> None:
+        self.samples, self.nan, self.n, self._counts = samples, nan, n, None
+
+    def counts(self) -> Counts:
+        if self._counts is None:
+            samples, n = self.samples, self.n
+            bad = np.bincount(samples, minlength=n).astype(np.int32)
+            self._counts = bad, np.bincount(samples[self.nan], minlength=n).astype(np.int32)
+        return self._counts
+
+
+def find(a: np.ndarray, axis: int) -> Found | None:
+    """None iff every value of the float array ``a`` is finite (exact); else where its
+    non-finite values are, along ``axis < a.ndim``, located from what the check found (the
     ``isfinite`` mask, or on the summed route the suspect rows), so ``a`` is read once either
-    way. Suspects that are all finite (sums that overflow) count nothing, and a batch of only
+    way. Suspects that are all finite (sums that overflow) find nothing, and a batch of only
     those is clean."""
     if a.size < SUM_MIN_SIZE or (rows := _rows(a, axis)) is None:  # small: no call more
         finite = np.isfinite(a)
         if np.count_nonzero(finite) == a.size:
             return None
-        return _count(a, axis, a.shape[axis], bad=~finite)
+        return mask_found(a, axis, finite)
     owner = _suspects(rows)
     if owner.size == 0:
         return None
-    counts = _count(rows[owner], 0, a.shape[axis], owner=owner)
-    return counts if np.count_nonzero(counts[0]) else None
+    found = _locate(rows[owner], 0, a.shape[axis], owner=owner)
+    return found if found.samples.size else None
+
+
+def mask_found(a: np.ndarray, axis: int, finite: np.ndarray) -> Found:
+    """``find``'s answer for ``a`` from its ``isfinite`` mask ``finite`` (not all true)."""
+    return _locate(a, axis, a.shape[axis], bad=~finite)
+
+
+def screen(a: np.ndarray, axis: int) -> Counts | None:
+    """``find``, as dense per-sample ``sample_counts`` (None iff ``a`` is all finite)."""
+    found = find(a, axis)
+    return None if found is None else found.counts()
 
 
 def sample_counts(a: np.ndarray, axis: int) -> Counts:
@@ -83,22 +113,22 @@ def sample_counts(a: np.ndarray, axis: int) -> Counts:
     reduction over every sample, whose per-row loops cost ~10 us even at 256 x 32."""
     rows = _rows(a, axis)
     if rows is None:
-        return _count(a, axis, a.shape[axis])
+        return _locate(a, axis, a.shape[axis]).counts()
     owner = _suspects(rows)  # the summed route: the suspect rows only
-    return _count(rows[owner], 0, a.shape[axis], owner=owner)
+    return _locate(rows[owner], 0, a.shape[axis], owner=owner).counts()
 
 
-def _count(
+def _locate(
     part: np.ndarray,
     axis: int,
     n: int,
     owner: np.ndarray | None = None,
     bad: np.ndarray | None = None,
-) -> Counts:
-    """(non-finite, NaN) counts of ``n`` samples from the values in ``part``: the whole
-    array, samples along ``axis``; or, with ``owner``, the rows ``owner`` of ``_rows``
-    (``axis`` 0: row ``i`` of ``part`` is row ``owner[i]``, of sample ``owner[i] % n``).
-    ``bad``: the mask ``~isfinite(part)`` when the caller has it."""
+) -> Found:
+    """The non-finite values of ``n`` samples in ``part``: the whole array, samples along
+    ``axis``; or, with ``owner``, the rows ``owner`` of ``_rows`` (``axis`` 0: row ``i`` of
+    ``part`` is row ``owner[i]``, of sample ``owner[i] % n``). ``bad``: the mask
+    ``~isfinite(part)`` when the caller has it."""
     if bad is None:
         bad = ~np.isfinite(part)
     # the non-finite values' positions in C order of the logical shape (``ravel`` copies only
@@ -111,9 +141,7 @@ def _count(
         samples = owner[samples] % n
     elif axis:
         samples %= shape[axis]
-    nan = np.isnan(part.flat[flat])
-    bad_counts = np.bincount(samples, minlength=n).astype(np.int32)
-    return bad_counts, np.bincount(samples[nan], minlength=n).astype(np.int32)
+    return Found(samples, np.isnan(part.flat[flat]), n)
 
 
 # -- TensorFlow eager tensors in host memory --------------------------------------------------

@@ -125,11 +125,11 @@ class Firewall:
         stats.samples_seen += n
         stats.batches_seen += 1
         self._batch_in_epoch += 1
-        parts.keep_counts(counted)
         if lean:
-            out = _lean.handle(self, batch, parts, first_index, number)
+            out = _lean.handle(self, batch, parts, first_index, number, counted)
             if out is not _lean.UNHANDLED:
                 return out
+        parts.keep_counts(counted)
         floats = parts.float_fields
         # SUSPECT: the fast path already found a leaf it could not prove finite
         clean = size != SUSPECT and (not floats or surely_finite(floats, self.batch_axis))
