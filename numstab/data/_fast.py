@@ -108,9 +108,10 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
                 if dtype is _F32 or dtype is _F64 or dtype.kind == "f":
                     if leaf.size < SUM_MIN_SIZE:  # ``find``'s small route, inline
                         finite = _isfinite(leaf)
-                        if _count_nonzero(finite) == leaf.size:
+                        bad = leaf.size - _count_nonzero(finite)
+                        if not bad:
                             continue
-                        found = mask_found(leaf, batch_axis, finite)
+                        found = mask_found(leaf, batch_axis, finite, bad)
                     else:
                         found = find(leaf, batch_axis)
                         if found is None:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 UNHANDLED = object()
 #: up to this many non-finite values in a batch, records are built from the sparse positions
 #: (a Python loop per value); above it from dense per-sample counts (a whole-NaN batch)
-SPARSE_MAX = 256
+SPARSE_MAX = 32
 
 
 def handle_flat(fw: Firewall, batch: Any, counted: list) -> Any:
@@ -235,9 +235,9 @@ def _per_sample(dirty: list[tuple[str, Found]]) -> dict[int, list]:
     labels in flatten order: from the sparse positions for a few values, else (a batch full
     of NaN) from the dense counts."""
     per_sample: dict[int, list] = {}
-    if sum(f.samples.size for _, f in dirty) <= SPARSE_MAX:
+    if sum(f.size for _, f in dirty) <= SPARSE_MAX:
         for label, found in dirty:
-            for i, is_nan in zip(found.samples.tolist(), found.nan.tolist(), strict=True):
+            for i, is_nan in found.sparse():
                 entry = per_sample.get(i)
                 if entry is None:
                     per_sample[i] = [[label], int(is_nan), 1]
