@@ -67,7 +67,6 @@ def handle_flat(fw: Firewall, batch: Any, counted: list) -> Any:
     first_index, number = stats.samples_seen, fw._batch_in_epoch
     stats.samples_seen += n
     stats.batches_seen += 1
-    fw._batch_in_epoch += 1
     if not dirty:  # every suspect was a finite sum that overflowed
         stats.samples_passed += n
         return batch
