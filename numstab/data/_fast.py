@@ -123,7 +123,13 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
                 continue
             if sums is None:
                 hooks, sums, sizes = frameworks.loaded("data", "batch_leaf"), [], []
-            _walk(leaf, batch_axis, hooks, sums, sizes)
+            for leaf_type, check in hooks:  # a framework's plain tensor: no walk
+                if type(leaf) is leaf_type:
+                    if not check(leaf, batch_axis, sums, sizes):
+                        return None
+                    break
+            else:
+                _walk(leaf, batch_axis, hooks, sums, sizes)
         if sizes:
             if size >= 0:
                 sizes.append(size)

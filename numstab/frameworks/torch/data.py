@@ -20,6 +20,7 @@ def in_worker() -> bool:
 
 
 _HOST_FLOATS = (torch.float32, torch.float64, torch.float16)
+_F32, _F64 = torch.float32, torch.float64
 
 
 def _batch_leaf(node: torch.Tensor, axis: int, sums: list, sizes: list) -> bool:
@@ -30,13 +31,17 @@ def _batch_leaf(node: torch.Tensor, axis: int, sums: list, sizes: list) -> bool:
     if node.ndim > axis:
         sizes.append(node.shape[axis])
     dtype = node.dtype  # read once: each tensor attribute is a C call
-    if dtype.is_floating_point:
-        wide = dtype is torch.float32 or dtype is torch.float64
-        sums.append(node.sum() if wide else node.sum(dtype=torch.float32))
-    return not dtype.is_complex
+    if dtype is _F32 or dtype is _F64:
+        sums.append(node.sum())
+    elif dtype.is_floating_point:
+        sums.append(node.sum(dtype=_F32))
+    else:
+        return not dtype.is_complex
+    return True
 
 
-#: (the type, its check) for ``numstab.data._fast``'s walk over a batch
+#: (the type, its check) for ``numstab.data._fast``'s walk over a batch (a leaf of exactly
+#: this type skips the walk's container tests; a subclass takes the walk's ``isinstance``)
 batch_leaf = (torch.Tensor, _batch_leaf)
 
 
