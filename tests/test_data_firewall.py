@@ -796,8 +796,12 @@ def _dirty_stream(seed, kind, axis):
 @pytest.mark.parametrize("policy", ["drop", "replace"])
 @pytest.mark.parametrize("axis", [0, 1])
 @pytest.mark.parametrize("keep_empty", [False, True])
-def test_short_ways_match_the_general_path(monkeypatch, kind, policy, axis, keep_empty):
+@pytest.mark.parametrize("sparse_max", [256, 0])
+def test_short_ways_match_the_general_path(monkeypatch, kind, policy, axis, keep_empty, sparse_max):
+    """``sparse_max`` 0: the records come from the dense counts (a batch full of NaN)."""
     from numstab.data import _lean
+
+    monkeypatch.setattr(_lean, "SPARSE_MAX", sparse_max)
 
     def run():
         fw = Firewall(policy, batch_axis=axis, keep_empty=keep_empty)
@@ -827,7 +831,7 @@ def test_short_ways_match_the_general_path(monkeypatch, kind, policy, axis, keep
 
 def test_short_way_for_cpu_torch_batches_matches_the_general_path(monkeypatch):
     torch = pytest.importorskip("torch")
-    from numstab.data import _lean
+    from numstab.data import _lean, firewall
 
     def run(policy):
         fw = Firewall(policy)
@@ -838,8 +842,12 @@ def test_short_way_for_cpu_torch_batches_matches_the_general_path(monkeypatch):
         return outs, fw.stats
 
     for policy in ("drop", "replace"):
-        out, stats = run(policy)
         with monkeypatch.context() as m:
+            if policy == "drop":  # a flat CPU torch batch: no split, one index_select a field
+                m.setattr(firewall, "split_batch", lambda *a: pytest.fail("split under drop"))
+            out, stats = run(policy)
+        with monkeypatch.context() as m:
+            m.setattr(_lean, "handle_flat", lambda *a: _lean.UNHANDLED)
             m.setattr(_lean, "handle", lambda *a: _lean.UNHANDLED)
             want_out, want = run(policy)
         assert stats.records == want.records and stats.summary() == want.summary()
@@ -884,3 +892,42 @@ def test_short_ways_follow_a_stream_whose_structure_dtype_and_size_change(monkey
         for g, e in zip(values(got), values(expected), strict=True):
             assert g.dtype == e.dtype
             np.testing.assert_array_equal(g, e)
+
+
+@pytest.mark.parametrize("layout", ["C", "F", "transposed", "axis1"])
+@pytest.mark.parametrize("bad", [1, 3])
+def test_short_way_locates_one_or_a_few_values_in_any_layout(monkeypatch, layout, bad):
+    """One non-finite value is located by ``argmin`` (C order), several by ``nonzero``: in
+    every layout the records and output are the general path's, and the dense counts the
+    oracle's."""
+    from numstab.data import _host, _lean
+
+    rng = np.random.default_rng(bad)
+    x = rng.normal(size=(6, 4, 3)).astype(np.float32)
+    axis = 1 if layout == "axis1" else 0
+    spots = [(1, 2, 0), (4, 0, 2), (4, 3, 1)][:bad]
+    for spot, value in zip(spots, [np.nan, np.inf, -np.nan], strict=False):
+        x[spot] = value
+    if layout == "F":
+        x = np.asfortranarray(x)
+    elif layout == "transposed":
+        x = np.ascontiguousarray(x.transpose(2, 1, 0)).transpose(2, 1, 0)
+    finite = np.isfinite(x)
+    found = _host.mask_found(x, axis, finite, x.size - np.count_nonzero(finite))
+    nan, inf = _oracle(np.moveaxis(x, axis, 0).astype(np.float64))
+    np.testing.assert_array_equal(found.counts()[0], nan + inf)
+    np.testing.assert_array_equal(found.counts()[1], nan)
+    labels = np.arange(x.shape[axis])
+
+    def run():
+        fw = Firewall("drop", batch_axis=axis)
+        return fw.process({"x": x, "y": labels}), fw.stats
+
+    out, stats = run()
+    with monkeypatch.context() as m:
+        m.setattr(_lean, "handle_flat", lambda *a: _lean.UNHANDLED)
+        m.setattr(_lean, "handle", lambda *a: _lean.UNHANDLED)
+        want_out, want = run()
+    assert stats.records == want.records and len(stats.records) == len({s[axis] for s in spots})
+    for key in ("x", "y"):
+        np.testing.assert_array_equal(out[key], want_out[key])

@@ -3,19 +3,19 @@
 ``clean_batch_size`` walks dicts, lists and tuples directly (no field objects) and proves
 every floating leaf finite. NumPy arrays, and zero-copy NumPy views of CPU-resident
 float16/32/64 TensorFlow eager tensors (``_tf_eager``: a TF op costs far more than the read),
-are read in place by ``_host.screen``, exact either way: ``count_nonzero(isfinite(x))``
-for small arrays, per-sample sums (one read, no temporary) with an exact re-check of the
-rows whose sum is not finite for C-contiguous float32/float64 arrays of at least 2**16
-values and 256 per sample; a dirty array's per-sample counts come from that same check and
-are handed to the caller (``counted``). torch tensors, on any device, take one fused sum
-per field and one host sync per batch (measured cheaper than ``.numpy()`` + ``isfinite``
-on a CPU tensor fresh from a DataLoader: 9.5 vs 18.7 us median at 256 x 32); other
-TensorFlow tensors (GPU, bfloat16) and JAX arrays one fused sum per field through their
-backend, on their device (a finite sum implies finite terms; see
-``_fields.surely_finite``). It answers ``SUSPECT`` when a floating leaf is not provably
-finite (the caller then counts at once), and None when it meets anything else (namedtuples,
-dataclasses, NumPy bfloat16, mismatched batch sizes): the caller then takes the general
-path, which decides, so both paths give the same result.
+are read in place by ``_host.find`` (its small route inline), exact either way:
+``count_nonzero(isfinite(x))`` for small arrays, per-sample sums (one read, no temporary)
+with an exact re-check of the rows whose sum is not finite for C-contiguous float32/float64
+arrays of at least 2**16 values and 256 per sample; a dirty array's non-finite values are
+located from that same check and handed to the caller (``counted``, ``_host.Found``). torch
+tensors, on any device, take one fused sum per field and one host sync per batch
+(measured cheaper than ``.numpy()`` + ``isfinite`` on a CPU tensor fresh from a
+DataLoader: 9.5 vs 18.7 us median at 256 x 32); other TensorFlow tensors (GPU, bfloat16)
+and JAX arrays one fused sum per field through their backend, on their device (a finite
+sum implies finite terms; see ``_fields.surely_finite``). It answers ``SUSPECT`` when a
+floating leaf is not provably finite (the caller then counts at once), and None when it
+meets anything else (namedtuples, dataclasses, NumPy bfloat16, mismatched batch sizes): the
+caller then takes the general path, which decides, so both paths give the same result.
 
 Measured in-pass ratios (``python benchmarks/data_firewall.py --quick --loaders numpy`` and
 ``--loaders torch``, 3 interleaved runs each against the previous code, 2-core shared
@@ -42,6 +42,12 @@ numpy-images 1.21-1.24 -> 1.18-1.21 (its drop copies 12.6 MB, ~0.05 of the ratio
 floor never pays), torch-per-sample 1.017-1.030 -> 1.013-1.018 (floor + 0.01: met),
 torch-batched 1.083-1.110 -> 1.094 (floor 1.024-1.035: a dirty batch runs cold in the
 loop, ~150-300 us against ~80 us hot). See docs/semantics.md §17.8.
+
+Then (2026-12-04, later): builtin dtypes told by identity, ``len`` for axis 0, the small read
+inline, the batch number counted from ``batches_seen``, plain torch tensors straight to their
+hook. Per clean batch, over the floor's read (timeit, min of 40, load ~4.5): 256 x 32 NumPy
+dict 1.03-1.07 -> 0.85-0.87 us (a hand-written loop for exactly this batch: ~0.5 us); torch
+tuple 2.45-2.6 -> ~2.0 us.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from numstab import frameworks
 from numstab._dispatch import framework_of
 from numstab._validate import is_floating, is_integer
 from numstab.backends import load_backend
-from numstab.data._host import all_finite, screen, tf_types, tf_view
+from numstab.data._host import SUM_MIN_SIZE, all_finite, find, mask_found, tf_types, tf_view
 
 
 class _Unknown(Exception):
@@ -64,7 +70,7 @@ class _Unknown(Exception):
 
 class _Suspect(Exception):
     """A floating leaf not provably finite (a NaN/inf, or a framework sum that overflowed);
-    ``args``: the NumPy array and its per-sample counts, when they are known."""
+    ``args``: the NumPy array and its non-finite values (``_host.Found``), when known."""
 
 
 #: ``clean_batch_size``'s answer for a batch with a leaf not provably finite: the caller can
@@ -75,17 +81,18 @@ SUSPECT = -1
 def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -> int | None:
     """The batch size if the batch is provably all finite; ``SUSPECT`` if some floating leaf
     is not provably finite; None for anything else ("look closer"). With ``SUSPECT``,
-    ``counted`` (if given) receives ``(array, counts)`` for the NumPy arrays found dirty, when
-    they have a batch axis: their ``_host.sample_counts``, already computed, for the caller to
-    reuse (the ``is`` identity tells which leaf; a TensorFlow tensor read through its view
-    is handed on as the tensor).
+    ``counted`` (if given) receives ``(array, found)`` for the NumPy arrays found dirty, when
+    they have a batch axis: where their non-finite values are (``_host.Found``), already
+    located, for the caller to reuse (the ``is`` identity tells which leaf; a TensorFlow
+    tensor read through its view is handed on as the tensor).
 
     The common batch, a dict, list or tuple of NumPy arrays, is read in one loop with no call
-    but the read (``_host.screen``); any other child (a framework's tensor, a nested
-    container) goes through ``_walk``, and any other batch is walked whole. In that loop a
-    dirty array does not stop the reading: when every child is a batched NumPy array and the
-    answer is ``SUSPECT``, ``counted`` holds every dirty child, and the others are clean
-    (``_lean.handle_flat`` relies on it)."""
+    but the read (``isfinite``, or ``_host.find`` for big arrays); a plain tensor child goes
+    to its framework's hook (``data.batch_leaf``) directly; any other child (a nested
+    container, a tensor subclass) goes through ``_walk``, and any other batch is walked
+    whole. In that loop a dirty array does not stop the reading: when every child is a
+    batched NumPy array or a plain tensor and the answer is ``SUSPECT``, ``counted`` holds
+    every dirty NumPy child, and the others are clean (``_lean.handle_flat`` relies on it)."""
     cls = type(batch)
     if cls is dict:
         children = batch.values()
@@ -94,27 +101,36 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
     else:
         children = (batch,)
     size = -1
-    sums = sizes = found = None
+    sums = sizes = dirty = None
     try:
         for leaf in children:
             if type(leaf) is np.ndarray and leaf.ndim > batch_axis:
-                n = leaf.shape[batch_axis]
+                n = len(leaf) if batch_axis == 0 else leaf.shape[batch_axis]
                 if n != size:
                     if size >= 0:
                         return None
                     size = n
-                kind = leaf.dtype.kind
-                if kind == "f":
-                    counts = screen(leaf, batch_axis)
-                    if counts is not None:  # dirty: noted, and the other children still read
-                        found = found or []
-                        found.append((leaf, counts))
-                elif kind not in "iub":
+                # the common dtypes by identity (builtin dtypes are singletons), others by kind
+                dtype = leaf.dtype
+                if dtype is _F32 or dtype is _F64 or (dtype is not _I64 and dtype.kind == "f"):
+                    if leaf.size < SUM_MIN_SIZE:  # ``find``'s small route, inline
+                        finite = _isfinite(leaf)
+                        bad = leaf.size - _count_nonzero(finite)
+                        if not bad:
+                            continue
+                        found = mask_found(leaf, batch_axis, finite, bad)
+                    else:
+                        found = find(leaf, batch_axis)
+                        if found is None:
+                            continue
+                    dirty = dirty or []  # noted, and the other children still read
+                    dirty.append((leaf, found))
+                elif dtype is not _I64 and dtype.kind not in "iub":
                     return None
                 continue
             if sums is None:
                 hooks, sums, sizes = frameworks.loaded("data", "batch_leaf"), [], []
-            _walk(leaf, batch_axis, hooks, sums, sizes)
+            _child(leaf, batch_axis, hooks, sums, sizes)
         if sizes:
             if size >= 0:
                 sizes.append(size)
@@ -123,9 +139,9 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
             size = sizes[0]
         if size < 0:
             return None
-        if found:
+        if dirty:
             if counted is not None:
-                counted += found
+                counted += dirty
             return SUSPECT
         # a framework's leaves (torch's): one fused sum per field, one sync; a finite total
         # proves finite terms (NaN/inf propagate), and an overflowing one only sends the
@@ -134,7 +150,7 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
             return SUSPECT
     except _Suspect as suspect:
         if counted is not None:
-            counted += found or ()
+            counted += dirty or ()
             if suspect.args:
                 counted.append(suspect.args)
         return SUSPECT
@@ -144,19 +160,21 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
 
 
 _TEXT = (str, bytes)
+_F32, _F64, _I64 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64)
+_isfinite, _count_nonzero = np.isfinite, np.count_nonzero
 _STATIC = (str, bytes, int, float, bool, type(None))
 
 
 def _host(a: np.ndarray, axis: int, sizes: list) -> None:
     """A NumPy array (or zero-copy view): its size, and proof that it is finite; if it is
-    not, ``_Suspect`` carries its per-sample counts (``_host.screen``) when it is batched."""
+    not, ``_Suspect`` carries its non-finite values (``_host.find``) when it is batched."""
     kind = a.dtype.kind
     if a.ndim > axis:
         sizes.append(a.shape[axis])
         if kind == "f":
-            counts = screen(a, axis)
-            if counts is not None:
-                raise _Suspect(a, counts)
+            found = find(a, axis)
+            if found is not None:
+                raise _Suspect(a, found)
             return
     elif kind == "f":
         if not all_finite(a):
@@ -164,6 +182,17 @@ def _host(a: np.ndarray, axis: int, sizes: list) -> None:
         return
     if kind not in "iub":
         raise _Unknown
+
+
+def _child(leaf: Any, axis: int, leaf_hooks: tuple, sums: list, sizes: list) -> None:
+    """A child that is not a batched NumPy array: a framework's plain tensor (exactly the
+    hook's type) straight to its hook, anything else through ``_walk``."""
+    for leaf_type, check in leaf_hooks:
+        if type(leaf) is leaf_type:
+            if not check(leaf, axis, sums, sizes):
+                raise _Unknown
+            return
+    _walk(leaf, axis, leaf_hooks, sums, sizes)
 
 
 def _walk(node: Any, axis: int, leaf_hooks: tuple, sums: list, sizes: list) -> None:
@@ -223,7 +252,7 @@ def _other_framework(node: Any, axis: int, sums: list, sizes: list) -> None:
 def _tf_eager(node: Any, axis: int, sizes: list) -> bool:
     """Handle an eager tensor without a TF op when possible (True): integer and bool ones
     only give their size, float16/32/64 ones in host memory are read in place
-    (``_host.tf_view``). A dirty one's counts are handed on under the tensor itself."""
+    (``_host.tf_view``). A dirty one's ``Found`` is handed on under the tensor itself."""
     eager, _, exact = tf_types()
     if type(node) is not eager:
         return False

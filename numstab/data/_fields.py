@@ -80,13 +80,13 @@ class Batch:
         return [f for f in self.fields if f.kind == "float"]
 
     def keep_counts(self, counted: list) -> None:
-        """Per-sample counts computed already (``_fast.clean_batch_size``'s ``counted``:
-        ``(leaf, counts)`` pairs) become ``counts`` of the batched floating field holding
-        that very leaf (``is``), so ``sample_nonfinite`` does not count it again."""
-        for leaf, counts in counted:
+        """Non-finite values located already (``_fast.clean_batch_size``'s ``counted``:
+        ``(leaf, _host.Found)`` pairs) give the ``counts`` of the batched floating field
+        holding that very leaf (``is``), so ``sample_nonfinite`` does not count it again."""
+        for leaf, found in counted:
             for f in self.fields:
                 if f.value is leaf and f.batched and f.kind == "float":
-                    f.counts = counts
+                    f.counts = found.counts()
 
 
 def compress(field: Field, x: Any, keep: np.ndarray, batch_axis: int) -> Any:

@@ -4,13 +4,16 @@ path of ``Firewall.process``, in a few NumPy calls.
 It takes a batch the fast path found dirty (``_fast.SUSPECT``) under ``"drop"`` or
 ``"replace"``, with no outlier filter and no quarantine, when every floating field has a batch
 axis and is readable in host memory (``_fields._readable``: NumPy arrays, CPU torch tensors,
-host TensorFlow eager tensors). Each floating field is read once, by ``_host.screen`` (or its
-counts come from the fast path's own read), and the flagged samples are found from those
-per-sample counts alone: no BatchReport, no per-field dataclasses, no second pass. Anything
-else answers ``UNHANDLED`` before touching the stats, and the general path decides.
-Measured on a dirty 256 x 32 float32 + int64 dict batch (2-core shared machine, load ~4,
-2026-12-04): ~135 us through the general path, ~35 us this way in the benchmark's loop
-(~20 us hot); see ``_fast``'s docstring.
+host TensorFlow eager tensors). Each floating field is read once, by ``_host.find`` (or its
+non-finite values come located from the fast path's own read), and the flagged samples and
+their records come from those values alone (``_host.Found``, sparse: no per-sample count
+vector, no BatchReport, no second pass). A drop gathers the kept samples once per field
+(NumPy ``take``, torch ``index_select``) with one index shared by every field. Anything else
+answers ``UNHANDLED`` before touching the stats, and the general path decides.
+
+Measured on a dirty 256 x 32 float32 + int64 dict batch, hot (timeit, 2-core shared machine,
+2026-12-04): general path ~135 us; this way ~20 us before the sparse form, ~10 us after,
+against ~7.6 us for the benchmark's drop floor (the read, the kept rows, two ``take``).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from numstab import frameworks
 from numstab.backends import load_backend
 from numstab.data._fields import Batch, _readable, compress
-from numstab.data._host import screen
+from numstab.data._host import Found, find
 from numstab.data.stats import SampleRecord
 
 if TYPE_CHECKING:
@@ -29,37 +33,17 @@ if TYPE_CHECKING:
 
 #: ``handle``'s answer when the batch needs the general path (nothing was changed)
 UNHANDLED = object()
-
-
-def dirty_counts(parts: Batch, batch_axis: int) -> list | None:
-    """``(field, non-finite counts, NaN counts)`` of every floating field holding a NaN or
-    inf, in flatten order; None when some floating field has no batch axis or is not
-    readable in host memory (the general path counts those)."""
-    dirty = []
-    for field in parts.fields:
-        if field.kind != "float":
-            continue
-        if not field.batched:
-            return None
-        counts = field.counts
-        if counts is None:
-            view = _readable(field.value)
-            if view is None:
-                return None
-            counts = screen(view, batch_axis)
-            if counts is None:  # finite (or only sums that overflow)
-                continue
-            field.counts = counts
-        if counts[0].any():
-            dirty.append((field, counts[0], counts[1]))
-    return dirty
+#: up to this many non-finite values in a batch, records are built from the sparse positions
+#: (a Python loop per value); above it from dense per-sample counts (a whole-NaN batch)
+SPARSE_MAX = 32
 
 
 def handle_flat(fw: Firewall, batch: Any, counted: list) -> Any:
-    """``handle`` for a batch that is a dict, list or tuple of NumPy arrays (or one array),
-    every one with a batch axis, straight from the fast path's read: ``counted`` holds every
-    dirty array (``_fast.clean_batch_size``), so no field is split or read again. Counts the
-    batch as seen; ``UNHANDLED`` (stats untouched) for any other batch."""
+    """``handle`` for a batch that is a dict, list or tuple of arrays (or one array), every
+    one with a batch axis: NumPy arrays, straight from the fast path's read (``counted`` holds
+    every dirty one, ``_fast.clean_batch_size``), or tensors a loaded framework's
+    ``data.flat_leaf`` takes (CPU torch; drop only), read once here. Counts the batch as
+    seen; ``UNHANDLED`` (stats untouched) for any other batch."""
     cls, axis = type(batch), fw.batch_axis
     if cls is dict:
         leaves = list(batch.values())
@@ -69,34 +53,43 @@ def handle_flat(fw: Firewall, batch: Any, counted: list) -> Any:
         leaves = (batch,)
     else:
         return UNHANDLED
-    if not counted or not all(type(x) is np.ndarray and x.ndim > axis for x in leaves):
+    found = _flat_found(leaves, axis, counted, fw.policy == "replace")
+    if found is None:
         return UNHANDLED
-    # ``counted`` lists the dirty children in order (one entry per child, even for one array
-    # held twice), so each is matched to the next child that is that very array
+    founds, takes = found
     names = list(batch) if cls is dict else range(len(leaves))
-    dirty, pending = [], iter(counted)
-    leaf, (bad, nan) = next(pending)
-    for name, x in zip(names, leaves, strict=True):
-        if x is leaf:
-            path = "<batch>" if cls is np.ndarray else f"[{name!r}]"
-            dirty.append((path, bad, nan))
-            leaf, (bad, nan) = next(pending, (None, (None, None)))
+    dirty = [
+        ("<batch>" if cls is np.ndarray else f"[{name!r}]", f)
+        for name, f in zip(names, founds, strict=True)
+        if f is not None
+    ]
     stats, n = fw.stats, leaves[0].shape[axis]
     first_index, number = stats.samples_seen, fw._batch_in_epoch
     stats.samples_seen += n
     stats.batches_seen += 1
-    fw._batch_in_epoch += 1
-    keep, bad_values = _record(fw, dirty, first_index, number)
-    if fw.policy == "replace":
-        be, bad_ids = load_backend("numpy"), {id(leaf) for leaf, _ in counted}
+    if not dirty:  # every suspect was a finite sum that overflowed
+        stats.samples_passed += n
+        return batch
+    flagged, bad_values = _record(fw, dirty, first_index, number)
+    if fw.policy == "replace":  # NumPy leaves only (``_flat_found``)
+        be = load_backend("numpy")
         values = [
-            be.where(be.isfinite(x), x, fw.replace_value) if id(x) in bad_ids else x for x in leaves
+            x if f is None else be.where(be.isfinite(x), x, fw.replace_value)
+            for x, f in zip(leaves, founds, strict=True)
         ]
         stats.replaced_values += bad_values
         kept = n
     else:
-        values = [x.compress(keep, axis=axis) for x in leaves]
-        kept = int(np.count_nonzero(keep))
+        idx, index = _kept(n, flagged), {}
+        values = []
+        for x, gather in zip(leaves, takes, strict=True):
+            if gather is None:
+                values.append(x.take(idx, axis=axis))
+                continue
+            if gather not in index:  # one conversion of the index per framework
+                index[gather] = gather.index(idx)
+            values.append(gather.take(x, index[gather], axis))
+        kept = n - len(flagged)
     stats.samples_passed += kept
     if kept == 0 and not fw.keep_empty:
         stats.batches_skipped += 1
@@ -106,65 +99,165 @@ def handle_flat(fw: Firewall, batch: Any, counted: list) -> Any:
     return cls(values) if cls is not np.ndarray else values[0]
 
 
-def handle(fw: Firewall, batch: Any, parts: Batch, first_index: int, number: int) -> Any:
+def _flat_found(
+    leaves: Any, axis: int, counted: list, numpy_only: bool
+) -> tuple[list, list] | None:
+    """Per leaf, its non-finite values (``Found``, None when finite or exact) and its gather
+    (None: NumPy's ``take``; else ``index(positions)`` once, then ``take(x, index, axis)``);
+    None when a leaf is neither a batched NumPy array nor taken by
+    a loaded framework's ``data.flat_leaf`` (or, with ``numpy_only``, not NumPy)."""
+    # ``counted`` lists the dirty NumPy children in order (one entry per child, even for one
+    # array held twice), so each is matched to the next child that is that very array; the
+    # fast path read every NumPy child, so the others are clean or exact
+    pending = iter(counted)
+    leaf, found = next(pending, (None, None))
+    founds, takes, hooks = [], [], None
+    for x in leaves:
+        if type(x) is np.ndarray:
+            if x.ndim <= axis:
+                return None
+            if x is leaf:
+                founds.append(found)
+                leaf, found = next(pending, (None, None))
+            else:
+                founds.append(None)
+            takes.append(None)
+            continue
+        if numpy_only:
+            return None
+        hooks = hooks or frameworks.loaded("data", "flat_leaf")
+        for hook in hooks:
+            got = hook(x, axis)
+            if got is not None:
+                break
+        else:
+            return None
+        view, take = got
+        founds.append(None if view is None else find(view, axis))
+        takes.append(take)
+    return founds, takes
+
+
+def _kept(n: int, flagged: list) -> np.ndarray:
+    """The positions of the ``n`` samples not in ``flagged``, in order. A few flagged are set
+    one by one: converting the list to an index array costs more (1.4 vs 2.0 us for one)."""
+    keep = np.ones(n, dtype=bool)
+    if len(flagged) > 8:
+        keep[flagged] = False
+    else:
+        for i in flagged:
+            keep[i] = False
+    return keep.nonzero()[0]
+
+
+def dirty_found(parts: Batch, batch_axis: int, counted: list) -> list | None:
+    """``(field, Found)`` of every floating field holding a NaN or inf, in flatten order
+    (``counted``: the fast path's ``(leaf, Found)``, reused by identity); None when some
+    floating field has no batch axis or is not readable in host memory (the general path
+    counts those)."""
+    dirty = []
+    for field in parts.fields:
+        if field.kind != "float":
+            continue
+        if not field.batched:
+            return None
+        found = next((f for leaf, f in counted if leaf is field.value), None)
+        if found is None:
+            view = _readable(field.value)
+            if view is None:
+                return None
+            found = find(view, batch_axis)
+            if found is None:  # finite (or only sums that overflow)
+                continue
+        dirty.append((field, found))
+    return dirty
+
+
+def handle(
+    fw: Firewall, batch: Any, parts: Batch, first_index: int, number: int, counted: list
+) -> Any:
     """The batch after ``fw``'s policy (``"drop"`` or ``"replace"``), with its flagged samples
     recorded as the general path records them; ``UNHANDLED`` (stats untouched) when
-    ``dirty_counts`` cannot count it. ``first_index``/``number``: the batch's first global
+    ``dirty_found`` cannot count it. ``first_index``/``number``: the batch's first global
     sample index and its number in the epoch (the caller has counted the batch as seen)."""
-    dirty = dirty_counts(parts, fw.batch_axis)
+    dirty = dirty_found(parts, fw.batch_axis, counted)
     if dirty is None:
         return UNHANDLED
     stats, n = fw.stats, parts.size
     if not dirty:  # every suspect was a finite sum that overflowed
         stats.samples_passed += n
         return batch
-    labelled = [(f.label, bad, nan) for f, bad, nan in dirty]
-    keep, bad_values = _record(fw, labelled, first_index, number)
+    flagged, bad_values = _record(fw, [(f.label, found) for f, found in dirty], first_index, number)
     if fw.policy == "replace":
-        bad_ids = {id(f) for f, _, _ in dirty}
+        bad_ids = {id(f) for f, _ in dirty}
         values = [
             _replaced(f, fw.replace_value) if id(f) in bad_ids else f.value for f in parts.fields
         ]
         stats.replaced_values += bad_values
         stats.samples_passed += n
         return parts.rebuild(values)
-    kept = int(np.count_nonzero(keep))
+    kept = n - len(flagged)
     stats.samples_passed += kept
     if kept == 0 and not fw.keep_empty:
         stats.batches_skipped += 1
         return None
+    keep = np.ones(n, dtype=bool)
+    keep[flagged] = False
     return parts.rebuild([compress(f, f.value, keep, fw.batch_axis) for f in parts.fields])
 
 
-def _record(fw: Firewall, dirty: list, first_index: int, number: int) -> tuple[Any, int]:
+def _record(
+    fw: Firewall, dirty: list[tuple[str, Found]], first_index: int, number: int
+) -> tuple[list[int], int]:
     """A SampleRecord per flagged sample and the NaN/inf totals, as ``Firewall._record``
-    writes them, from ``dirty``: ``(label, non-finite counts, NaN counts)`` per dirty field
-    in flatten order. Returns the mask of the samples kept by a drop, and the number of
-    non-finite values."""
-    total = dirty[0][1]
-    for _, bad, _ in dirty[1:]:
-        total = total + bad
-    flagged = total.nonzero()[0]
-    # the counts at the flagged samples only (every other count is 0), as Python ints
-    per_field = [(label, bad[flagged].tolist(), nan[flagged].tolist()) for label, bad, nan in dirty]
+    writes them, from ``dirty``: ``(label, Found)`` per dirty field in flatten order. Returns
+    the flagged positions, in increasing order, and the number of non-finite values."""
+    per_sample = _per_sample(dirty)
     stats = fw.stats
     action = "dropped" if fw.policy == "drop" else "replaced"
     records, epoch = stats.records, fw._epoch
     nan_values = bad_values = 0
-    for j, i in enumerate(flagged.tolist()):
-        fields, nan, bad = [], 0, 0
-        for label, bads, nans in per_field:
-            if bads[j]:
-                fields.append(label)
-                bad += bads[j]
-                nan += nans[j]
+    flagged = sorted(per_sample)
+    for i in flagged:
+        fields, nan, bad = per_sample[i]
         where = (first_index + i, epoch, number, i)
         records.append(SampleRecord(*where, "nonfinite", action, tuple(fields), nan, bad - nan))
         nan_values += nan
         bad_values += bad
     stats.nan_values += nan_values
     stats.inf_values += bad_values - nan_values
-    return total == 0, bad_values
+    return flagged, bad_values
+
+
+def _per_sample(dirty: list[tuple[str, Found]]) -> dict[int, list]:
+    """``{position: [labels, NaN values, non-finite values]}`` of every flagged sample, the
+    labels in flatten order: from the sparse positions for a few values, else (a batch full
+    of NaN) from the dense counts."""
+    per_sample: dict[int, list] = {}
+    if sum(f.size for _, f in dirty) <= SPARSE_MAX:
+        for label, found in dirty:
+            for i, is_nan in found.sparse():
+                entry = per_sample.get(i)
+                if entry is None:
+                    per_sample[i] = [[label], int(is_nan), 1]
+                    continue
+                if entry[0][-1] != label:
+                    entry[0].append(label)
+                entry[1] += is_nan
+                entry[2] += 1
+        return per_sample
+    for label, found in dirty:
+        bad, nan = found.counts()
+        at = bad.nonzero()[0]
+        for i, b, m in zip(at.tolist(), bad[at].tolist(), nan[at].tolist(), strict=True):
+            entry = per_sample.get(i)
+            if entry is None:
+                per_sample[i] = [[label], m, b]
+            else:
+                entry[0].append(label)
+                entry[1] += m
+                entry[2] += b
+    return per_sample
 
 
 def _replaced(field: Any, value: float) -> Any:

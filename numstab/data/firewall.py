@@ -88,14 +88,20 @@ class Firewall:
         self.quarantine_prefix = quarantine_prefix
         self.keep_empty = bool(keep_empty)
         self.stats = FirewallStats()
-        self._batch_in_epoch = 0
+        self._epoch_start = 0  # stats.batches_seen when the epoch began
         self._epoch = 0
+
+    @property
+    def _batch_in_epoch(self) -> int:
+        """The number of the next batch in the epoch (counted, not stored: one increment
+        less per batch)."""
+        return self.stats.batches_seen - self._epoch_start
 
     def new_epoch(self) -> None:
         """Start numbering batches from 0 again (``protect`` calls it on every ``iter``)."""
         self._epoch = self.stats.epochs
         self.stats.epochs += 1
-        self._batch_in_epoch = 0
+        self._epoch_start = self.stats.batches_seen
 
     def process(self, batch: Any) -> Any:
         """The batch with its flagged samples handled; None when all were dropped (and
@@ -107,7 +113,6 @@ class Firewall:
             stats.samples_seen += size
             stats.samples_passed += size
             stats.batches_seen += 1
-            self._batch_in_epoch += 1
             return batch
         lean = size == SUSPECT and self.quarantine_dir is None and self.policy != "raise"
         if lean:  # found dirty (so no outlier filter), drop or replace: the short ways
@@ -124,12 +129,11 @@ class Firewall:
         first_index, number = stats.samples_seen, self._batch_in_epoch
         stats.samples_seen += n
         stats.batches_seen += 1
-        self._batch_in_epoch += 1
-        parts.keep_counts(counted)
         if lean:
-            out = _lean.handle(self, batch, parts, first_index, number)
+            out = _lean.handle(self, batch, parts, first_index, number, counted)
             if out is not _lean.UNHANDLED:
                 return out
+        parts.keep_counts(counted)
         floats = parts.float_fields
         # SUSPECT: the fast path already found a leaf it could not prove finite
         clean = size != SUSPECT and (not floats or surely_finite(floats, self.batch_axis))

@@ -10,7 +10,7 @@ import torch
 import torch.utils.data as torch_data
 from torch.utils.data import default_collate
 
-__all__ = ["batch_leaf", "default_collate", "host_view", "in_worker"]
+__all__ = ["batch_leaf", "default_collate", "flat_leaf", "host_view", "in_worker"]
 
 
 def in_worker() -> bool:
@@ -20,6 +20,7 @@ def in_worker() -> bool:
 
 
 _HOST_FLOATS = (torch.float32, torch.float64, torch.float16)
+_F32, _F64 = torch.float32, torch.float64
 
 
 def _batch_leaf(node: torch.Tensor, axis: int, sums: list, sizes: list) -> bool:
@@ -30,13 +31,17 @@ def _batch_leaf(node: torch.Tensor, axis: int, sums: list, sizes: list) -> bool:
     if node.ndim > axis:
         sizes.append(node.shape[axis])
     dtype = node.dtype  # read once: each tensor attribute is a C call
-    if dtype.is_floating_point:
-        wide = dtype is torch.float32 or dtype is torch.float64
-        sums.append(node.sum() if wide else node.sum(dtype=torch.float32))
-    return not dtype.is_complex
+    if dtype is _F32 or dtype is _F64:
+        sums.append(node.sum())
+    elif dtype.is_floating_point:
+        sums.append(node.sum(dtype=_F32))
+    else:
+        return not dtype.is_complex
+    return True
 
 
-#: (the type, its check) for ``numstab.data._fast``'s walk over a batch
+#: (the type, its check) for ``numstab.data._fast``'s walk over a batch (a leaf of exactly
+#: this type skips the walk's container tests; a subclass takes the walk's ``isinstance``)
 batch_leaf = (torch.Tensor, _batch_leaf)
 
 
@@ -52,3 +57,34 @@ def host_view(x: Any) -> np.ndarray | None:
     ):
         return x.detach().numpy()
     return None
+
+
+class _Gather:
+    """A drop's gather of torch tensors: ``index`` converts the kept positions (a NumPy
+    index vector) once per batch, ``take`` selects them, one ``index_select`` per field."""
+
+    index = staticmethod(torch.from_numpy)
+
+    @staticmethod
+    def take(x: torch.Tensor, index: torch.Tensor, axis: int) -> torch.Tensor:
+        return x.index_select(axis, index)
+
+
+_GATHER = _Gather()
+
+
+def flat_leaf(x: Any, axis: int) -> tuple[np.ndarray | None, Any] | None:
+    """For the short way of a dirty flat batch (``numstab.data._lean``): a strided CPU
+    tensor with a batch axis as (its zero-copy NumPy view for float16/32/64, None for an
+    integer or bool one; its gather, ``index`` and ``take``); None for anything else
+    (bfloat16, complex, another device or layout), which the general path handles."""
+    if not isinstance(x, torch.Tensor) or x.ndim <= axis or not x.is_cpu:
+        return None
+    if x.layout != torch.strided:
+        return None
+    dtype = x.dtype
+    if dtype in _HOST_FLOATS:
+        return None if x.is_neg() else (x.detach().numpy(), _GATHER)
+    if dtype.is_floating_point or dtype.is_complex:
+        return None
+    return None, _GATHER
