@@ -28,7 +28,8 @@ except FSDP2's DTensor gradients: their norms are made global first (``layer_nor
 their global norm is taken as replicated whatever ``sharded`` says.
 
 With ``TrainingGuard(host_every=k)``, k > 1, the steady step stays on the device
-(``guard_device.py``): ``policy.decide`` compiled on a torch state (``guard_compiled.py``),
+(``guard_device.py``): ``torch._foreach_norm``, then the global norm and ``policy.decide``
+in one compiled call on a torch state (``guard_compiled.py``),
 the skip through the optimizer's ``found_inf`` (fused optimizers) or a backup-and-undo, no
 host read; the host reads the decisions every k steps and at ``flush()`` (docs/semantics.md
 §16.12).

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from numstab.guard.guard import TrainingGuard
 
 _CACHE: dict[Any, Callable[..., Any] | None] = {}
+# no per-call check of each input's size and stride (~0.6 us each on CPU, 14-81 inputs): the
+# cache keys carry every input's shape, stride, dtype and device, or the inputs are ours
+_OPTIONS = {"size_asserts": False}
 _WARNED: list[bool] = []
 
 
@@ -45,7 +48,7 @@ def _compiled(key: Any, fn: Callable[..., Any], example: list[torch.Tensor]) -> 
 
             with torch.no_grad():
                 graph = make_fx(fn, tracing_mode="fake")(*example)
-                _CACHE[key] = torch._inductor.compile(graph, example)
+                _CACHE[key] = torch._inductor.compile(graph, example, options=_OPTIONS)
         except Exception as err:  # no C++ compiler, no Triton, an op inductor rejects
             _CACHE[key] = None
             if not _WARNED:

@@ -8,11 +8,13 @@
 
 * optimizers that step with ``found_inf`` (``_step_supports_amp_scaling``: ``fused=True`` Adam,
   AdamW, SGD, Adagrad), as ``torch.amp.GradScaler`` does: the fused kernel skips the update
-  and the step count when ``found_inf`` is 1. Costs nothing.
+  and the step count when ``found_inf`` is 1. Costs torch's ``_foreach_sub_`` of the step
+  counts (part of any ``found_inf`` step).
 * any other optimizer (or a ``step_fn``): the parameters and every tensor of the optimizer's
   state are copied before the step (one ``_foreach_copy_``) and put back after it where the
-  step is bad (``torch.where``, compiled into one call: ``guard_compiled.undo``): the step
-  runs, then is undone on the device. Costs two passes over the parameters and the
+  step is bad (``torch.where``, compiled into one call, bound once to the tensors while the
+  optimizer updates the same ones in place: ``guard_compiled.undo_plan``): the step runs,
+  then is undone on the device. Costs two passes over the parameters and the
   optimizer state per step. A state tensor on another device than the flag (Adam's CPU step
   counter beside CUDA parameters without ``capturable=True``) is restored with the flag
   copied to it (a sync); a step that adds or replaces non-tensor state, or creates the state
