@@ -60,7 +60,11 @@ GOAL = 1.05  # guarded / plain step time; and no host read beyond the plain loop
 
 def torch_case(args: argparse.Namespace) -> list[dict]:
     """Rows: the host mode and the device mode (generic undo) with default Adam, the device
-    mode with fused Adam (found_inf) against a plain fused-Adam loop, and the floors."""
+    mode with fused Adam (found_inf) against a plain fused-Adam loop, and the floors: the
+    work any guard of a kind must do besides deciding, on the guard's own primitives (norms:
+    ``layer_norms``; undo: ``_foreach_copy_`` before the step, the compiled select after).
+    ``norms + found_inf`` is the fused row's floor, ``norms + backup + undo`` the undo
+    row's; ``gradient norms alone`` and ``backup + undo alone`` are their parts."""
     import torch
 
     from numstab.backends import load_backend
