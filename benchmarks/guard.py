@@ -60,11 +60,15 @@ GOAL = 1.05  # guarded / plain step time; and no host read beyond the plain loop
 
 def torch_case(args: argparse.Namespace) -> list[dict]:
     """Rows: the host mode and the device mode (generic undo) with default Adam, the device
-    mode with fused Adam (found_inf) against a plain fused-Adam loop, and the floors."""
+    mode with fused Adam (found_inf) against a plain fused-Adam loop, and the floors: the
+    work any guard of a kind must do besides deciding, on the guard's own primitives (norms:
+    ``layer_norms``; undo: ``_foreach_copy_`` before the step, the compiled select after).
+    ``norms + found_inf`` is the fused row's floor, ``norms + backup + undo`` the undo
+    row's; ``gradient norms alone`` and ``backup + undo alone`` are their parts."""
     import torch
 
     from numstab.backends import load_backend
-    from numstab.frameworks.torch.guard_compiled import undo
+    from numstab.frameworks.torch.guard_compiled import undo_plan
     from numstab.guard import TrainingGuard
     from numstab.guard.monitor import layer_norms
 
@@ -99,9 +103,10 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
                 if tg is None:
-                    if extra is not None:
-                        extra(loss, params, opt)
+                    after = extra(loss, params, opt) if extra is not None else None
                     opt.step()
+                    if callable(after):  # the undo floors' select, after the step
+                        after()
                 else:
                     tg.step(loss)
                 if tick is not None:
@@ -112,17 +117,31 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
 
     def norms_only(loss, params, opt):  # the floor: the gradient norms the guard needs
         with torch.no_grad():
-            layer_norms(be, [p.grad for p in params])
+            return layer_norms(be, [p.grad for p in params])[1]
 
-    backups = {}
+    def norms_found_inf(loss, params, opt):  # + the flag any found_inf guard hands the step
+        opt.found_inf = (~torch.isfinite(norms_only(loss, params, opt))).float()
 
-    def copy_only(loss, params, opt):  # the floor of the undo path: backup and select
+    plans = {}
+
+    def copy_only(loss, params, opt, flag=None):  # the floor of the undo path: backup, select
         with torch.no_grad():
             tensors = params + [t for p in params for t in opt.state[p].values()]
-            if len(backups.get("b", ())) != len(tensors):
-                backups["b"] = [torch.empty_like(t) for t in tensors]
-            torch._foreach_copy_(backups["b"], tensors)
-            undo(loss.isfinite(), tensors, backups["b"])  # the guard's compiled where
+            flag = loss.isfinite() if flag is None else flag
+            if len(plans.get(id(opt), ((),))[0]) != len(tensors):
+                buffers = [torch.empty_like(t) for t in tensors]
+                plans[id(opt)] = (buffers, undo_plan(flag, tensors, buffers))
+            buffers, plan = plans[id(opt)]
+            torch._foreach_copy_(buffers, tensors)
+
+        def select():  # after the step: the guard's compiled where
+            with torch.no_grad():
+                plan(flag)
+
+        return select
+
+    def norms_copy(loss, params, opt):  # the gradient norms + backup and select
+        return copy_only(loss, params, opt, torch.isfinite(norms_only(loss, params, opt)))
 
     k = args.host_every
     loops = {
@@ -131,8 +150,10 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
         "device": loop(host_every=k),
         "floor:norms": loop(extra=norms_only),
         "floor:undo": loop(extra=copy_only),
+        "floor:norms+undo": loop(extra=norms_copy),
         "plain_fused": loop(fused=True),
         "device_fused": loop(fused=True, host_every=k),
+        "floor:norms+found_inf": loop(fused=True, extra=norms_found_inf),
     }
     for fn in loops.values():
         fn(20)
@@ -147,6 +168,8 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
         ("torch", f"device (host_every={k}, fused Adam)", "plain_fused", "device_fused"),
         ("torch", "floor: gradient norms alone", "plain", "floor:norms"),
         ("torch", "floor: backup + undo alone", "plain", "floor:undo"),
+        ("torch", "floor: norms + backup + undo", "plain", "floor:norms+undo"),
+        ("torch", "floor: norms + found_inf (fused)", "plain_fused", "floor:norms+found_inf"),
     ]
     return _measure("torch", loops, pairs, args, lambda: None)
 

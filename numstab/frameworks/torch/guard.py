@@ -28,7 +28,8 @@ except FSDP2's DTensor gradients: their norms are made global first (``layer_nor
 their global norm is taken as replicated whatever ``sharded`` says.
 
 With ``TrainingGuard(host_every=k)``, k > 1, the steady step stays on the device
-(``guard_device.py``): ``policy.decide`` compiled on a torch state (``guard_compiled.py``),
+(``guard_device.py``): ``torch._foreach_norm``, then the global norm and ``policy.decide``
+in one compiled call on a torch state (``guard_compiled.py``),
 the skip through the optimizer's ``found_inf`` (fused optimizers) or a backup-and-undo, no
 host read; the host reads the decisions every k steps and at ``flush()`` (docs/semantics.md
 §16.12).
@@ -50,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from numstab.backends import load_backend
+from numstab.backends._native import has_native
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.backend import is_dtensor
 from numstab.frameworks.torch.distributed import reduction_group
@@ -110,6 +112,17 @@ class TorchGuard(RunnerResults):
         self._device: DeviceSteps | None = None
         if guard.host_every > 1 and self._params:
             self._device = DeviceSteps(self, guard, self._params[0].device)
+        # the device step's norms: torch._foreach_norm, then one compiled call (guard_device)
+        first = self._params[0] if self._params else None
+        self._one_kernel = (
+            first is not None
+            and has_native(self._torch, "leaf_norms")
+            and all(
+                p.device == first.device and p.dtype in _FUSED_DTYPES and not is_dtensor(p)
+                for p in self._params
+            )
+        )
+        self._norm_device = first.device if first is not None else None
 
     # -- the loop ----------------------------------------------------------------------------
     @property
@@ -137,6 +150,8 @@ class TorchGuard(RunnerResults):
         grads = [
             e if p.grad is None else p.grad for p, e in zip(self._params, self._empty, strict=True)
         ]
+        if self._device is not None and self._one_call(loss):
+            return self._device.step_from_grads(loss, grads, step_fn)
         with torch.no_grad():
             norms, total = layer_norms(self._torch, grads) if grads else (None, None)
             loss_t = _scalar_loss(loss, total)
@@ -163,6 +178,17 @@ class TorchGuard(RunnerResults):
             d, self.state, norms if self.guard.track_layers else None, self._torch
         )
         return d["apply"]
+
+    def _one_call(self, loss: Any) -> bool:
+        """Whether the device step takes its norms and decision in one compiled call: one
+        device, float32 or narrower parameters, a one-element loss there, no collective."""
+        return (
+            self._one_kernel
+            and isinstance(loss, torch.Tensor)
+            and loss.numel() == 1
+            and loss.device == self._norm_device
+            and reduction_group(self.process_group) is None
+        )
 
     def flush(self) -> None:
         """Act on the steps not read yet (``host_every`` > 1: history, log, rollback), and
@@ -226,6 +252,9 @@ class TorchGuard(RunnerResults):
         if isinstance(tree, (list, tuple)):
             return type(tree)(self.from_host(x) for x in tree)
         return tree
+
+
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # norms accumulated in float32
 
 
 def _reduced(pair: torch.Tensor, group: Any, sharded: bool) -> torch.Tensor:

@@ -8,11 +8,13 @@
 
 * optimizers that step with ``found_inf`` (``_step_supports_amp_scaling``: ``fused=True`` Adam,
   AdamW, SGD, Adagrad), as ``torch.amp.GradScaler`` does: the fused kernel skips the update
-  and the step count when ``found_inf`` is 1. Costs nothing.
+  and the step count when ``found_inf`` is 1. Costs torch's ``_foreach_sub_`` of the step
+  counts (part of any ``found_inf`` step).
 * any other optimizer (or a ``step_fn``): the parameters and every tensor of the optimizer's
   state are copied before the step (one ``_foreach_copy_``) and put back after it where the
-  step is bad (``torch.where``, compiled into one call: ``guard_compiled.undo``): the step
-  runs, then is undone on the device. Costs two passes over the parameters and the
+  step is bad (``torch.where``, compiled into one call, bound once to the tensors while the
+  optimizer updates the same ones in place: ``guard_compiled.undo_plan``): the step runs,
+  then is undone on the device. Costs two passes over the parameters and the
   optimizer state per step. A state tensor on another device than the flag (Adam's CPU step
   counter beside CUDA parameters without ``capturable=True``) is restored with the flag
   copied to it (a sync); a step that adds or replaces non-tensor state, or creates the state
@@ -21,12 +23,13 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from numstab.frameworks.torch.guard_compiled import DevicePolicy, undo
+from numstab.frameworks.torch.guard_compiled import DevicePolicy, undo_plan
 from numstab.guard.deferred import decisions_from_rows
 
 if TYPE_CHECKING:
@@ -47,7 +50,24 @@ class DeviceSteps:
         self.steps = 0  # steps seen
 
     def step(self, x: torch.Tensor, norms: Any, step_fn: Callable[[], Any] | None) -> LazyApplied:
+        """The step from its float32 ``[loss, global norm]`` and per-leaf norms."""
         apply, found_inf = self.decider.decide(x.float())
+        return self._finish(apply, found_inf, norms, step_fn)
+
+    def step_from_grads(
+        self, loss: torch.Tensor, grads: list[torch.Tensor], step_fn: Callable[[], Any] | None
+    ) -> LazyApplied:
+        """The step from the loss (one element) and the gradients (one device, float32 or
+        narrower): ``torch._foreach_norm`` (as ``layer_norms``), then one compiled call for
+        the global norm and the decision."""
+        with torch.no_grad():
+            leaf = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            apply, found_inf, norms = self.decider.decide_norms(loss.detach(), leaf)
+        return self._finish(apply, found_inf, norms, step_fn)
+
+    def _finish(
+        self, apply: torch.Tensor, found_inf: torch.Tensor, norms: Any, step_fn: Any
+    ) -> LazyApplied:
         read_now = self.skipper.run(apply, found_inf, step_fn)
         self.norms.append(norms)
         self.pending += 1
@@ -104,6 +124,7 @@ class Skipper:
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._backup: list[torch.Tensor] = []
         self._backed_up: list[torch.Tensor] = []  # the tensors the buffers were made for
+        self._plan: Callable[[torch.Tensor], None] | None = None  # the undo of _backed_up
 
     def run(
         self, apply: torch.Tensor, found_inf: torch.Tensor, step_fn: Callable[[], Any] | None
@@ -124,10 +145,9 @@ class Skipper:
     def _undo_step(self, apply: torch.Tensor, step_fn: Callable[[], Any]) -> bool:
         entries, others = self._state_entries()
         tensors = self.params + [t for _, _, t in entries]
-        seen = self._backed_up
-        if len(seen) != len(tensors) or any(a is not b for a, b in zip(seen, tensors, strict=True)):
+        if not _same_objects(self._backed_up, tensors):
             self._backup = [torch.empty_like(t) for t in tensors]  # new tensors: new buffers
-            self._backed_up = tensors
+            self._backed_up, self._plan = tensors, None
         if tensors:
             torch._foreach_copy_(self._backup, tensors)
         step_fn()
@@ -140,19 +160,34 @@ class Skipper:
             if not bool(apply):
                 self._restore_exactly(entries, others, tensors)
             return True
-        here, backups = [], []  # on the flag's device, in place: one compiled call
+        if self._plan is not None and _same_objects(tensors[len(self.params) :], new_entries):
+            self._plan(apply)  # the usual step: the same tensors, updated in place
+            return False
+        self._plan = self._undo_replaced(apply, tensors, new_entries)
+        return False
+
+    def _undo_replaced(
+        self, apply: torch.Tensor, tensors: list[torch.Tensor], new_entries: list
+    ) -> Callable[[torch.Tensor], None] | None:
+        """The undo where the step may have replaced state tensors: each replaced one
+        restored in its place; the undo of the others (all on the flag's device, none
+        replaced) for the next steps, else None."""
+        here, backups, simple = [], [], True  # on the flag's device, in place: one call
         for i, (t, backup) in enumerate(zip(tensors, self._backup, strict=True)):
             entry = new_entries[i - len(self.params)] if i >= len(self.params) else None
             if entry is not None and entry[2] is not t:
                 # the optimizer replaced the tensor: put a restored one in its place
                 entry[0][entry[1]] = torch.where(_on(apply, entry[2]), entry[2], backup)
+                simple = False
             elif t.device == apply.device:
                 here.append(t)
                 backups.append(backup)
             else:
                 torch.where(_on(apply, t), t, backup, out=t)
-        undo(apply, here, backups)
-        return False
+                simple = False
+        plan = undo_plan(apply, here, backups)
+        plan(apply)
+        return plan if simple else None
 
     def _state_entries(self) -> tuple[list[tuple[dict, Any, torch.Tensor]], list[Any]]:
         entries, others = [], []
@@ -189,6 +224,15 @@ class Skipper:
             st.update(plain)
             if kept is not None:
                 st.update(kept[1])
+
+
+def _same_objects(a: list[Any], b: list[Any]) -> bool:
+    """``a[i] is b[i]`` for all i (``b`` may hold ``(dict, key, tensor)`` entries)."""
+    if len(a) != len(b):
+        return False
+    if b and isinstance(b[0], tuple):
+        b = [e[2] for e in b]
+    return all(map(operator.is_, a, b))
 
 
 def _on(flag: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,166 @@
+"""The torch device step's fast paths (host_every=k): the norms' reduction and the decision
+in one compiled call (``DevicePolicy.decide_norms``), and the undo bound once to the
+optimizer's tensors (``guard_compiled.undo_plan``). Each must give what the general path
+gives: the same decisions, weights and optimizer state, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from numstab.guard import SpikeDetector, TrainingGuard
+
+torch = pytest.importorskip("torch")
+
+
+class _Replacing(torch.optim.Optimizer):
+    """Momentum SGD that puts a new ``avg`` tensor in its state every step (no in-place)."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                st["avg"] = 0.9 * st.get("avg", torch.zeros_like(p)) + p.grad
+                p.sub_(group["lr"] * st["avg"])
+
+
+def _run(guard, optim, one_call=True, nan_steps=(), spike_steps=(), steps=48, loss_as=None):
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(256, 8, generator=g)
+    Y = X @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(256, 1, generator=g)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    if optim == "replacing":
+        opt = _Replacing(model.parameters())
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=optim == "fused")
+    tg = guard.for_torch(model, opt)
+    if not one_call:
+        tg._one_kernel = False  # the general path: eager norms, then decide([loss, norm])
+    for step in range(steps):
+        i = (step % 8) * 32
+        x, y = X[i : i + 32].clone(), Y[i : i + 32]
+        if step in nan_steps:
+            x[0, 0] = math.nan
+        if step in spike_steps:
+            y = y * 1e3
+        if tg.skip_batch():
+            continue
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        tg.step(loss if loss_as is None else loss_as(loss))
+    tg.flush()
+    return model, opt, tg
+
+
+def _same_run(a, b, grad_norm_rtol=1e-6):
+    (ma, oa, ta), (mb, ob, tb) = a, b
+    assert [(e["event"], e["step"], e.get("reasons")) for e in ta.events] == [
+        (e["event"], e["step"], e.get("reasons")) for e in tb.events
+    ]
+    for p, q in zip(ma.parameters(), mb.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert oa.state[p].keys() == ob.state[q].keys()
+        for k, v in oa.state[p].items():
+            assert torch.equal(v, ob.state[q][k]), k
+    ha, hb = ta.history.as_arrays(), tb.history.as_arrays()
+    for key in ("step", "applied", "loss", "layer_norms"):
+        np.testing.assert_array_equal(ha[key], hb[key])
+    np.testing.assert_allclose(ha["grad_norm"], hb["grad_norm"], rtol=grad_norm_rtol)
+
+
+@pytest.mark.parametrize("optim", ["adam", "fused", "replacing"])
+def test_one_call_step_equals_the_general_path(optim):
+    guard = TrainingGuard(
+        snapshot_every=10,
+        rollback_after=2,
+        loss_spikes=SpikeDetector(window=16, sigma=4.0, warmup=8),
+        host_every=4,
+    )
+    kw = {"nan_steps": (0, 21, 30, 31), "spike_steps": (40,)}
+    fast = _run(guard, optim, **kw)
+    assert fast[2]._one_kernel
+    _same_run(fast, _run(guard, optim, one_call=False, **kw))
+    events = [(e["event"], e["step"]) for e in fast[2].events]
+    assert ("skip", 21) in events and any(e == "rollback" for e, _ in events)
+
+
+@pytest.mark.parametrize("optim", ["adam", "replacing"])
+def test_undo_plan_path_equals_host_mode(optim):
+    """A NaN batch after the undo was bound to the optimizer's tensors (Adam, in place) and
+    with an optimizer that replaces its state tensors every step (no binding)."""
+    nan = (0, 17, 33)
+    host = _run(TrainingGuard(snapshot_every=1000), optim, nan_steps=nan)
+    dev = _run(TrainingGuard(snapshot_every=1000, host_every=8), optim, nan_steps=nan)
+    _same_run(host, dev)
+    skipper = dev[2]._device.skipper
+    assert (skipper._plan is not None) == (optim == "adam")
+
+
+def test_other_losses_take_the_general_path():
+    """A Python float or a loss of another dtype: the same run as a float32 tensor loss."""
+    guard = TrainingGuard(snapshot_every=1000, host_every=4)
+    ref = _run(guard, "adam", nan_steps=(9,), steps=20)
+    as_float = _run(guard, "adam", nan_steps=(9,), steps=20, loss_as=lambda t: float(t.detach()))
+    _same_run(ref, as_float)
+    as_double = _run(guard, "adam", nan_steps=(9,), steps=20, loss_as=lambda t: t.double())
+    _same_run(ref, as_double)
+
+
+def test_decide_norms_equals_the_policy_and_runs_eagerly_without_a_compiler(monkeypatch):
+    """decide_norms against policy.decide on NumPy fed the global norm the call reports (the
+    per-leaf norms are torch._foreach_norm's; the global norm's sum may round otherwise than
+    NumPy's); then the same with compilation failing: one warning, the same rows."""
+    from numstab.backends import load_backend
+    from numstab.frameworks.torch import guard_compiled
+    from numstab.guard import policy
+    from numstab.guard.deferred import decisions_from_rows
+
+    rng = np.random.default_rng(3)
+    leaves = (1 + 0.3 * rng.standard_normal((120, 5))).astype(np.float32)
+    leaves[[40, 70]] = [[np.nan] * 5, [np.inf] + [1.0] * 4]
+    leaves[90] *= 50.0  # a norm spike
+    loss = (1 + 0.1 * rng.standard_normal(120)).astype(np.float32)
+    guard = TrainingGuard(
+        grad_norm_spikes=SpikeDetector(window=16, sigma=3.0, warmup=5), snapshot_every=9
+    )
+
+    def rows(dec):
+        for i in range(len(loss)):
+            norms = [torch.tensor(v) for v in leaves[i]]
+            apply, found_inf, vec = dec.decide_norms(torch.tensor(loss[i]), norms)
+            np.testing.assert_array_equal(vec.numpy(), leaves[i])
+            assert float(found_inf) == float(not bool(apply))
+        return decisions_from_rows(dec.read_rows(0, len(loss)), 0)
+
+    got = rows(guard_compiled.DevicePolicy(guard, torch.device("cpu"), len(loss)))
+    be = load_backend("numpy")
+    state = guard.init_state(be)
+    for i, g in enumerate(got):
+        d, state = policy.decide(guard, be, state, loss[i], np.float32(g["grad_norm"]))
+        for key in ("apply", "rollback", "snapshot", "reasons"):
+            assert g[key] == d._asdict()[key].item(), (i, key)
+    assert sum(not g["apply"] for g in got) >= 3
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(guard_compiled, "_CACHE", {})
+    monkeypatch.setattr(guard_compiled, "_WARNED", [])
+    monkeypatch.setattr(torch._inductor, "compile", no_compiler)
+    with pytest.warns(RuntimeWarning, match="runs eagerly"):
+        eager = rows(guard_compiled.DevicePolicy(guard, torch.device("cpu"), len(loss)))
+    assert set(guard_compiled._CACHE.values()) == {None}
+    for a, b in zip(got, eager, strict=True):
+        assert {k: a[k] for k in ("apply", "rollback", "snapshot", "reasons")} == {
+            k: b[k] for k in ("apply", "rollback", "snapshot", "reasons")
+        }
+        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-6)
