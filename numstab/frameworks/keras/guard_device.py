@@ -33,6 +33,7 @@ class DeviceGuardCallback(DeferredGuardCallback):
         )
         width = len(FIELDS) + len(self._weights)
         self._rows = tf.Variable(tf.zeros((self.guard.host_every, width), tf.float32))
+        self._index = [tf.constant([i]) for i in range(self.guard.host_every)]  # made once
         self._fn = tf.function(self._device_step, jit_compile=False, autograph=False)
 
     def _keep_metrics_as_undo(self) -> None:
@@ -46,9 +47,11 @@ class DeviceGuardCallback(DeferredGuardCallback):
             shadow.assign(var.value)
 
     def _device_check(self, i: int) -> None:
-        self._fn(tf.constant(i))
+        self._fn(self._index[i])
 
     def _device_step(self, i: tf.Tensor) -> None:
+        """Step ``i`` (a 1-element int32 tensor) of the pending ones: decide, undo a bad step,
+        keep the state as the undo copy, write the step's row."""
         everything = self._state_vars + self._metric_vars
         shadow = self._shadow_vars
         (t, c), (st, sc) = (
@@ -69,15 +72,17 @@ class DeviceGuardCallback(DeferredGuardCallback):
         tf.nest.map_structure(lambda v, x: v.assign(x), self._gstate, tuple(new))
         pairs = list(zip(everything, shadow, strict=True))
 
-        def keep() -> tf.Tensor:  # a good step: it becomes the undo copy
-            return tf.group([s.assign(v.value) for v, s in pairs])
-
         def undo() -> tf.Tensor:  # a bad step: put the copy back
             return tf.group([v.assign(s) for v, s in pairs])
 
-        tf.cond(decision.apply, keep, undo)  # one copy of the state either way
+        # then the state becomes the undo copy (after an undo: the copy onto itself). One
+        # branch of copies, not a cond with a copy in each: half the graph's nodes, and a
+        # good step still copies the state once.
+        tf.cond(decision.apply, tf.no_op, undo)
+        for v, s in pairs:  # ordered after the cond: both touch v's and s's resources
+            s.assign(v.value)
         row = [tf.cast(getattr(decision, k), tf.float32) for k in FIELDS]
-        self._rows[i].assign(tf.concat([tf.stack(row), layers], 0))
+        self._rows.scatter_update(tf.IndexedSlices(tf.concat([tf.stack(row), layers], 0)[None], i))
 
     def _read_rows(self, n: int) -> Any:
         return self._rows[:n].numpy()
