@@ -2,8 +2,9 @@
 
 The hooks are ``guard_deferred.py``'s. Here the per-batch work runs as ONE compiled
 TensorFlow function (``tf.function``) on the variables, with no host read: the undo copy
-lives in TF variables, a bad step is put back with ``tf.cond`` and every step's decision is
-written to a ``[k, ...]`` variable that the host reads every k steps.
+lives in TF variables, a bad step is put back with ``tf.cond`` (a good step copies the state
+once, a bad one twice) and every step's decision is written to a ``[k, ...]`` variable that
+the host reads every k steps.
 """
 
 from __future__ import annotations
