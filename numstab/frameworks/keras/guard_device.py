@@ -23,6 +23,8 @@ from numstab.guard.spikes import WindowState
 class DeviceGuardCallback(DeferredGuardCallback):
     """:class:`GuardCallback` whose steady batch stays on the device (TensorFlow)."""
 
+    _host_undo_copy = False  # the undo copy lives in TF variables; the loss from the tracker
+
     def _start_device(self) -> None:
         everything = self._state_vars + self._metric_vars
         if getattr(self, "_fn", None) is not None:  # a later fit(): the same variables
@@ -36,6 +38,7 @@ class DeviceGuardCallback(DeferredGuardCallback):
         self._rows = tf.Variable(tf.zeros((self.guard.host_every, width), tf.float32))
         self._index = [tf.constant([i]) for i in range(self.guard.host_every)]  # made once
         self._fn = tf.function(self._device_step, jit_compile=False, autograph=False)
+        self._keep = tf.function(self._copy_to_undo, autograph=False)  # one call, not 34 ops
 
     def _keep_metrics_as_undo(self) -> None:
         n = len(self._state_vars)
@@ -43,6 +46,9 @@ class DeviceGuardCallback(DeferredGuardCallback):
             shadow.assign(var.value)
 
     def _keep_as_undo(self) -> None:
+        self._keep()
+
+    def _copy_to_undo(self) -> None:
         everything = self._state_vars + self._metric_vars
         for var, shadow in zip(everything, self._shadow_vars, strict=True):
             shadow.assign(var.value)
