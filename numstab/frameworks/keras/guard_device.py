@@ -99,7 +99,18 @@ class DeviceGuardCallback(DeferredGuardCallback):
             v.assign(np.asarray(x))
 
     def _device_state(self) -> policy.GuardState:
-        flat = [v.numpy() for v in tf.nest.flatten(self._gstate)]
+        """Read in two transfers (its float32 and its int32 leaves, each concatenated by
+        one compiled call), not one per leaf."""
+        variables = tf.nest.flatten(self._gstate)
+        if getattr(self, "_gather", None) is None:
+            self._gather = tf.function(lambda: _by_dtype(variables), autograph=False)
+        packed = {dtype: t.numpy() for dtype, t in self._gather().items()}
+        at = dict.fromkeys(packed, 0)
+        flat = []
+        for v in variables:  # cut the vectors back into the leaves, in order
+            n, key = int(np.prod(v.shape)), v.dtype.name
+            flat.append(packed[key][at[key] : at[key] + n].reshape(v.shape).copy())
+            at[key] += n
         w1, w2 = WindowState(*flat[0:3]), WindowState(*flat[3:6])
         return policy.GuardState(w1, w2, *flat[6:])
 
@@ -107,3 +118,11 @@ class DeviceGuardCallback(DeferredGuardCallback):
         everything = self._state_vars + self._metric_vars
         for var, shadow in zip(everything, self._shadow_vars, strict=True):
             var.assign(shadow.value())
+
+
+def _by_dtype(variables: list[tf.Variable]) -> dict[str, tf.Tensor]:
+    """The variables' values flattened and concatenated per dtype (name -> vector)."""
+    groups: dict[str, list[tf.Tensor]] = {}
+    for v in variables:
+        groups.setdefault(v.dtype.name, []).append(tf.reshape(v.read_value(), [-1]))
+    return {name: tf.concat(parts, 0) for name, parts in groups.items()}
