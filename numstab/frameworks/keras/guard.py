@@ -53,6 +53,10 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         self.state: policy.GuardState | None = None
         self.lr_factor_applied = True
 
+    #: False where a subclass keeps its own undo copy and batch loss (TensorFlow device mode):
+    #: then ``on_train_begin`` skips the host's copy of every variable and the tracker read
+    _host_undo_copy = True
+
     # -- Keras hooks ---------------------------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
         model = self.model
@@ -65,13 +69,15 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         tracker = getattr(model, "_loss_tracker", None)
         self._tracker = list(tracker.variables) if tracker is not None else []
         self._host = load_backend("numpy")
-        self._shadow = _copy(self._state_vars + self._metric_vars)
+        if self._host_undo_copy:
+            self._shadow = _copy(self._state_vars + self._metric_vars)
         if self.runner is None:  # a second fit() call keeps the history and snapshots
             self.state = self.guard.init_state(self._host)
             names = [getattr(w, "path", w.name) for w in self._weights]
             self.runner = GuardRunner(self.guard, self, self._host, names)
             self.runner.snapshot(0, self.state)
-        self._prev_totals = self._read_tracker()
+        if self._host_undo_copy:
+            self._prev_totals = self._read_tracker()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         # Keras reset the metrics: the undo copy must hold the reset values

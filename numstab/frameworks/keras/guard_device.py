@@ -2,8 +2,9 @@
 
 The hooks are ``guard_deferred.py``'s. Here the per-batch work runs as ONE compiled
 TensorFlow function (``tf.function``) on the variables, with no host read: the undo copy
-lives in TF variables, a bad step is put back with ``tf.cond`` and every step's decision is
-written to a ``[k, ...]`` variable that the host reads every k steps.
+lives in TF variables, a bad step is put back with ``tf.cond`` (a good step copies the state
+once, a bad one twice) and every step's decision is written to a ``[k, ...]`` variable that
+the host reads every k steps.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from numstab.guard.spikes import WindowState
 class DeviceGuardCallback(DeferredGuardCallback):
     """:class:`GuardCallback` whose steady batch stays on the device (TensorFlow)."""
 
+    _host_undo_copy = False  # the undo copy lives in TF variables; the loss from the tracker
+
     def _start_device(self) -> None:
         everything = self._state_vars + self._metric_vars
         if getattr(self, "_fn", None) is not None:  # a later fit(): the same variables
@@ -33,7 +36,9 @@ class DeviceGuardCallback(DeferredGuardCallback):
         )
         width = len(FIELDS) + len(self._weights)
         self._rows = tf.Variable(tf.zeros((self.guard.host_every, width), tf.float32))
+        self._index = [tf.constant([i]) for i in range(self.guard.host_every)]  # made once
         self._fn = tf.function(self._device_step, jit_compile=False, autograph=False)
+        self._keep = tf.function(self._copy_to_undo, autograph=False)  # one call, not 34 ops
 
     def _keep_metrics_as_undo(self) -> None:
         n = len(self._state_vars)
@@ -41,14 +46,19 @@ class DeviceGuardCallback(DeferredGuardCallback):
             shadow.assign(var.value)
 
     def _keep_as_undo(self) -> None:
+        self._keep()
+
+    def _copy_to_undo(self) -> None:
         everything = self._state_vars + self._metric_vars
         for var, shadow in zip(everything, self._shadow_vars, strict=True):
             shadow.assign(var.value)
 
     def _device_check(self, i: int) -> None:
-        self._fn(tf.constant(i))
+        self._fn(self._index[i])
 
     def _device_step(self, i: tf.Tensor) -> None:
+        """Step ``i`` (a 1-element int32 tensor) of the pending ones: decide, undo a bad step,
+        keep the state as the undo copy, write the step's row."""
         everything = self._state_vars + self._metric_vars
         shadow = self._shadow_vars
         (t, c), (st, sc) = (
@@ -69,15 +79,17 @@ class DeviceGuardCallback(DeferredGuardCallback):
         tf.nest.map_structure(lambda v, x: v.assign(x), self._gstate, tuple(new))
         pairs = list(zip(everything, shadow, strict=True))
 
-        def keep() -> tf.Tensor:  # a good step: it becomes the undo copy
-            return tf.group([s.assign(v.value) for v, s in pairs])
-
         def undo() -> tf.Tensor:  # a bad step: put the copy back
             return tf.group([v.assign(s) for v, s in pairs])
 
-        tf.cond(decision.apply, keep, undo)  # one copy of the state either way
+        # then the state becomes the undo copy (after an undo: the copy onto itself). One
+        # branch of copies, not a cond with a copy in each: half the graph's nodes, and a
+        # good step still copies the state once.
+        tf.cond(decision.apply, tf.no_op, undo)
+        for v, s in pairs:  # ordered after the cond: both touch v's and s's resources
+            s.assign(v.value)
         row = [tf.cast(getattr(decision, k), tf.float32) for k in FIELDS]
-        self._rows[i].assign(tf.concat([tf.stack(row), layers], 0))
+        self._rows.scatter_update(tf.IndexedSlices(tf.concat([tf.stack(row), layers], 0)[None], i))
 
     def _read_rows(self, n: int) -> Any:
         return self._rows[:n].numpy()
@@ -87,7 +99,18 @@ class DeviceGuardCallback(DeferredGuardCallback):
             v.assign(np.asarray(x))
 
     def _device_state(self) -> policy.GuardState:
-        flat = [v.numpy() for v in tf.nest.flatten(self._gstate)]
+        """Read in two transfers (its float32 and its int32 leaves, each concatenated by
+        one compiled call), not one per leaf."""
+        variables = tf.nest.flatten(self._gstate)
+        if getattr(self, "_gather", None) is None:
+            self._gather = tf.function(lambda: _by_dtype(variables), autograph=False)
+        packed = {dtype: t.numpy() for dtype, t in self._gather().items()}
+        at = dict.fromkeys(packed, 0)
+        flat = []
+        for v in variables:  # cut the vectors back into the leaves, in order
+            n, key = int(np.prod(v.shape)), v.dtype.name
+            flat.append(packed[key][at[key] : at[key] + n].reshape(v.shape).copy())
+            at[key] += n
         w1, w2 = WindowState(*flat[0:3]), WindowState(*flat[3:6])
         return policy.GuardState(w1, w2, *flat[6:])
 
@@ -95,3 +118,11 @@ class DeviceGuardCallback(DeferredGuardCallback):
         everything = self._state_vars + self._metric_vars
         for var, shadow in zip(everything, self._shadow_vars, strict=True):
             var.assign(shadow.value())
+
+
+def _by_dtype(variables: list[tf.Variable]) -> dict[str, tf.Tensor]:
+    """The variables' values flattened and concatenated per dtype (name -> vector)."""
+    groups: dict[str, list[tf.Tensor]] = {}
+    for v in variables:
+        groups.setdefault(v.dtype.name, []).append(tf.reshape(v.read_value(), [-1]))
+    return {name: tf.concat(parts, 0) for name, parts in groups.items()}

@@ -1,0 +1,50 @@
+"""The TensorFlow Keras device guard reads its guard state in two transfers (the float32 and
+the int32 leaves, concatenated on the device), equal leaf for leaf to reading each variable,
+and a later ``fit`` keeps the same undo copy mechanism (one compiled call)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "tensorflow":
+    pytest.skip("the TensorFlow device callback", allow_module_level=True)
+tf = pytest.importorskip("tensorflow")
+
+from numstab.guard import TrainingGuard  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from _host_reads import counting  # noqa: E402
+
+
+def _fit(cb, fits=2):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64 * 10, 8)).astype(np.float32)
+    y = rng.normal(size=(64 * 10, 1)).astype(np.float32)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    for _ in range(fits):
+        model.fit(x, y, batch_size=64, verbose=0, callbacks=[cb], shuffle=False)
+    return model
+
+
+def test_device_state_is_read_in_two_transfers_and_equals_each_variable():
+    cb = TrainingGuard(host_every=7).keras_callback()
+    model = _fit(cb)
+    got = tf.nest.flatten(tuple(cb._device_state()))
+    want = [v.numpy() for v in tf.nest.flatten(cb._gstate)]
+    assert len(got) == len(want) == 11
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    assert int(cb.state.step) == 20  # two fits of 10 batches
+    with counting("tensorflow") as counter:
+        cb._device_state()
+    assert counter.count == 2
+    for w, s in zip(model.weights, cb._shadow_vars, strict=False):  # the undo copy is current
+        np.testing.assert_array_equal(w.numpy(), s.numpy())
