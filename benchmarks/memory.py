@@ -53,13 +53,19 @@ How
   algorithm at the fused path's chunk size: both gradients allocated (hidden's and weight's),
   one chunk of float32 logits, its softmax, and its products written into the gradients.
   Every chunked implementation holds at least that; measured the same way, in the same run.
+* Time floor (TensorFlow): a fourth run, every chunk of the fused algorithm in plain ops, one
+  chunk after the other at the same chunk size (logits, softmax gradient, ``dhidden`` rows,
+  ``dweight += g.T @ h_chunk`` into a new buffer: the work of any exact chunked path, with
+  no memory saving). Printed as its time over unfused (a chunked path's cost at that chunk;
+  over 1.10 means the goal cannot be met there) and the fused time over it.
 
 Goals (issue 20, goal 5): per framework, the fused step peak <= 1.10 x the floor's step
 peak, and fused time <= 1.10 x unfused. Numbers are printed,
 never asserted; --json rows carry ``ratio`` (fused / floor), ``goal``, ``meets_goal`` and
-the time ratio with its own goal. ``--device gpu`` runs issue 20's GPU shape, 32768 tokens x
-d_model 4096 x vocab 131072 in bfloat16 (``--dtype`` to change it), each framework's peak
-counter in place of the RSS.
+the time ratio with its own goal, and for TensorFlow ``time_floor_ratio`` (floor / unfused),
+``fused_over_time_floor`` and ``time_floor_meets_goal``. ``--device gpu`` runs issue 20's
+GPU shape, 32768 tokens x d_model 4096 x vocab 131072 in bfloat16 (``--dtype`` to change
+it), each framework's peak counter in place of the RSS.
 
 Usage: python benchmarks/memory.py [--backends torch,jax,tensorflow] [--device cpu|gpu]
        [--quick] [--repeats 3] [--tokens N --d-model D --vocab V] [--chunk-size C]
