@@ -8,8 +8,9 @@ import functools
 
 import tensorflow as tf
 
-#: Rows of the weight gradient updated per block in ``matmul_accumulate`` (about this many bytes).
-_ACCUMULATE_BLOCK_BYTES = 4 * 2**20
+#: Rows of the weight gradient updated per block in ``matmul_accumulate`` (about this many bytes):
+#: 8 MiB, half the small matmuls of 4 MiB blocks (385 against 407 ms of CPU per 256-row chunk)
+_ACCUMULATE_BLOCK_BYTES = 8 * 2**20
 
 
 @functools.cache
