@@ -53,13 +53,19 @@ How
   algorithm at the fused path's chunk size: both gradients allocated (hidden's and weight's),
   one chunk of float32 logits, its softmax, and its products written into the gradients.
   Every chunked implementation holds at least that; measured the same way, in the same run.
+* Time floor (TensorFlow): a fourth run, every chunk of the fused algorithm in plain ops, one
+  chunk after the other at the same chunk size (logits, softmax gradient, ``dhidden`` rows,
+  ``dweight += g.T @ h_chunk`` into a new buffer: the work of any exact chunked path, with
+  no memory saving). Printed as its time over unfused (a chunked path's cost at that chunk;
+  over 1.10 means the goal cannot be met there) and the fused time over it.
 
 Goals (issue 20, goal 5): per framework, the fused step peak <= 1.10 x the floor's step
 peak, and fused time <= 1.10 x unfused. Numbers are printed,
 never asserted; --json rows carry ``ratio`` (fused / floor), ``goal``, ``meets_goal`` and
-the time ratio with its own goal. ``--device gpu`` runs issue 20's GPU shape, 32768 tokens x
-d_model 4096 x vocab 131072 in bfloat16 (``--dtype`` to change it), each framework's peak
-counter in place of the RSS.
+the time ratio with its own goal, and for TensorFlow ``time_floor_ratio`` (floor / unfused),
+``fused_over_time_floor`` and ``time_floor_meets_goal``. ``--device gpu`` runs issue 20's
+GPU shape, 32768 tokens x d_model 4096 x vocab 131072 in bfloat16 (``--dtype`` to change
+it), each framework's peak counter in place of the RSS.
 
 Usage: python benchmarks/memory.py [--backends torch,jax,tensorflow] [--device cpu|gpu]
        [--quick] [--repeats 3] [--tokens N --d-model D --vocab V] [--chunk-size C]
@@ -81,6 +87,9 @@ import time
 
 BACKENDS = ("torch", "jax", "tensorflow")
 VARIANTS = ("unfused", "fused", "floor")
+#: a time floor, where the backend has one: every chunk of the fused algorithm in plain
+#: framework ops, one after the other (see _tf_chunked_floor)
+TIME_FLOORS = {"tensorflow": "chunked"}
 # issue 20, goal 5: fused per-step peak <= 1.10 x the floor measured in the same run, fused
 # time <= 1.10 x unfused
 MEMORY_GOAL, TIME_GOAL = 1.10, 1.10
@@ -259,8 +268,9 @@ def _tensorflow_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32
 
     @tf.function
     def value_and_grad(h, w):
-        if variant == "floor":
-            loss, dh, dw = floor_fn(h, w)
+        if variant in ("floor", "chunked"):
+            fn = floor_fn if variant == "floor" else _tf_chunked_floor(tf, y, chunk)
+            loss, dh, dw = fn(h, w)
             return loss, tf.norm(tf.cast(dh, tf.float32)), tf.norm(tf.cast(dw, tf.float32))
         with tf.GradientTape() as tape:
             tape.watch([h, w])
@@ -284,6 +294,49 @@ def _tensorflow_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32
     return step, gpu_stats, lambda: value_and_grad.get_concrete_function(h, w)  # traces
 
 
+def _tf_chunked_floor(tf, y, chunk):
+    """The time floor of a chunked TF path: the work any exact chunked implementation does, in
+    plain ops, chunk after chunk (a while loop, one iteration at a time): per chunk the logits
+    (BatchMatMulV2 with adj_y, TF's fastest CPU layout for them), the loss rows and softmax
+    gradient (SparseSoftmaxCrossEntropyWithLogits), the row scale, ``dhidden`` rows and
+    ``dweight += g.T @ h_chunk``, a new ``dweight`` each chunk (no memory saving: time only)."""
+    counted = tf.cast(y != -100, tf.float32)
+    scale = counted / tf.maximum(tf.reduce_sum(counted), 1.0)
+    y_safe = tf.where(y == -100, tf.zeros_like(y), y)
+
+    def fn(h, w):
+        rows = h.shape[0]
+        starts = tf.range(0, rows, chunk)
+
+        def body(i, total, dw, dh):
+            start = starts[i]
+            size = tf.minimum(chunk, rows - start)
+            hc, yc, sc = (
+                h[start : start + size],
+                y_safe[start : start + size],
+                scale[start : start + size],
+            )
+            x = tf.raw_ops.BatchMatMulV2(x=hc, y=w, adj_y=True)
+            nll, g = tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=x, labels=yc)
+            g = g * sc[:, None]
+            dh = dh.write(i, tf.matmul(g, w))
+            return (
+                i + 1,
+                total + tf.reduce_sum(nll * sc),
+                dw + tf.matmul(g, hc, transpose_a=True),
+                dh,
+            )
+
+        dh = tf.TensorArray(h.dtype, size=starts.shape[0], infer_shape=False)
+        start = (tf.constant(0), tf.constant(0.0), tf.zeros(w.shape, w.dtype), dh)
+        _, total, dw, dh = tf.while_loop(
+            lambda i, *_: i < starts.shape[0], body, start, parallel_iterations=1
+        )
+        return total, dh.concat(), dw
+
+    return fn
+
+
 def _tiny_warmup(backend, gpu):
     """Touch the framework's kernels once on tiny inputs, so that their one-off memory (thread
     pools, code pages) falls into the baseline rather than into either variant."""
@@ -303,7 +356,7 @@ def worker(args) -> dict:
     _tiny_warmup(args.backend, gpu)
     hidden, weight, labels = _inputs(args.tokens, args.d_model, args.vocab)
     chunk = args.chunk
-    if args.variant == "floor" and chunk is None:  # the chunk the fused path chooses
+    if args.variant in ("floor", "chunked") and chunk is None:  # the chunk the fused path chooses
         from numstab.backends import load_backend
         from numstab.fused_cross_entropy import default_chunk_size
 
@@ -349,6 +402,7 @@ def worker(args) -> dict:
     return {
         "backend": args.backend,
         "variant": args.variant,
+        "chunk": chunk,  # None: the fused path's default
         "peak_bytes": peak,  # the first step, after compiling
         "step_peak_bytes": step_peak,  # the timed steps
         "compile_peak_bytes": compile_peak,
@@ -446,7 +500,8 @@ def main(argv=None) -> int:
     print("-" * len(header))
     results, rows, failed = [], [], False
     for backend in args.backends.split(","):
-        runs = {variant: _run_worker(args, backend, variant) for variant in VARIANTS}
+        variants = (*VARIANTS, *([TIME_FLOORS[backend]] if backend in TIME_FLOORS else []))
+        runs = {variant: _run_worker(args, backend, variant) for variant in variants}
         results += list(runs.values())
         errors = [r for r in runs.values() if "error" in r]
         if errors:
@@ -463,6 +518,8 @@ def main(argv=None) -> int:
             f"{row['unfused_s']:>10.3f}{row['fused_s']:>9.3f}{row['time_ratio']:>11.2f}"
             f"{row['cpu_time_ratio']:>10.2f}  {row['verdict']}"
         )
+    for row in rows:
+        _print_time_floor(row)
     print(
         f"\ngoals (issue 20, goal 5): fused/floor <= {MEMORY_GOAL:.2f} (per-step peaks), "
         f"time ratio fused/unfused <= {TIME_GOAL:.2f}"
@@ -531,7 +588,38 @@ def _row(backend: str, runs: dict, rtol: float) -> dict:
         "meets_time_goal": agree and speed <= TIME_GOAL,
         "agree": agree,
         "verdict": verdict,
+        **_time_floor(runs.get(TIME_FLOORS.get(backend)), u, f, rtol),
     }
+
+
+def _time_floor(t: dict | None, u: dict, f: dict, rtol: float) -> dict:
+    """The chunked time floor's columns (where the backend has one): its time over unfused
+    (what any chunked path pays at that chunk) and the fused time over it."""
+    if t is None:
+        return {}
+    return {
+        "time_floor_chunk": t["chunk"],
+        "time_floor_s": t["seconds"],
+        "time_floor_ratio": t["seconds"] / u["seconds"],  # floor / unfused
+        "time_floor_cpu_ratio": t["cpu_seconds"] / u["cpu_seconds"],
+        "fused_over_time_floor": f["seconds"] / t["seconds"],
+        "fused_over_time_floor_cpu": f["cpu_seconds"] / t["cpu_seconds"],
+        "time_floor_meets_goal": t["seconds"] / u["seconds"] <= TIME_GOAL,
+        "time_floor_agrees": _agree(t, u, rtol),
+    }
+
+
+def _print_time_floor(row: dict) -> None:
+    if "time_floor_s" not in row:
+        return
+    print(
+        f"{row['backend']}: time floor (every chunk in plain ops, {row['time_floor_chunk']} rows) "
+        f"{row['time_floor_s']:.3f} s, floor/unfused {row['time_floor_ratio']:.2f} "
+        f"(cpu {row['time_floor_cpu_ratio']:.2f}); fused/floor {row['fused_over_time_floor']:.2f} "
+        f"(cpu {row['fused_over_time_floor_cpu']:.2f})"
+        + ("" if row["time_floor_agrees"] else "; floor WRONG (disagrees with unfused)")
+        + ("" if row["time_floor_meets_goal"] else f"; the floor itself is over {TIME_GOAL:.2f}")
+    )
 
 
 if __name__ == "__main__":

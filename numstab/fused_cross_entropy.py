@@ -214,7 +214,7 @@ class _Plan:
         def step(carry, chunk_inputs):
             total, dw, db = carry
             h_part, y_part, ignored_part, out_of_range_part, scale = chunk_inputs
-            rows, g = self._chunk(h_part, w, b32, y_part, scale, want_rows)
+            rows, g, pending = self._chunk(h_part, w, b32, y_part, scale, want_rows)
             row_out = dh = None
             if want_rows:
                 rows = be.where(out_of_range_part, NAN, rows)
@@ -224,12 +224,7 @@ class _Plan:
                 else:
                     total = be.sum(rows) if total is None else total + be.sum(rows)
             if g is not None:
-                if needs[0]:
-                    dh = be.matmul(be.cast(g, be.dtype_name(h)), w)
-                if needs[1]:
-                    dw = be.matmul_accumulate(dw, g, h_part)
-                if needs[2]:
-                    db = be.sum(g, axis=0) if db is None else db + be.sum(g, axis=0)
+                dh, dw, db = self._chunk_grads(g, pending, h_part, w, dw, db, needs)
             return (total, dw, db), (row_out, dh)
 
         inputs = (h, y, ignored, out_of_range, row_scale if want_grads else None)
@@ -247,8 +242,28 @@ class _Plan:
         )
         return out, grads
 
+    def _chunk_grads(self, g, pending, h, w, dw, db, needs):
+        """The chunk's ``dhidden`` rows and the running ``dweight``, ``dbias``. A ``pending``
+        row scale s (not yet in ``g``) goes into the narrow operands instead of the [C, V] one:
+        ``(s * g) @ w = s * (g @ w)``, ``(s * g).T @ h = g.T @ (s * h)``, one pass less over the
+        chunk (float32 / float64 inputs without a bias gradient; else ``g`` is scaled)."""
+        be, dtype = self.be, self.be.dtype_name(h)
+        if pending is not None and (needs[2] or dtype != self.cdt):
+            g, pending = g * be.reshape(pending, (-1, 1)), None
+        s = None if pending is None else be.reshape(pending, (-1, 1))
+        dh = None
+        if needs[0]:
+            dh = be.matmul(be.cast(g, dtype), w)
+            dh = dh if s is None else dh * s
+        if needs[1]:
+            dw = be.matmul_accumulate(dw, g, h if s is None else h * s)
+        if needs[2]:
+            db = be.sum(g, axis=0) if db is None else db + be.sum(g, axis=0)
+        return dh, dw, db
+
     def _chunk(self, h, w, b32, y, scale, want_rows):
-        """One chunk: (loss rows or None, dL/dlogits or None); the logits die here."""
+        """One chunk: (loss rows or None, dL/dlogits or None, a row scale still to apply to
+        dL/dlogits or None); the logits die here."""
         be, eps, z, vocab = self.be, self.eps, self.z_loss, self.vocab
         x = be.cast(be.matmul(h, w, transpose_b=True), self.cdt)
         if b32 is not None:
@@ -257,7 +272,7 @@ class _Plan:
             # one fused kernel, which shifts each row by its max itself (the same bits as on
             # x - m); x's only reader, so its buffer can become the gradient's
             nll, grad = native_op(be, "softmax_nll_grad")(x, y)
-            return (nll if want_rows else None), grad * be.reshape(scale, (-1, 1))
+            return (nll if want_rows else None), grad, scale  # scaled by _chunk_grads
         # shifted by the row max m: lse(x) - x[c] = lse(x - m) - (x[c] - m) keeps its digits
         # at any offset, and so does the gradient's exp(x - lse); z-loss needs the true lse
         shift, m = be.row_shift(x)
@@ -272,13 +287,13 @@ class _Plan:
             if z:
                 rows = rows + z * (lse + m) * (lse + m)
         if scale is None:
-            return rows, None
+            return rows, None, None
         coefficient = scale * (1.0 + 2.0 * z * (lse + m)) if z else scale
         shift = scale * (eps / vocab) if eps else None
         x = be.softmax_grad_owned(x, lse, coefficient, shift)  # reusing the name frees x
         if eps < 1.0:
             x = be.add_at_rows(x, y, scale * -(1.0 - eps))
-        return rows, x
+        return rows, x, None
 
 
 def _cast_if_needed(be: Backend, x: Array, dtype: str) -> Array:

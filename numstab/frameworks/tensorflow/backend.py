@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 import tensorflow as tf
 
 from numstab.backends._base import Backend
+from numstab.frameworks.tensorflow import fused
+from numstab.frameworks.tensorflow.fused import cpu_only, in_xla_context
 
 
 def _exclude_numstab_from_autograph() -> None:
@@ -221,7 +222,7 @@ class TensorflowBackend(Backend):
 
     # -- fused cross-entropy --
     def matmul(self, a, b, transpose_a=False, transpose_b=False):
-        if transpose_b and not transpose_a and _cpu_only() and not _in_xla_context():
+        if transpose_b and not transpose_a and cpu_only() and not in_xla_context():
             # TF's CPU MatMul (oneDNN) runs a @ b.T with transpose_b ~2x slower than
             # BatchMatMulV2 with adj_y (the chunk logits [C, d] x [V, d]: 339 against 173 ms
             # of CPU at C=128, d=1024, V=65536); (b @ a.T).T, 220 ms + its transpose, held
@@ -247,84 +248,14 @@ class TensorflowBackend(Backend):
         return tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=x, labels=labels)
 
     def matmul_accumulate(self, acc, a, b):
-        if acc is None or tf.executing_eagerly() or _in_xla_context():
+        if acc is None or tf.executing_eagerly() or in_xla_context():
             return super().matmul_accumulate(acc, a, b)
-        # in a graph: ``acc + a.T @ b`` in blocks of acc's rows, each added in place, so no
-        # second acc-sized product. InplaceAdd writes into acc's buffer whoever holds it:
-        # Snapshot hands that buffer on when acc is its only reference and copies it otherwise
-        # (a first chunk that grappler folded into a constant, a tensor read elsewhere)
-        b = tf.cast(b, a.dtype)
-        acc = tf.raw_ops.Snapshot(input=acc)
-        vocab = a.shape[1]
-        block = _ACCUMULATE_BLOCK_BYTES // (acc.dtype.size * max(b.shape[1], 1))
-        block = min(max(block, 1), vocab)
-        full = vocab // block
-
-        def add_block(acc, start, size):
-            product = tf.linalg.matmul(tf.slice(a, [0, start], [-1, size]), b, transpose_a=True)
-            rows = tf.range(start, start + size)
-            # not slice + add + TensorStridedSliceUpdate: its strided assignment of the block
-            # cost more CPU than the block's matmul (280 against 170 ms per 128-row chunk)
-            return tf.raw_ops.InplaceAdd(x=acc, i=rows, v=tf.cast(product, acc.dtype))
-
-        _, acc = tf.while_loop(
-            lambda i, _: i < full,
-            lambda i, acc: (i + 1, add_block(acc, i * block, block)),
-            (tf.constant(0), acc),
-            parallel_iterations=1,
-        )
-        if full * block < vocab:
-            acc = add_block(acc, tf.constant(full * block), vocab - full * block)
-        return acc
+        return fused.matmul_accumulate(acc, a, b)  # in place, a block of rows at a time
 
     def scan_chunks(self, step, carry, inputs, chunk, rows):
-        full = rows // chunk
-        if tf.executing_eagerly() or full < 3 or _in_xla_context():
+        if tf.executing_eagerly() or rows // chunk < 3 or in_xla_context():
             return super().scan_chunks(step, carry, inputs, chunk, rows)
-        # in a graph: one tf.while_loop over the chunks after the first (which fixes the
-        # carry's shapes), outputs written in place into preallocated buffers: a small graph
-        # (an unrolled loop's tracing and optimisation cost as much memory as a chunk's logits
-        # several times over) that holds one chunk's buffers at a time
-
-        def run(carry, outputs, start, size):
-            part = tuple(None if x is None else _rows(x, start, size) for x in inputs)
-            # the chunk starts once the previous one is done: a loop iteration's slice is
-            # ready at once, and the executor would run the next chunk's logits alongside
-            after = [x for x in (*carry, *outputs) if x is not None]
-            if after and part[0] is not None:
-                part = (self.sequenced(part[0], after), *part[1:])
-            carry, out = step(carry, part)
-            outputs = [
-                None if o is None else _update_rows(buf, start, tf.cast(o, buf.dtype))
-                for buf, o in zip(outputs, out, strict=True)
-            ]
-            return carry, outputs
-
-        first = tuple(None if x is None else x[:chunk] for x in inputs)
-        carry, out = step(carry, first)  # turns None carries into tensors
-        outputs = [None if o is None else tf.zeros((rows, *o.shape[1:]), o.dtype) for o in out]
-        outputs = [
-            None if buf is None else _update_rows(buf, 0, o)
-            for buf, o in zip(outputs, out, strict=True)
-        ]
-        state = [x for x in (*carry, *outputs) if x is not None]  # loop variables: no None
-
-        def body(i, *state):
-            values = iter(state)
-            carry_i = tuple(None if c is None else next(values) for c in carry)
-            outputs_i = [None if o is None else next(values) for o in outputs]
-            carry_i, outputs_i = run(carry_i, outputs_i, i * chunk, chunk)
-            return (i + 1, *[x for x in (*carry_i, *outputs_i) if x is not None])
-
-        _, *state = tf.while_loop(
-            lambda i, *_: i < full, body, (tf.constant(1), *state), parallel_iterations=1
-        )
-        values = iter(state)
-        carry = tuple(None if c is None else next(values) for c in carry)
-        outputs = [None if o is None else next(values) for o in outputs]
-        if full * chunk < rows:
-            carry, outputs = run(carry, outputs, tf.constant(full * chunk), rows - full * chunk)
-        return carry, tuple(outputs)
+        return fused.scan_chunks(step, carry, inputs, chunk, rows, self.sequenced)
 
     def custom_gradient(self, forward, backward, args):
         present = [i for i, a in enumerate(args) if a is not None]
@@ -407,41 +338,3 @@ def _tape_may_record() -> bool:
     except ImportError:  # a future layout: assume a tape
         return True
     return bool(record.could_possibly_record())
-
-
-@functools.cache
-def _cpu_only() -> bool:
-    """No GPU visible to TensorFlow (checked once): the CPU kernels' layout preferences apply."""
-    return not tf.config.list_logical_devices("GPU")
-
-
-def _in_xla_context() -> bool:
-    """True while tracing for XLA (``jit_compile=True``): TensorStridedSliceUpdate needs
-    constant offsets there, so the in-place loops fall back to the plain ones (XLA plans the
-    buffers itself)."""
-    try:
-        from tensorflow.python.framework import ops
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # a future layout: assume XLA, the choice that always compiles
-        return True
-    return control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
-
-
-#: Rows of the weight gradient updated per block in ``matmul_accumulate`` (about this many bytes).
-_ACCUMULATE_BLOCK_BYTES = 4 * 2**20
-
-
-def _rows(x: tf.Tensor, start, size: int) -> tf.Tensor:
-    """``x[start:start + size]`` for a (possibly traced) ``start``."""
-    return tf.slice(x, [start] + [0] * (x.shape.rank - 1), [size] + [-1] * (x.shape.rank - 1))
-
-
-def _update_rows(x: tf.Tensor, start, value: tf.Tensor) -> tf.Tensor:
-    """``x`` with rows ``start:start + len(value)`` replaced by ``value``; reuses ``x``'s buffer
-    when nothing else holds it (TensorStridedSliceUpdate forwards its input)."""
-    rank = x.shape.rank
-    begin = tf.stack([start] + [0] * (rank - 1))
-    end = tf.stack([start + value.shape[0], *x.shape[1:]])
-    return tf.raw_ops.TensorStridedSliceUpdate(
-        input=x, begin=begin, end=end, strides=[1] * rank, value=value
-    )
