@@ -10,8 +10,10 @@ steady step stays on the device, the host reads every k steps; docs/semantics.md
 * torch: ``zero_grad; loss.backward(); optimizer.step()`` against ``zero_grad;
   loss.backward(); guard.step(loss)``. Device mode with the default Adam (the step is undone
   on the device: backup + ``where``) and with ``fused=True`` Adam (``found_inf``: against a
-  plain fused-Adam loop). Floors, in the plain loop: the gradient norms the guard needs
-  alone, and the backup + undo alone (``_foreach_copy_`` and the guard's compiled ``where``).
+  plain fused-Adam loop). Floors, in the plain loop, the work any guard of that kind must
+  do besides deciding: the gradient norms + ``found_inf`` (against plain fused Adam), and the
+  norms + backup + undo (``_foreach_copy_`` before the step, the guard's compiled ``where``
+  after it); and each part alone.
 * jax: a jitted ``value_and_grad`` + ``tx.update`` + ``apply_updates`` against the jitted
   ``guarded_step`` (norms and decision inside jit, a select) followed by ``after_step``
   on the host (host mode: one ``device_get`` per step; device mode: none). The floor: the
