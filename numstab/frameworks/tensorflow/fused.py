@@ -51,6 +51,9 @@ def matmul_accumulate(acc: tf.Tensor, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     folded into a constant, a tensor read elsewhere). When the block divides the rows, ``acc``
     is viewed as [V / block, block * d] and each block is one row of that view: one
     multithreaded add (InplaceAdd adds row by row, single-threaded: 1024 dispatches a block).
+    ``acc`` must be made in the same step (the fused path's running sum): a ``tf.function``
+    argument's buffer is the caller's, and Snapshot may hand it on, so the caller's tensor
+    would change.
     """
     b = tf.cast(b, a.dtype)
     vocab, width = a.shape[1], b.shape[1]
