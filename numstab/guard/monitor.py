@@ -29,7 +29,12 @@ def layer_norms(be: Backend, leaves: list[Array]) -> tuple[Array, Array]:
     with be.float_errors_ignored():
         # DTensor gradients (FSDP2) give partial norms: one collective makes them global
         norms = be.replicated(native_op(be, "leaf_norms")(leaves, 2.0, dtype))
-        return norms, be.sqrt(be.sum(norms * norms))
+        return norms, global_from_leaf_norms(be, norms)
+
+
+def global_from_leaf_norms(be: Backend, norms: Array) -> Array:
+    """``sqrt(sum(norms**2))``: the global 2-norm from the vector of per-leaf 2-norms."""
+    return be.sqrt(be.sum(norms * norms))
 
 
 class NormHistory:

@@ -28,6 +28,7 @@ import torch
 from numstab.backends import load_backend
 from numstab.guard import policy
 from numstab.guard.deferred import ROW_COLUMNS
+from numstab.guard.monitor import global_from_leaf_norms
 
 if TYPE_CHECKING:
     from numstab.guard.guard import TrainingGuard
@@ -124,7 +125,8 @@ class DevicePolicy:
         n = len(self._state_flat)
         flat, loss, norms, rows = args[:n], args[n], args[n + 1 : -1], args[-1]
         vec = torch.stack(norms)
-        x = torch.stack([loss.reshape(()).to(torch.float32), torch.sqrt(torch.sum(vec * vec))])
+        total = global_from_leaf_norms(self.be, vec)
+        x = torch.stack([loss.reshape(()).to(torch.float32), total])
         apply, found_inf = self._step(*flat, x, rows)
         return apply, found_inf, vec
 
