@@ -75,16 +75,14 @@ _GATHER = _Gather()
 
 def flat_leaf(x: Any, axis: int) -> tuple[np.ndarray | None, Any] | None:
     """For the short way of a dirty flat batch (``numstab.data._lean``): a strided CPU
-    tensor with a batch axis as (its zero-copy NumPy view for float16/32/64, None for an
-    integer or bool one; its gather, ``index`` and ``take``); None for anything else
-    (bfloat16, complex, another device or layout), which the general path handles."""
+    tensor with a batch axis as (its ``host_view`` for float16/32/64, None for an integer or
+    bool one; its gather, ``index`` and ``take``); None for anything else (bfloat16, complex,
+    another device or layout), which the general path handles."""
     if not isinstance(x, torch.Tensor) or x.ndim <= axis or not x.is_cpu:
         return None
     if x.layout != torch.strided:
         return None
-    dtype = x.dtype
-    if dtype in _HOST_FLOATS:
-        return None if x.is_neg() else (x.detach().numpy(), _GATHER)
-    if dtype.is_floating_point or dtype.is_complex:
-        return None
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        view = host_view(x)
+        return None if view is None else (view, _GATHER)
     return None, _GATHER
