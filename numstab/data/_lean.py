@@ -233,31 +233,31 @@ def _per_sample(dirty: list[tuple[str, Found]]) -> dict[int, list]:
     """``{position: [labels, NaN values, non-finite values]}`` of every flagged sample, the
     labels in flatten order: from the sparse positions for a few values, else (a batch full
     of NaN) from the dense counts."""
+    sparse = sum(f.size for _, f in dirty) <= SPARSE_MAX
     per_sample: dict[int, list] = {}
-    if sum(f.size for _, f in dirty) <= SPARSE_MAX:
-        for label, found in dirty:
-            for i, is_nan in found.sparse():
-                entry = per_sample.get(i)
-                if entry is None:
-                    per_sample[i] = [[label], int(is_nan), 1]
-                    continue
-                if entry[0][-1] != label:
-                    entry[0].append(label)
-                entry[1] += is_nan
-                entry[2] += 1
-        return per_sample
     for label, found in dirty:
-        bad, nan = found.counts()
-        at = bad.nonzero()[0]
-        for i, b, m in zip(at.tolist(), bad[at].tolist(), nan[at].tolist(), strict=True):
+        for i, nan, bad in _sparse_entries(found) if sparse else _dense_entries(found):
             entry = per_sample.get(i)
             if entry is None:
-                per_sample[i] = [[label], m, b]
-            else:
+                per_sample[i] = [[label], nan, bad]
+                continue
+            if entry[0][-1] != label:
                 entry[0].append(label)
-                entry[1] += m
-                entry[2] += b
+            entry[1] += nan
+            entry[2] += bad
     return per_sample
+
+
+def _sparse_entries(found: Found) -> Any:
+    """``(sample, NaN values, non-finite values)`` per non-finite value (1 value each)."""
+    return ((i, int(is_nan), 1) for i, is_nan in found.sparse())
+
+
+def _dense_entries(found: Found) -> Any:
+    """``(sample, NaN values, non-finite values)`` per sample holding any."""
+    bad, nan = found.counts()
+    at = bad.nonzero()[0]
+    return zip(at.tolist(), nan[at].tolist(), bad[at].tolist(), strict=True)
 
 
 def _replaced(field: Any, value: float) -> Any:
