@@ -206,7 +206,7 @@ def _host_decision(d: PackedDecision | policy.Decision, i: int | tuple) -> tuple
         row = d.row[i]
         host = decisions_from_rows(row[: len(ROW_COLUMNS)], int(d.step[i]))[0]
         return host, (row[len(ROW_COLUMNS) :] if d.tracked else None)
-    host = {k: getattr(d, k)[i].item() for k in policy.Decision._fields[:-1]}
+    host = {k: getattr(d, k)[i].item() for k in policy.Decision._fields if k != "layer_norms"}
     for key in ("apply", "rollback", "snapshot"):
         host[key] = bool(host[key])
     return host, (None if d.layer_norms is None else d.layer_norms[i])
