@@ -5,7 +5,6 @@ per-step host mode ends it, and a steady step makes no host read (benchmarks/_ho
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -17,6 +16,8 @@ from numstab.guard import SpikeDetector, TrainingGuard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from _host_reads import counting
+
+from tests.torch_guard_loop import regression_data, train_guarded
 
 
 def test_host_every_is_validated():
@@ -31,16 +32,9 @@ def _torch():
     return pytest.importorskip("torch")
 
 
-def _data(torch):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(256, 8, generator=g)
-    return x, x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(256, 1, generator=g)
-
-
 def _train(guard, optim="adam", nan_steps=(), steps=60, spike_steps=()):
     torch = _torch()
     torch.set_num_threads(1)
-    X, Y = _data(torch)
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     if optim == "sgd":
@@ -48,20 +42,7 @@ def _train(guard, optim="adam", nan_steps=(), steps=60, spike_steps=()):
     else:
         opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=optim == "fused")
     tg = guard.for_torch(model, opt)
-    for step in range(steps):
-        i = (step % 8) * 32
-        x, y = X[i : i + 32].clone(), Y[i : i + 32]
-        if step in nan_steps:
-            x[0, 0] = math.nan
-        if step in spike_steps:
-            y = y * 1e3
-        if tg.skip_batch():
-            continue
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        tg.step(loss)
-    tg.flush()
+    train_guarded(torch, tg, model, opt, steps, nan_steps, spike_steps)
     return model, opt, tg
 
 
@@ -345,7 +326,7 @@ def test_torch_device_mode_resumes_from_disk(tmp_path):
     before = [p.detach().clone() for p in fresh.parameters()]
     assert tg2.load_snapshot() == saved[-1] == tg2.steps_seen
     assert not any(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))
-    X, Y = _data(torch)
+    X, Y = regression_data(torch)
     fresh_opt.zero_grad()
     loss = torch.nn.functional.mse_loss(fresh(X[:32]), Y[:32])
     loss.backward()

@@ -5,12 +5,11 @@ gives: the same decisions, weights and optimizer state, bit for bit."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
 from numstab.guard import SpikeDetector, TrainingGuard
+from tests.torch_guard_loop import train_guarded
 
 torch = pytest.importorskip("torch")
 
@@ -32,9 +31,6 @@ class _Replacing(torch.optim.Optimizer):
 
 def _run(guard, optim, one_call=True, nan_steps=(), spike_steps=(), steps=48, loss_as=None):
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(0)
-    X = torch.randn(256, 8, generator=g)
-    Y = X @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(256, 1, generator=g)
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     if optim == "replacing":
@@ -44,20 +40,7 @@ def _run(guard, optim, one_call=True, nan_steps=(), spike_steps=(), steps=48, lo
     tg = guard.for_torch(model, opt)
     if not one_call:
         tg._one_kernel = False  # the general path: eager norms, then decide([loss, norm])
-    for step in range(steps):
-        i = (step % 8) * 32
-        x, y = X[i : i + 32].clone(), Y[i : i + 32]
-        if step in nan_steps:
-            x[0, 0] = math.nan
-        if step in spike_steps:
-            y = y * 1e3
-        if tg.skip_batch():
-            continue
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        tg.step(loss if loss_as is None else loss_as(loss))
-    tg.flush()
+    train_guarded(torch, tg, model, opt, steps, nan_steps, spike_steps, loss_as)
     return model, opt, tg
 
 
