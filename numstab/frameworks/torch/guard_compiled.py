@@ -4,8 +4,9 @@
   the decision), run on a torch ``GuardState`` that it updates in place, writing the step's
   ``Decision`` as a row of ``numstab.guard.deferred.ROW_COLUMNS`` to a ``[k, 8]`` ring at
   ``step % k``.
-* :func:`undo`: ``t = where(apply, t, backup)`` over every tensor of a step (parameters and
-  optimizer state), exact (no arithmetic on the values), in one call.
+* :func:`undo_plan`: ``t = where(apply, t, backup)`` over every tensor of a step (parameters
+  and optimizer state), exact (no arithmetic on the values), in one call, bound once to the
+  tensors.
 
 Both are traced with ``make_fx`` (fake tensors) and compiled by inductor
 (``torch._inductor.compile``: C++ on CPU, which needs a compiler; Triton on GPU). No dynamo:
@@ -193,19 +194,13 @@ def _select(flag: torch.Tensor, *pairs: torch.Tensor) -> None:
 def undo_plan(
     flag: torch.Tensor, tensors: list[torch.Tensor], backups: list[torch.Tensor]
 ) -> Callable[[torch.Tensor], None]:
-    """``undo`` bound to these tensors and buffers (compiled once, looked up once): a
-    function of a flag like ``flag``, for the steps that update the same tensors; to be
-    called under ``no_grad``."""
+    """``t = where(f, t, backup)`` for each tensor (all on ``flag``'s device) and its buffer,
+    bound to them (compiled once, looked up once, eager where compilation failed): a
+    function of a flag ``f`` like ``flag``, for the steps that update the same tensors in
+    place; to be called under ``no_grad``."""
     if not tensors:
         return lambda f: None
     pairs = [*tensors, *backups]
     fn = _compiled(("undo", _signature([flag, *pairs])), _select, [flag, *pairs])
     fn = fn if fn is not None else _select
     return lambda f: fn(f, *pairs)  # the caller is under no_grad
-
-
-@torch.no_grad()
-def undo(flag: torch.Tensor, tensors: list[torch.Tensor], backups: list[torch.Tensor]) -> None:
-    """``t = where(flag, t, backup)`` for each tensor on ``flag``'s device, in one compiled
-    call (eager where compilation failed), exact (it selects)."""
-    undo_plan(flag, tensors, backups)(flag)
