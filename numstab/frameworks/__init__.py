@@ -9,7 +9,7 @@ Feature packages hold the framework-free logic and reach a framework's code thro
 Framework-free code that must recognise a framework's values (a torch module, a sparse
 TensorFlow gradient, a JAX pytree node) never names the framework: it asks :func:`loaded`
 for the hooks that the already-imported frameworks' folders provide, under names that the
-feature declares (``numstab.tree``: ``tree.sparse_types``; ``numstab.data``:
+feature declares (``numstab.tree``: ``tree.sparse_type``; ``numstab.data``:
 ``data.batch_leaf``; ...).
 
 Adding a framework: a new folder, one :class:`Framework` entry below, one conformance entry
