@@ -157,7 +157,7 @@ def cross_entropy(
         and weight is None
         and backend is None
     ):
-        fast = _fast_mean(logits, labels, label_smoothing or z_loss, ignore_index, reduction, axis)
+        fast = _fast_mean(logits, labels, label_smoothing, z_loss, ignore_index, reduction, axis)
         if fast is not None:
             return fast
     v.check_choice("reduction", reduction, REDUCTIONS)
@@ -205,20 +205,23 @@ def cross_entropy(
 _PLAIN = (int, float)
 
 
-def _fast_mean(logits, labels, extra, ignore_index, reduction, axis) -> Array | None:
-    """The common eager call (hard labels, no smoothing, weight or z-loss, "mean" over the last
-    axis of 2-D logits, no backend= keyword) through the backend's one fused kernel,
-    ``native_mean_softmax_nll``: None wherever that kernel declines or its answer could
-    differ from the full path's (which then validates and computes as usual). A tiny loss
-    costs a few microseconds over the framework's own, not the full path's ~50 (torch)."""
-    if extra or type(ignore_index) is not int or type(axis) is not int or reduction != "mean":
+def _fast_mean(logits, labels, eps, z_loss, ignore_index, reduction, axis) -> Array | None:
+    """The common eager call (hard labels, label smoothing or none, no weight or z-loss,
+    "mean" over the last axis of 2-D logits, no backend= keyword) through the backend's one
+    fused kernel, ``native_mean_softmax_nll``: None wherever that kernel declines or its
+    answer could differ from the full path's (which then validates and computes as usual). A
+    tiny loss costs a few microseconds over the framework's own, not the full path's ~50
+    (torch)."""
+    if z_loss or type(ignore_index) is not int or type(axis) is not int or reduction != "mean":
+        return None
+    if not 0.0 <= eps <= 1.0:  # NaN too: the full path names the bad value
         return None
     kind = _framework_of(logits)
     if axis not in (-1, 1) or kind == HOST or _framework_of(labels) != kind:
         return None
     if configured_backend() not in (AUTO, kind):
         return None
-    return native_op(load_backend(kind), "mean_softmax_nll")(logits, labels, ignore_index)
+    return native_op(load_backend(kind), "mean_softmax_nll")(logits, labels, ignore_index, eps)
 
 
 def _class_weight(be: Backend, weight: Array, num_classes: int, cdt: str) -> Array:

@@ -312,8 +312,12 @@ class Backend(abc.ABC):
         onehot = self.one_hot(labels, self.shape(x)[-1], self.dtype_name(x))
         return -self.take_rows(log_p, labels), self.exp(log_p) - onehot
 
-    def mean_softmax_nll(self, x: Array, labels: Array, ignore_index: int) -> Array | None:
-        """``cross_entropy(x, labels, ignore_index=ignore_index)`` (the mean over counted rows)
+    def mean_softmax_nll(
+        self, x: Array, labels: Array, ignore_index: int, label_smoothing: float = 0.0
+    ) -> Array | None:
+        """``cross_entropy(x, labels, ignore_index=ignore_index, label_smoothing=...)`` (the
+        mean over counted rows; ``label_smoothing`` in [0, 1], spread over all K classes: the
+        full path's K_valid wherever the loss is finite, since a -inf class makes it +inf)
         where a backend can give it exactly in one fused call, else None: the full path then
         validates and computes. A ``native_`` version must return None for anything whose
         answer could differ from the full path's: bad or ignored-only labels, non-finite

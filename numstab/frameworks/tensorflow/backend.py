@@ -176,7 +176,7 @@ class TensorflowBackend(Backend):
     def native_softmax_nll(self, logits, labels):
         return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
-    def native_mean_softmax_nll(self, x, labels, ignore_index):
+    def native_mean_softmax_nll(self, x, labels, ignore_index, label_smoothing=0.0):
         # eager CPU tensors only: there the kernel raises on out-of-range labels, ignored
         # ones included (on a GPU they are NaN rows), and reading the loss costs no sync.
         # The raw ops: tf.nn's wrapper costs ~40 us of Python on a tiny batch, reduce_mean
@@ -191,6 +191,7 @@ class TensorflowBackend(Backend):
             or not tf.executing_eagerly()
             or "CPU" not in x.device
             or 0 <= ignore_index < x.shape[-1]  # a class id to the kernel, which ignores none
+            or label_smoothing  # the dense kernel takes any label: the full path checks them
         ):
             return None
         try:

@@ -180,7 +180,7 @@ class TorchBackend(NamespaceBackend):
     def native_softmax_nll(self, logits, labels):
         return F.cross_entropy(logits, labels.long(), reduction="none")
 
-    def native_mean_softmax_nll(self, x, labels, ignore_index):
+    def native_mean_softmax_nll(self, x, labels, ignore_index, label_smoothing=0.0):
         # eager CPU tensors only: torch raises there on out-of-range labels (on CUDA they
         # are a device assert) and reading the loss costs no sync
         if (
@@ -195,9 +195,12 @@ class TorchBackend(NamespaceBackend):
         ):
             return None
         try:
-            loss = F.cross_entropy(x, labels, ignore_index=ignore_index)
+            loss = F.cross_entropy(
+                x, labels, ignore_index=ignore_index, label_smoothing=label_smoothing
+            )
             # non-finite: every row ignored (0 / 0), or -inf / +inf / NaN logits, whose rows
-            # the full path defines
+            # the full path defines (smoothing over a -inf class: +inf, where the full path
+            # leaves that class out)
             finite = math.isfinite(loss.item())  # (torch.func transforms refuse .item())
         except (IndexError, RuntimeError, ValueError):  # the full path names the problem
             return None
