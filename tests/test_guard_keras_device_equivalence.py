@@ -28,6 +28,7 @@ Y = (X @ _rng.standard_normal((8, 1))).astype("float32")
 BAD = X.copy()
 BAD[5 * BATCH, 0] = np.nan  # step 5: a lone skip
 BAD[15 * BATCH : 18 * BATCH, 1] = np.nan  # steps 15-17: three skips, a rollback at step 17
+BAD[35 * BATCH, 2] = np.nan  # step 35, the epoch's last: Keras' epoch logs are NaN until mended
 SPIKY = Y.copy()
 SPIKY[30 * BATCH : 31 * BATCH] *= 1e3  # step 36 + 30 = 66 (second fit): a loss spike
 
@@ -46,9 +47,14 @@ def _run(host_every: int):
         loss_spikes=ns.SpikeDetector(window=8, sigma=4.0, warmup=4),
     )
     cb = guard.keras_callback()
+    logs = []
     # the second fit() keeps the callback's device state (undo copy, slot, guard state)
     for x, y, epochs in ((BAD, Y, 1), (X, SPIKY, 2)):
-        model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[cb])
+        h = model.fit(
+            x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[cb]
+        )
+        logs.append(h.history)
+    cb.logs = logs
     return model, cb
 
 
@@ -69,7 +75,9 @@ def test_device_mode_equals_host_mode_through_skips_a_rollback_and_two_fits(host
     assert ("skip", 5, ("nonfinite_loss", "nonfinite_grad")) in want_events
     assert ("rollback", 17, ()) in want_events
     assert ("skip", STEPS + 30, ("loss_spike",)) in want_events
+    assert ("skip", 35, ("nonfinite_loss", "nonfinite_grad")) in want_events
     assert _events(cb) == want_events
+    assert cb.logs == host_cb.logs and np.isfinite(cb.logs[0]["loss"]).all(), cb.logs
     h, want = cb.history.as_arrays(), host_cb.history.as_arrays()
     assert h.keys() == want.keys()
     # the norms and the loss: float32 on the device, float64 then float32 on the host (a
@@ -93,3 +101,31 @@ def test_device_step_takes_no_argument():
     _, cb = _run(3)
     signature = cb._fn.get_concrete_function().structured_input_signature
     assert signature == ((), {}), signature
+
+
+@pytest.mark.parametrize("loss_spikes", [None, ns.SpikeDetector(window=5, warmup=3)])
+def test_packed_guard_state_round_trips_on_host_and_in_tensorflow(loss_spikes):
+    import tensorflow as tf
+
+    from numstab.backends import load_backend
+    from numstab.frameworks.keras.guard_device import _Layout
+
+    guard = ns.TrainingGuard(loss_spikes=loss_spikes, rollback_window=6)
+    rng = np.random.default_rng(0)
+    state = tf.nest.map_structure(  # distinct values in every slot
+        lambda x: (
+            rng.integers(1, 99, np.shape(x)) + 0.5 * (np.asarray(x).dtype.kind == "f")
+        ).astype(np.asarray(x).dtype),
+        guard.init_state(load_backend("numpy")),
+    )
+    layout = _Layout(state)
+    host = layout.pack(state, np)
+    device = layout.pack(tf.nest.map_structure(tf.constant, state), tf)
+    assert sorted(host) == sorted(device) == ["float32", "int32"]
+    for name in host:
+        np.testing.assert_array_equal(device[name].numpy(), host[name])
+    for back in (layout.unpack(host, copy=True), layout.unpack(device)):
+        assert type(back) is type(state)
+        for a, b in zip(tf.nest.flatten(tuple(back)), tf.nest.flatten(tuple(state)), strict=True):
+            assert np.asarray(a).dtype == b.dtype and np.shape(a) == b.shape
+            np.testing.assert_array_equal(np.asarray(a), b)

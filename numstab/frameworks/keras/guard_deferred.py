@@ -112,7 +112,7 @@ class DeferredGuardCallback(GuardCallback):
         n, self._pending = self._pending, 0
         if not n:
             return
-        rows = self._read_rows(n)
+        rows, state = self._read(n)
         decisions = []
         for r in rows:
             d = dict(zip(FIELDS, r[: len(FIELDS)].tolist(), strict=True))
@@ -121,7 +121,7 @@ class DeferredGuardCallback(GuardCallback):
             d["reasons"], d["step"] = int(d["reasons"]), int(d["step"])
             decisions.append(d)
         layers = list(rows[:, len(FIELDS) :]) if self.guard.track_layers else None
-        self.state = self._device_state()
+        self.state = state
         rolled = self.runner.after_steps(
             decisions, layers, self._host, lambda: self.state, int(self.state.step)
         )
@@ -138,6 +138,10 @@ class DeferredGuardCallback(GuardCallback):
     def _device_check(self, i: int) -> None:
         """Decide step ``i`` of the pending ones on the device, undo it there when bad."""
         raise NotImplementedError
+
+    def _read(self, n: int) -> tuple[Any, policy.GuardState]:
+        """``(_read_rows(n), _device_state())``; a backend may read both at once."""
+        return self._read_rows(n), self._device_state()
 
     def _read_rows(self, n: int) -> Any:
         """The ``n`` pending rows as NumPy float32 ``[n, len(FIELDS) + layers]``."""

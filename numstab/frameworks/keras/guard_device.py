@@ -20,7 +20,6 @@ import tensorflow as tf
 from numstab.backends import load_backend
 from numstab.frameworks.keras.guard_deferred import FIELDS, DeferredGuardCallback
 from numstab.guard import policy
-from numstab.guard.spikes import WindowState
 
 
 class DeviceGuardCallback(DeferredGuardCallback):
@@ -34,14 +33,16 @@ class DeviceGuardCallback(DeferredGuardCallback):
             self._keep_as_undo()
             return
         self._shadow_vars = [tf.Variable(v.value, trainable=False) for v in everything]
-        self._gstate = tf.nest.map_structure(
-            lambda x: tf.Variable(np.asarray(x)), tuple(self.state)
-        )
+        self._layout = _Layout(self.state)
+        self._packed = {  # the guard state: one vector per dtype (2 variables, not 11)
+            name: tf.Variable(x) for name, x in self._layout.pack(self.state, np).items()
+        }
         width = len(FIELDS) + len(self._weights)
         self._rows = tf.Variable(tf.zeros((self.guard.host_every, width), tf.float32))
         # the row the next check writes: always equal to ``self._pending``
         self._slot = tf.Variable(tf.zeros((1,), tf.int32), trainable=False)
         self._fn = tf.function(self._device_step, jit_compile=False, autograph=False)
+        self._take = tf.function(self._take_rows_and_state, autograph=False)
         self._keep = tf.function(self._copy_to_undo, autograph=False)  # one call, not 34 ops
 
     def _keep_metrics_as_undo(self) -> None:
@@ -76,11 +77,10 @@ class DeviceGuardCallback(DeferredGuardCallback):
         ]
         layers = tf.stack(deltas) if deltas else tf.zeros((0,), tf.float32)
         norm = tf.sqrt(tf.reduce_sum(layers * layers)) if deltas else None
-        state = tf.nest.map_structure(lambda v: v.read_value(), self._gstate)
-        decision, new = policy.decide(
-            self.guard, load_backend("tensorflow"), policy.GuardState(*state), loss, norm
-        )
-        tf.nest.map_structure(lambda v, x: v.assign(x), self._gstate, tuple(new))
+        state = self._layout.unpack({k: v.read_value() for k, v in self._packed.items()})
+        decision, new = policy.decide(self.guard, load_backend("tensorflow"), state, loss, norm)
+        for name, x in self._layout.pack(new, tf).items():
+            self._packed[name].assign(x)
         pairs = list(zip(everything, shadow, strict=True))
 
         def undo() -> tf.Tensor:  # a bad step: put the copy back
@@ -99,30 +99,33 @@ class DeviceGuardCallback(DeferredGuardCallback):
         )
         self._slot.assign(slot + 1)
 
+    def _take_rows_and_state(self) -> dict[str, tf.Tensor]:
+        """The rows (flattened, before the state's float32 vector) and the state's vectors;
+        the slot back to row 0 (flush() set ``_pending`` to 0). One call, one transfer per
+        dtype."""
+        out = {k: v.read_value() for k, v in self._packed.items()}
+        rows = tf.reshape(self._rows.read_value(), [-1])
+        out["float32"] = tf.concat([rows, out.get("float32", tf.zeros((0,), tf.float32))], 0)
+        self._slot.assign(tf.zeros((1,), tf.int32))
+        return out
+
+    def _read(self, n: int) -> tuple[Any, policy.GuardState]:
+        vectors = {k: t.numpy() for k, t in self._take().items()}
+        size = self._rows.shape.num_elements()
+        rows = vectors["float32"][:size].reshape(self._rows.shape)[:n]
+        vectors["float32"] = vectors["float32"][size:]
+        return rows, self._layout.unpack(vectors, copy=True)
+
     def _read_rows(self, n: int) -> Any:
-        rows = self._rows[:n].numpy()
-        self._slot.assign(tf.zeros((1,), tf.int32))  # flush() set _pending to 0
-        return rows
+        return self._read(n)[0]
 
     def _set_device_state(self, state: policy.GuardState) -> None:
-        for v, x in zip(tf.nest.flatten(self._gstate), tf.nest.flatten(tuple(state)), strict=True):
-            v.assign(np.asarray(x))
+        for name, x in self._layout.pack(state, np).items():
+            self._packed[name].assign(x)
 
     def _device_state(self) -> policy.GuardState:
-        """Read in two transfers (its float32 and its int32 leaves, each concatenated by
-        one compiled call), not one per leaf."""
-        variables = tf.nest.flatten(self._gstate)
-        if getattr(self, "_gather", None) is None:
-            self._gather = tf.function(lambda: _by_dtype(variables), autograph=False)
-        packed = {dtype: t.numpy() for dtype, t in self._gather().items()}
-        at = dict.fromkeys(packed, 0)
-        flat = []
-        for v in variables:  # cut the vectors back into the leaves, in order
-            n, key = int(np.prod(v.shape)), v.dtype.name
-            flat.append(packed[key][at[key] : at[key] + n].reshape(v.shape).copy())
-            at[key] += n
-        w1, w2 = WindowState(*flat[0:3]), WindowState(*flat[3:6])
-        return policy.GuardState(w1, w2, *flat[6:])
+        """Read in two transfers (its float32 and its int32 vectors), not one per leaf."""
+        return self._layout.unpack({k: v.numpy() for k, v in self._packed.items()}, copy=True)
 
     def _undo(self) -> None:
         everything = self._state_vars + self._metric_vars
@@ -130,9 +133,46 @@ class DeviceGuardCallback(DeferredGuardCallback):
             var.assign(shadow.value())
 
 
-def _by_dtype(variables: list[tf.Variable]) -> dict[str, tf.Tensor]:
-    """The variables' values flattened and concatenated per dtype (name -> vector)."""
-    groups: dict[str, list[tf.Tensor]] = {}
-    for v in variables:
-        groups.setdefault(v.dtype.name, []).append(tf.reshape(v.read_value(), [-1]))
-    return {name: tf.concat(parts, 0) for name, parts in groups.items()}
+class _Layout:
+    """Where each leaf of a guard state (0-d and 1-d arrays) sits in one flat vector per
+    dtype: per dtype its vectors in leaf order, then its scalars (packed by one stack, not
+    a reshape each; a scalar is read back by one index)."""
+
+    def __init__(self, state: policy.GuardState) -> None:
+        leaves = [np.asarray(x) for x in tf.nest.flatten(tuple(state))]
+        if any(x.ndim > 1 for x in leaves):
+            raise ValueError("Expected a guard state of 0-d and 1-d arrays")
+        self._structure = tuple(state)
+        self._dtypes = sorted({x.dtype.name for x in leaves})
+        self._places: list[tuple[str, int, int]] = [("", 0, 0)] * len(leaves)
+        for name in self._dtypes:  # (dtype, start, size); size 0: a scalar
+            at = 0
+            for scalars in (False, True):
+                for j, x in enumerate(leaves):
+                    if x.dtype.name == name and (x.ndim == 0) == scalars:
+                        self._places[j] = (name, at, 0 if scalars else x.size)
+                        at += max(x.size, 1)
+
+    def pack(self, state: policy.GuardState, xp: Any) -> dict[str, Any]:
+        """``{dtype name: vector}`` of ``state``; ``xp``: ``np`` (host) or ``tf`` (graph)."""
+        leaves = tf.nest.flatten(tuple(state))
+        out = {}
+        for name in self._dtypes:
+            mine = [(p, x) for p, x in zip(self._places, leaves, strict=True) if p[0] == name]
+            parts = [x for (_, _, size), x in mine if size]
+            scalars = [x for (_, _, size), x in mine if not size]
+            if scalars:
+                parts.append(xp.stack(scalars))
+            if xp is np:
+                out[name] = np.concatenate([np.asarray(x, name).ravel() for x in parts])
+            else:
+                out[name] = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+        return out
+
+    def unpack(self, vectors: dict[str, Any], copy: bool = False) -> policy.GuardState:
+        """The guard state cut out of ``pack``'s vectors (NumPy: ``copy`` leaves apart)."""
+        leaves = []
+        for name, start, size in self._places:
+            x = vectors[name][start : start + size] if size else vectors[name][start]
+            leaves.append(x.copy() if copy else x)
+        return policy.GuardState(*tf.nest.pack_sequence_as(self._structure, leaves))
