@@ -69,27 +69,34 @@ class DeferredGuardCallback(GuardCallback):
         self._keep_metrics_as_undo()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self._last_check()
-        if logs and self._results is not None:
+        checked = self._stepped
+        self._last_check(keep_results=False)
+        bad = [k for k, x in (logs or {}).items() if isinstance(x, float) and not np.isfinite(x)]
+        if bad and (self._results is not None or checked):
             # Keras took the epoch's logs before the last batch's check: where that batch
             # made them non-finite and was undone, log the metrics as they are after the undo
-            # (History comes after this callback). Reads only in that case.
-            for key, value in list(logs.items()):
-                bad = isinstance(value, float) and not np.isfinite(value)
-                if bad and key in self._results:
-                    logs[key] = float(keras.ops.convert_to_numpy(self._results[key]))
+            # (History comes after this callback): kept when the validation began, else
+            # now. Reads only in that case.
+            results = self._results
+            if results is None:
+                results = self.model.get_metrics_result()
+            for key in bad:
+                if key in results:
+                    logs[key] = float(keras.ops.convert_to_numpy(results[key]))
         self._results = None
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._last_check()
+        self._last_check(keep_results=False)
         self._results = None
         self.flush()
 
-    def _last_check(self) -> None:
-        """Check the epoch's last batch; keep the metrics after it (tensors: no read)."""
+    def _last_check(self, keep_results: bool = True) -> None:
+        """Check the epoch's last batch; with ``keep_results`` keep the metrics after it
+        (tensors: no read), which the validation is about to reset."""
         if self._stepped:
             self._check()
-            self._results = self.model.get_metrics_result()
+            if keep_results:
+                self._results = self.model.get_metrics_result()
         self._stepped = False
 
     def _sync(self) -> None:
