@@ -97,9 +97,13 @@ def test_device_mode_equals_host_mode_through_skips_a_rollback_and_two_fits(host
 
 def test_device_step_takes_no_argument():
     """The compiled per-batch check is called without arguments (its row index lives in a
-    variable): a tensor argument costs more on the CPU than the decision itself."""
+    variable), as a concrete function: a tensor argument, and a ``tf.function``'s dispatch,
+    each cost the CPU as much as the decision itself."""
     _, cb = _run(3)
-    signature = cb._fn.get_concrete_function().structured_input_signature
+    import tensorflow as tf
+
+    assert isinstance(cb._fn, tf.types.experimental.ConcreteFunction), type(cb._fn)
+    signature = cb._fn.structured_input_signature
     assert signature == ((), {}), signature
 
 

@@ -4,10 +4,11 @@ The hooks are ``guard_deferred.py``'s. Here the per-batch work runs as ONE compi
 TensorFlow function (``tf.function``) on the variables, with no host read: the undo copy
 lives in TF variables, a bad step is put back with ``tf.cond`` (a good step copies the state
 once, a bad one twice) and every step's decision is written to a ``[k, ...]`` variable that
-the host reads every k steps. The function takes no argument: the row it writes is a TF
-variable it advances itself (reset when the host reads the rows), since a tf.function call
-with a tensor argument costs ~85 us more on the CPU than one without (Python-side argument
-handling), a third of the guard's own cost.
+the host reads every k steps. Its cost on the CPU is mostly the call's, not the kernels':
+the function takes no argument (the row it writes is a TF variable it advances itself, reset
+when the host reads the rows: a tensor argument cost ~50-80 us a call) and is called as its
+concrete function (a ``tf.function`` call spends ~140 us more dispatching to it, with this
+many captured variables).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ class DeviceGuardCallback(DeferredGuardCallback):
         self._rows = tf.Variable(tf.zeros((self.guard.host_every, width), tf.float32))
         # the row the next check writes: always equal to ``self._pending``
         self._slot = tf.Variable(tf.zeros((1,), tf.int32), trainable=False)
-        self._fn = tf.function(self._device_step, jit_compile=False, autograph=False)
-        self._take = tf.function(self._take_rows_and_state, autograph=False)
-        self._keep = tf.function(self._copy_to_undo, autograph=False)  # one call, not 34 ops
+        # traced once here, then called as concrete functions (see above)
+        self._fn = _concrete(self._device_step)
+        self._take = _concrete(self._take_rows_and_state)
+        self._keep = _concrete(self._copy_to_undo)  # one call, not 34 ops
 
     def _keep_metrics_as_undo(self) -> None:
         n = len(self._state_vars)
@@ -131,6 +133,11 @@ class DeviceGuardCallback(DeferredGuardCallback):
         everything = self._state_vars + self._metric_vars
         for var, shadow in zip(everything, self._shadow_vars, strict=True):
             var.assign(shadow.value())
+
+
+def _concrete(fn: Any) -> Any:
+    """``fn`` (no arguments) traced into a graph function, as its concrete function."""
+    return tf.function(fn, jit_compile=False, autograph=False).get_concrete_function()
 
 
 class _Layout:
