@@ -1,6 +1,7 @@
-"""The TensorFlow Keras device guard reads its guard state in two transfers (the float32 and
-the int32 leaves, concatenated on the device), equal leaf for leaf to reading each variable,
-and a later ``fit`` keeps the same undo copy mechanism (one compiled call)."""
+"""The TensorFlow Keras device guard keeps its guard state in one vector per dtype and reads
+it in two transfers (float32, int32), leaf for leaf equal to the state the last read (rows and
+state in one call) gave; a later ``fit`` keeps the same undo copy mechanism (one compiled
+call)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,14 @@ def test_device_state_is_read_in_two_transfers_and_equals_each_variable():
     cb = TrainingGuard(host_every=7).keras_callback()
     model = _fit(cb)
     got = tf.nest.flatten(tuple(cb._device_state()))
-    want = [v.numpy() for v in tf.nest.flatten(cb._gstate)]
-    assert len(got) == len(want) == 11
-    for a, b in zip(got, want, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
+    want = tf.nest.flatten(tuple(cb.state))  # read with the rows at the end of training
+    fresh = tf.nest.flatten(tuple(cb.guard.init_state(cb._host)))
+    assert len(got) == len(want) == len(fresh) == 11
+    for a, b, c in zip(got, want, fresh, strict=True):
+        assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape
         np.testing.assert_array_equal(a, b)
     assert int(cb.state.step) == 20  # two fits of 10 batches
+    assert sorted(cb._packed) == ["float32", "int32"]
     with counting("tensorflow") as counter:
         cb._device_state()
     assert counter.count == 2

@@ -69,27 +69,34 @@ class DeferredGuardCallback(GuardCallback):
         self._keep_metrics_as_undo()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self._last_check()
-        if logs and self._results is not None:
+        checked = self._stepped
+        self._last_check(keep_results=False)
+        bad = [k for k, x in (logs or {}).items() if isinstance(x, float) and not np.isfinite(x)]
+        if bad and (self._results is not None or checked):
             # Keras took the epoch's logs before the last batch's check: where that batch
             # made them non-finite and was undone, log the metrics as they are after the undo
-            # (History comes after this callback). Reads only in that case.
-            for key, value in list(logs.items()):
-                bad = isinstance(value, float) and not np.isfinite(value)
-                if bad and key in self._results:
-                    logs[key] = float(keras.ops.convert_to_numpy(self._results[key]))
+            # (History comes after this callback): kept when the validation began, else
+            # now. Reads only in that case.
+            results = self._results
+            if results is None:
+                results = self.model.get_metrics_result()
+            for key in bad:
+                if key in results:
+                    logs[key] = float(keras.ops.convert_to_numpy(results[key]))
         self._results = None
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._last_check()
+        self._last_check(keep_results=False)
         self._results = None
         self.flush()
 
-    def _last_check(self) -> None:
-        """Check the epoch's last batch; keep the metrics after it (tensors: no read)."""
+    def _last_check(self, keep_results: bool = True) -> None:
+        """Check the epoch's last batch; with ``keep_results`` keep the metrics after it
+        (tensors: no read), which the validation is about to reset."""
         if self._stepped:
             self._check()
-            self._results = self.model.get_metrics_result()
+            if keep_results:
+                self._results = self.model.get_metrics_result()
         self._stepped = False
 
     def _sync(self) -> None:
@@ -112,7 +119,7 @@ class DeferredGuardCallback(GuardCallback):
         n, self._pending = self._pending, 0
         if not n:
             return
-        rows = self._read_rows(n)
+        rows, state = self._read(n)
         decisions = []
         for r in rows:
             d = dict(zip(FIELDS, r[: len(FIELDS)].tolist(), strict=True))
@@ -121,7 +128,7 @@ class DeferredGuardCallback(GuardCallback):
             d["reasons"], d["step"] = int(d["reasons"]), int(d["step"])
             decisions.append(d)
         layers = list(rows[:, len(FIELDS) :]) if self.guard.track_layers else None
-        self.state = self._device_state()
+        self.state = state
         rolled = self.runner.after_steps(
             decisions, layers, self._host, lambda: self.state, int(self.state.step)
         )
@@ -138,6 +145,10 @@ class DeferredGuardCallback(GuardCallback):
     def _device_check(self, i: int) -> None:
         """Decide step ``i`` of the pending ones on the device, undo it there when bad."""
         raise NotImplementedError
+
+    def _read(self, n: int) -> tuple[Any, policy.GuardState]:
+        """``(_read_rows(n), _device_state())``; a backend may read both at once."""
+        return self._read_rows(n), self._device_state()
 
     def _read_rows(self, n: int) -> Any:
         """The ``n`` pending rows as NumPy float32 ``[n, len(FIELDS) + layers]``."""

@@ -1,0 +1,135 @@
+"""The TensorFlow device mode of the Keras guard (``TrainingGuard(host_every=k)``,
+``guard_device.py``) decides, skips and rolls back exactly as the per-batch host mode: the
+same events, history and final state over two ``fit`` calls (the second after the first's
+final read), where the rollback falls on a read (device mode acts on a rollback, and takes a
+snapshot, when it reads: docs/semantics.md §16.12).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+keras = pytest.importorskip("keras")
+pytest.importorskip("tensorflow")
+if keras.backend.backend() != "tensorflow":
+    pytest.skip("Keras runs another backend in this process", allow_module_level=True)
+
+import numstab as ns  # noqa: E402
+from numstab.frameworks.keras.guard_device import DeviceGuardCallback  # noqa: E402
+
+BATCH, STEPS = 16, 36  # an epoch: 36 steps, a multiple of every host_every below
+_rng = np.random.default_rng(3)
+X = _rng.standard_normal((STEPS * BATCH, 8)).astype("float32")
+Y = (X @ _rng.standard_normal((8, 1))).astype("float32")
+BAD = X.copy()
+BAD[5 * BATCH, 0] = np.nan  # step 5: a lone skip
+BAD[15 * BATCH : 18 * BATCH, 1] = np.nan  # steps 15-17: three skips, a rollback at step 17
+BAD[35 * BATCH, 2] = np.nan  # step 35, the epoch's last: Keras' epoch logs are NaN until mended
+SPIKY = Y.copy()
+SPIKY[30 * BATCH : 31 * BATCH] *= 1e3  # step 36 + 30 = 66 (second fit): a loss spike
+
+
+def _run(host_every: int):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=False)
+    guard = ns.TrainingGuard(
+        snapshot_every=1000,
+        rollback_after=3,
+        rollback_window=4,
+        host_every=host_every,
+        loss_spikes=ns.SpikeDetector(window=8, sigma=4.0, warmup=4),
+    )
+    cb = guard.keras_callback()
+    logs = []
+    # the second fit() keeps the callback's device state (undo copy, slot, guard state)
+    for x, y, epochs in ((BAD, Y, 1), (X, SPIKY, 2)):
+        h = model.fit(
+            x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[cb]
+        )
+        logs.append(h.history)
+    cb.logs = logs
+    return model, cb
+
+
+def _events(cb):
+    return [
+        (e["event"], e["step"], tuple(e.get("reasons", ())))
+        for e in cb.events
+        if e["event"] in ("skip", "rollback", "snapshot")
+    ]
+
+
+@pytest.mark.parametrize("host_every", [3, 6])
+def test_device_mode_equals_host_mode_through_skips_a_rollback_and_two_fits(host_every):
+    host_model, host_cb = _run(1)
+    model, cb = _run(host_every)
+    assert isinstance(cb, DeviceGuardCallback)
+    want_events = _events(host_cb)
+    assert ("skip", 5, ("nonfinite_loss", "nonfinite_grad")) in want_events
+    assert ("rollback", 17, ()) in want_events
+    assert ("skip", STEPS + 30, ("loss_spike",)) in want_events
+    assert ("skip", 35, ("nonfinite_loss", "nonfinite_grad")) in want_events
+    assert _events(cb) == want_events
+    assert cb.logs == host_cb.logs and np.isfinite(cb.logs[0]["loss"]).all(), cb.logs
+    h, want = cb.history.as_arrays(), host_cb.history.as_arrays()
+    assert h.keys() == want.keys()
+    # the norms and the loss: float32 on the device, float64 then float32 on the host (a
+    # few ulps apart); the rest exactly
+    rtol = 8 * np.finfo(np.float32).eps
+    for key in want.keys() - {"names"}:  # the layers' names differ: two models
+        if np.asarray(want[key]).dtype.kind == "f":
+            np.testing.assert_allclose(h[key], want[key], rtol=rtol, atol=0, err_msg=key)
+        else:
+            np.testing.assert_array_equal(h[key], want[key], err_msg=key)
+    for a, b in zip(model.weights, host_model.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    for a, b in zip(model.optimizer.variables, host_model.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert int(cb.state.step) == int(host_cb.state.step) == 3 * STEPS
+
+
+def test_device_step_takes_no_argument():
+    """The compiled per-batch check is called without arguments (its row index lives in a
+    variable), as a concrete function: a tensor argument, and a ``tf.function``'s dispatch,
+    each cost the CPU as much as the decision itself."""
+    _, cb = _run(3)
+    import tensorflow as tf
+
+    assert isinstance(cb._fn, tf.types.experimental.ConcreteFunction), type(cb._fn)
+    signature = cb._fn.structured_input_signature
+    assert signature == ((), {}), signature
+
+
+@pytest.mark.parametrize("loss_spikes", [None, ns.SpikeDetector(window=5, warmup=3)])
+def test_packed_guard_state_round_trips_on_host_and_in_tensorflow(loss_spikes):
+    import tensorflow as tf
+
+    from numstab.backends import load_backend
+    from numstab.frameworks.keras.guard_device import _Layout
+
+    guard = ns.TrainingGuard(loss_spikes=loss_spikes, rollback_window=6)
+    rng = np.random.default_rng(0)
+    state = tf.nest.map_structure(  # distinct values in every slot
+        lambda x: (
+            rng.integers(1, 99, np.shape(x)) + 0.5 * (np.asarray(x).dtype.kind == "f")
+        ).astype(np.asarray(x).dtype),
+        guard.init_state(load_backend("numpy")),
+    )
+    layout = _Layout(state)
+    host = layout.pack(state, np)
+    device = layout.pack(tf.nest.map_structure(tf.constant, state), tf)
+    assert sorted(host) == sorted(device) == ["float32", "int32"]
+    for name in host:
+        np.testing.assert_array_equal(device[name].numpy(), host[name])
+    for back in (layout.unpack(host, copy=True), layout.unpack(device)):
+        assert type(back) is type(state)
+        for a, b in zip(tf.nest.flatten(tuple(back)), tf.nest.flatten(tuple(state)), strict=True):
+            assert np.asarray(a).dtype == b.dtype and np.shape(a) == b.shape
+            np.testing.assert_array_equal(np.asarray(a), b)
