@@ -16,8 +16,11 @@ steady step stays on the device, the host reads every k steps; docs/semantics.md
   after it); and each part alone.
 * jax: a jitted ``value_and_grad`` + ``tx.update`` + ``apply_updates`` against the jitted
   ``guarded_step`` (norms and decision inside jit, a select) followed by ``after_step``
-  on the host (host mode: one ``device_get`` per step; device mode: none). The floor: the
-  plain jitted step also computing the gradient norms.
+  on the host (host mode: one ``device_get`` per step; device mode: none). Floors: the
+  plain jitted step also computing the gradient norms (``norms alone``), and also keeping
+  params and optimizer state only where the global norm is finite (``norms + skip
+  select``: a ``where`` per leaf, so every leaf's update waits for a reduction over all the
+  gradients, as in any guard that can skip a step; the device mode's floor).
 * keras: ``model.fit`` (TensorFlow backend; another with ``KERAS_BACKEND=jax`` or ``torch``)
   with and without ``guard.keras_callback()``. The
   floor: the undo copy of the state and the update norms alone, in one ``tf.function``.
@@ -214,14 +217,22 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
         loss, grads = jax.value_and_grad(loss_fn)(params)
         return guarded_step(guard, tx, params, opt_state, gstate, loss, grads)
 
-    @jax.jit
-    def norms_step(params, opt_state):  # the floor: the plain step and the guard's norms
+    @functools.partial(jax.jit, static_argnums=0)
+    def norms_step(skip, params, opt_state):  # the floors: the plain step + the guard's norms
         grads = jax.grad(loss_fn)(params)
         norms = jnp.stack([jnp.linalg.norm(g) for g in jax.tree.leaves(grads)])
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jnp.linalg.norm(norms)
+        total = jnp.linalg.norm(norms)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if not skip:
+            return new_params, new_opt, total
+        # + the select any guard that can skip a step needs: every leaf's update waits for
+        # a verdict on all the gradients (here the cheapest one: a finite global norm)
+        ok = jnp.isfinite(total)
+        pick = functools.partial(jnp.where, ok)
+        return jax.tree.map(pick, new_params, params), jax.tree.map(pick, new_opt, opt_state), total
 
-    state = {"plain": (params0, tx.init(params0)), "floor": (params0, tx.init(params0))}
+    state = {k: (params0, tx.init(params0)) for k in ("plain", "floor", "floor_skip")}
 
     def plain(n, tick=None):
         p, o = state["plain"]
@@ -231,13 +242,16 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
                 tick()
         state["plain"] = (p, o)
 
-    def floor(n, tick=None):
-        p, o = state["floor"]
-        for _ in range(n):
-            p, o, _ = norms_step(p, o)
-            if tick is not None:
-                tick()
-        state["floor"] = (p, o)
+    def floor_loop(name, skip):
+        def run(n, tick=None):
+            p, o = state[name]
+            for _ in range(n):
+                p, o, _ = norms_step(skip, p, o)
+                if tick is not None:
+                    tick()
+            state[name] = (p, o)
+
+        return run
 
     def guarded_loop(name, host_every):
         guard = TrainingGuard(snapshot_every=args.snapshot_every, host_every=host_every)
@@ -259,11 +273,12 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
         "plain": plain,
         "host": guarded_loop("host", 1),
         "device": guarded_loop("device", args.host_every),
-        "floor": floor,
+        "floor": floor_loop("floor", False),
+        "floor_skip": floor_loop("floor_skip", True),
     }
     for fn in loops.values():
         fn(20)
-    for name in ("host", "device", "floor"):
+    for name in ("host", "device", "floor", "floor_skip"):
         for a, b in zip(*(jax.tree.leaves(state[k][0]) for k in ("plain", name)), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -274,6 +289,7 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
         ("jax", "host", "plain", "host"),
         ("jax", f"device (host_every={args.host_every})", "plain", "device"),
         ("jax", "floor: gradient norms alone", "plain", "floor"),
+        ("jax", "floor: norms + skip select", "plain", "floor_skip"),
     ]
     return _measure("jax", loops, pairs, args, sync)
 
