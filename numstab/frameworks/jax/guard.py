@@ -170,10 +170,10 @@ class OptaxGuard:
 
     # -- the Adapter protocol of GuardRunner -------------------------------------------------------
     def capture(self) -> tuple[Any, Any]:
-        return jax.tree.map(lambda x: jnp.array(x, copy=True), self._current)
+        return _copy(self._current)
 
     def restore(self, payload: tuple[Any, Any]) -> None:
-        self._current = jax.tree.map(lambda x: jnp.array(x, copy=True), payload)
+        self._current = _copy(payload)
 
     def scale_lr(self, ratio: float) -> None:
         """Nothing to do: the factor lives in the guard state and scales the updates."""
@@ -190,6 +190,14 @@ class OptaxGuard:
             jax.tree.unflatten(p_def, [jnp.asarray(x) for x in tree["params"]]),
             jax.tree.unflatten(o_def, [jnp.asarray(x) for x in tree["opt_state"]]),
         )
+
+
+@jax.jit
+def _copy(tree: Any) -> Any:
+    """A copy of every array of ``tree`` in new buffers (safe to donate the originals), in
+    one dispatch: one eager copy per leaf took about 1.0 ms per snapshot of a 4x256 MLP with
+    Adam (31 leaves) on CPU, this 0.55-0.75 ms."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
 @jax.jit
