@@ -23,7 +23,8 @@ steady step stays on the device, the host reads every k steps; docs/semantics.md
   gradients, as in any guard that can skip a step; the device mode's floor). The batches
   cycle through a pool of 128 (a noisy teacher; a single fixed batch is memorised until its
   wobbles read as loss spikes); the run fails if a guard rolled back, and reports the steps
-  its detectors skipped (``guard_skipped_steps``; the same work as an applied step).
+  its detectors skipped (``guard_skipped_steps``; the same work as an applied step). The
+  row ``floor gap`` is the device mode over the ``norms + skip select`` floor, per round.
 * keras: ``model.fit`` (TensorFlow backend; another with ``KERAS_BACKEND=jax`` or ``torch``)
   with and without ``guard.keras_callback()``. The
   floor: the undo copy of the state and the update norms alone, in one ``tf.function``.
@@ -303,20 +304,21 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
         ("jax", f"device (host_every={args.host_every})", "plain", "device"),
         ("jax", "floor: gradient norms alone", "plain", "floor"),
         ("jax", "floor: norms + skip select", "plain", "floor_skip"),
+        # the device mode against its own floor, round by round: what the guard adds
+        ("jax", "floor gap: device / skip floor", "floor_skip", "device"),
     ]
     rows = _measure("jax", loops, pairs, args, sync)
-    for (*_, name), row in zip(pairs, rows, strict=True):
-        if name not in guards:
-            continue
-        og = guards[name]
+    for name, og in guards.items():
         p, o, g, steps = state[name]
         og.flush(p, o, g)
         # a skipped step is the same work as an applied one (a select); a rollback is not
         if og.runner.rollbacks:
             bad = [e for e in og.events if e["event"] != "snapshot"]
             raise RuntimeError(f"jax {name}: the guard rolled back: {bad[:4]}")
-        row["guard_skipped_steps"] = og.runner.skipped
         print(f"   jax {name}: the detectors skipped {og.runner.skipped} of {steps} steps")
+    for (*_, name), row in zip(pairs, rows, strict=True):
+        if name in guards:
+            row["guard_skipped_steps"] = guards[name].runner.skipped
     return rows
 
 
