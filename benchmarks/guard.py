@@ -16,8 +16,15 @@ steady step stays on the device, the host reads every k steps; docs/semantics.md
   after it); and each part alone.
 * jax: a jitted ``value_and_grad`` + ``tx.update`` + ``apply_updates`` against the jitted
   ``guarded_step`` (norms and decision inside jit, a select) followed by ``after_step``
-  on the host (host mode: one ``device_get`` per step; device mode: none). The floor: the
-  plain jitted step also computing the gradient norms.
+  on the host (host mode: one ``device_get`` per step; device mode: none). Floors: the
+  plain jitted step also computing the gradient norms (``norms alone``), and also keeping
+  params and optimizer state only where the global norm is finite (``norms + skip
+  select``: a ``where`` per leaf, so every leaf's update waits for a reduction over all the
+  gradients, as in any guard that can skip a step; the device mode's floor). The batches
+  cycle through a pool of 128 (a noisy teacher; a single fixed batch is memorised until its
+  wobbles read as loss spikes); the run fails if a guard rolled back, and reports the steps
+  its detectors skipped (``guard_skipped_steps``; the same work as an applied step). The
+  row ``floor gap`` is the device mode over the ``norms + skip select`` floor, per round.
 * keras: ``model.fit`` (TensorFlow backend; another with ``KERAS_BACKEND=jax`` or ``torch``)
   with and without ``guard.keras_callback()``. Floors (TensorFlow), in one ``tf.function``:
   the undo copy of the state and the update norms alone; and with the gate any guard that
@@ -195,65 +202,86 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
         {"w": jax.random.normal(k, (i, o)) / np.sqrt(i), "b": jnp.zeros(o)}
         for k, i, o in zip(keys, sizes[:-1], sizes[1:], strict=True)
     ]
-    x = jax.random.normal(jax.random.PRNGKey(1), (args.batch, 32))
-    y = jax.random.normal(jax.random.PRNGKey(2), (args.batch, 1))
+    # a noisy teacher over a pool of batches, cycled: the loss levels off near the noise
+    # (a single fixed batch is memorised to a loss of ~1e-13 within ~400 steps, where its
+    # relative wobbles read as spikes: skipped steps and rollbacks, not healthy steps)
+    pool = 128  # batches; enough that 4000 steps of the 4x256 MLP stay healthy
+    kx, kt, kn = jax.random.split(jax.random.PRNGKey(1), 3)
+    xs = jax.random.normal(kx, (pool, args.batch, 32))
+    teacher = jax.random.normal(kt, (32, 1)) / np.sqrt(32)
+    ys = jnp.sin(3 * xs @ teacher) + 0.5 * jax.random.normal(kn, (pool, args.batch, 1))
+    batches = [(xs[i], ys[i]) for i in range(pool)]
     tx = optax.adam(1e-3)
 
-    def loss_fn(params):
+    def loss_fn(params, x, y):
         h = x
         for layer in params[:-1]:
             h = jnp.tanh(h @ layer["w"] + layer["b"])
         return jnp.mean((h @ params[-1]["w"] + params[-1]["b"] - y) ** 2)
 
     @jax.jit
-    def plain_step(params, opt_state):
-        grads = jax.grad(loss_fn)(params)
+    def plain_step(params, opt_state, x, y):
+        grads = jax.grad(loss_fn)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
     @functools.partial(jax.jit, static_argnums=0)
-    def guard_step(guard, params, opt_state, gstate):
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+    def guard_step(guard, params, opt_state, gstate, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         return guarded_step(guard, tx, params, opt_state, gstate, loss, grads)
 
-    @jax.jit
-    def norms_step(params, opt_state):  # the floor: the plain step and the guard's norms
-        grads = jax.grad(loss_fn)(params)
+    @functools.partial(jax.jit, static_argnums=0)
+    def norms_step(skip, params, opt_state, x, y):  # the floors: plain step + guard's norms
+        grads = jax.grad(loss_fn)(params, x, y)
         norms = jnp.stack([jnp.linalg.norm(g) for g in jax.tree.leaves(grads)])
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jnp.linalg.norm(norms)
+        total = jnp.linalg.norm(norms)
+        updates, new_opt = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if not skip:
+            return new_params, new_opt, total
+        # + the select any guard that can skip a step needs: every leaf's update waits for
+        # a verdict on all the gradients (here the cheapest one: a finite global norm)
+        ok = jnp.isfinite(total)
+        pick = functools.partial(jnp.where, ok)
+        return jax.tree.map(pick, new_params, params), jax.tree.map(pick, new_opt, opt_state), total
 
-    state = {"plain": (params0, tx.init(params0)), "floor": (params0, tx.init(params0))}
+    # name -> [params, opt_state, (guard state,) steps taken]: every loop sees the same batches
+    state = {k: [params0, tx.init(params0), 0] for k in ("plain", "floor", "floor_skip")}
 
     def plain(n, tick=None):
-        p, o = state["plain"]
-        for _ in range(n):
-            p, o = plain_step(p, o)
+        p, o, start = state["plain"]
+        for i in range(start, start + n):
+            p, o = plain_step(p, o, *batches[i % pool])
             if tick is not None:
                 tick()
-        state["plain"] = (p, o)
+        state["plain"] = [p, o, start + n]
 
-    def floor(n, tick=None):
-        p, o = state["floor"]
-        for _ in range(n):
-            p, o, _ = norms_step(p, o)
-            if tick is not None:
-                tick()
-        state["floor"] = (p, o)
+    def floor_loop(name, skip):
+        def run(n, tick=None):
+            p, o, start = state[name]
+            for i in range(start, start + n):
+                p, o, _ = norms_step(skip, p, o, *batches[i % pool])
+                if tick is not None:
+                    tick()
+            state[name] = [p, o, start + n]
+
+        return run
+
+    guards = {}
 
     def guarded_loop(name, host_every):
         guard = TrainingGuard(snapshot_every=args.snapshot_every, host_every=host_every)
-        og = guard.for_optax()
-        state[name] = (params0, tx.init(params0), og.init(params0, tx.init(params0)))
+        og = guards[name] = guard.for_optax()
+        state[name] = [params0, tx.init(params0), og.init(params0, tx.init(params0)), 0]
 
         def run(n, tick=None):
-            p, o, g = state[name]
-            for _ in range(n):
-                p, o, g, d = guard_step(guard, p, o, g)
+            p, o, g, start = state[name]
+            for i in range(start, start + n):
+                p, o, g, d = guard_step(guard, p, o, g, *batches[i % pool])
                 p, o, g = og.after_step(d, p, o, g)
                 if tick is not None:
                     tick()
-            state[name] = (p, o, g)
+            state[name] = [p, o, g, start + n]
 
         return run
 
@@ -261,23 +289,39 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
         "plain": plain,
         "host": guarded_loop("host", 1),
         "device": guarded_loop("device", args.host_every),
-        "floor": floor,
+        "floor": floor_loop("floor", False),
+        "floor_skip": floor_loop("floor_skip", True),
     }
     for fn in loops.values():
         fn(20)
-    for name in ("host", "device", "floor"):
+    for name in ("host", "device", "floor", "floor_skip"):
         for a, b in zip(*(jax.tree.leaves(state[k][0]) for k in ("plain", name)), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
     def sync():
-        jax.block_until_ready(list(state.values()))
+        jax.block_until_ready([s[:-1] for s in state.values()])
 
     pairs = [
         ("jax", "host", "plain", "host"),
         ("jax", f"device (host_every={args.host_every})", "plain", "device"),
         ("jax", "floor: gradient norms alone", "plain", "floor"),
+        ("jax", "floor: norms + skip select", "plain", "floor_skip"),
+        # the device mode against its own floor, round by round: what the guard adds
+        ("jax", "floor gap: device / skip floor", "floor_skip", "device"),
     ]
-    return _measure("jax", loops, pairs, args, sync)
+    rows = _measure("jax", loops, pairs, args, sync)
+    for name, og in guards.items():
+        p, o, g, steps = state[name]
+        og.flush(p, o, g)
+        # a skipped step is the same work as an applied one (a select); a rollback is not
+        if og.runner.rollbacks:
+            bad = [e for e in og.events if e["event"] != "snapshot"]
+            raise RuntimeError(f"jax {name}: the guard rolled back: {bad[:4]}")
+        print(f"   jax {name}: the detectors skipped {og.runner.skipped} of {steps} steps")
+    for (*_, name), row in zip(pairs, rows, strict=True):
+        if name in guards:
+            row["guard_skipped_steps"] = guards[name].runner.skipped
+    return rows
 
 
 def keras_case(args: argparse.Namespace) -> list[dict]:
