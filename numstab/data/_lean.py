@@ -56,15 +56,14 @@ def handle_flat(fw: Firewall, batch: Any, counted: list) -> Any:
     found = _flat_found(leaves, axis, counted, fw.policy == "replace")
     if found is None:
         return UNHANDLED
-    founds, takes = found
-    names = list(batch) if cls is dict else range(len(leaves))
-    dirty = [
-        ("<batch>" if cls is np.ndarray else f"[{name!r}]", f)
-        for name, f in zip(names, founds, strict=True)
-        if f is not None
-    ]
+    at, takes = found
+    if cls is dict:
+        keys = list(batch)
+        dirty = [(f"[{keys[k]!r}]", f) for k, f in at]
+    else:
+        dirty = [("<batch>" if cls is np.ndarray else f"[{k!r}]", f) for k, f in at]
     stats, n = fw.stats, leaves[0].shape[axis]
-    first_index, number = stats.samples_seen, fw._batch_in_epoch
+    first_index, number = stats.samples_seen, stats.batches_seen - fw._epoch_start
     stats.samples_seen += n
     stats.batches_seen += 1
     if not dirty:  # every suspect was a finite sum that overflowed
@@ -72,56 +71,56 @@ def handle_flat(fw: Firewall, batch: Any, counted: list) -> Any:
         return batch
     flagged, bad_values = _record(fw, dirty, first_index, number)
     if fw.policy == "replace":  # NumPy leaves only (``_flat_found``)
-        be = load_backend("numpy")
-        values = [
-            x if f is None else be.where(be.isfinite(x), x, fw.replace_value)
-            for x, f in zip(leaves, founds, strict=True)
-        ]
+        be, values = load_backend("numpy"), list(leaves)
+        for k, _ in at:
+            x = values[k]
+            values[k] = be.where(be.isfinite(x), x, fw.replace_value)
         stats.replaced_values += bad_values
         kept = n
     else:
-        idx, index = _kept(n, flagged), {}
-        values = []
-        for x, gather in zip(leaves, takes, strict=True):
-            if gather is None:
-                values.append(x.take(idx, axis=axis))
-                continue
-            if gather not in index:  # one conversion of the index per framework
-                index[gather] = gather.index(idx)
-            values.append(gather.take(x, index[gather], axis))
+        idx = _kept(n, flagged)
+        if takes is None:  # NumPy leaves only
+            values = [x.take(idx, axis=axis) for x in leaves]
+        else:
+            values, index = [], {}
+            for x, gather in zip(leaves, takes, strict=True):
+                if gather is None:
+                    values.append(x.take(idx, axis=axis))
+                    continue
+                if gather not in index:  # one conversion of the index per framework
+                    index[gather] = gather.index(idx)
+                values.append(gather.take(x, index[gather], axis))
         kept = n - len(flagged)
     stats.samples_passed += kept
     if kept == 0 and not fw.keep_empty:
         stats.batches_skipped += 1
         return None
     if cls is dict:
-        return dict(zip(batch, values, strict=True))
+        return dict(zip(keys, values, strict=True))
     return cls(values) if cls is not np.ndarray else values[0]
 
 
 def _flat_found(
     leaves: Any, axis: int, counted: list, numpy_only: bool
-) -> tuple[list, list] | None:
-    """Per leaf, its non-finite values (``Found``, None when finite or exact) and its gather
-    (None: NumPy's ``take``; else ``index(positions)`` once, then ``take(x, index, axis)``);
-    None when a leaf is neither a batched NumPy array nor taken by
-    a loaded framework's ``data.flat_leaf`` (or, with ``numpy_only``, not NumPy)."""
+) -> tuple[list, list | None] | None:
+    """``(dirty, takes)``: ``(k, Found)`` for each leaf ``k`` holding a NaN or inf, in order,
+    and per leaf its gather (None: NumPy's ``take``; else ``index(positions)`` once, then
+    ``take(x, index, axis)``), ``takes`` itself None when every leaf is NumPy. None when a
+    leaf is neither a batched NumPy array nor taken by a loaded framework's
+    ``data.flat_leaf`` (or, with ``numpy_only``, not NumPy)."""
     # ``counted`` lists the dirty NumPy children in order (one entry per child, even for one
     # array held twice), so each is matched to the next child that is that very array; the
     # fast path read every NumPy child, so the others are clean or exact
     pending = iter(counted)
     leaf, found = next(pending, (None, None))
-    founds, takes, hooks = [], [], None
-    for x in leaves:
+    dirty, takes, hooks = [], None, None
+    for k, x in enumerate(leaves):
         if type(x) is np.ndarray:
             if x.ndim <= axis:
                 return None
             if x is leaf:
-                founds.append(found)
+                dirty.append((k, found))
                 leaf, found = next(pending, (None, None))
-            else:
-                founds.append(None)
-            takes.append(None)
             continue
         if numpy_only:
             return None
@@ -133,9 +132,12 @@ def _flat_found(
         else:
             return None
         view, take = got
-        founds.append(None if view is None else find(view, axis))
-        takes.append(take)
-    return founds, takes
+        if view is not None and (tensor_found := find(view, axis)) is not None:
+            dirty.append((k, tensor_found))
+        if takes is None:
+            takes = [None] * len(leaves)
+        takes[k] = take
+    return dirty, takes
 
 
 def _kept(n: int, flagged: list) -> np.ndarray:
