@@ -226,10 +226,25 @@ def _record(
 ) -> tuple[list[int], int]:
     """A SampleRecord per flagged sample and the NaN/inf totals, as ``Firewall._record``
     writes them, from ``dirty``: ``(label, Found)`` per dirty field in flatten order. Returns
-    the flagged positions, in increasing order, and the number of non-finite values."""
-    per_sample = _per_sample(dirty)
+    the flagged positions, in increasing order, and the number of non-finite values.
+
+    One non-finite value in the batch (the common dirty batch) takes a few lines of its own:
+    in the loader's loop a dirty batch runs cold, where each Python step costs several times
+    its hot time (median 57-63 against 12 us hot per dirty 256 x 32 batch, 2026-12-04)."""
     stats = fw.stats
     action = "dropped" if fw.policy == "drop" else "replaced"
+    if len(dirty) == 1 and dirty[0][1].size == 1:
+        label, found = dirty[0]
+        ((i, is_nan),) = found.sparse()
+        nan = 1 if is_nan else 0
+        record = new_record(
+            first_index + i, fw._epoch, number, i, "nonfinite", action, (label,), nan, 1 - nan
+        )
+        stats.records.append(record)
+        stats.nan_values += nan
+        stats.inf_values += 1 - nan
+        return [i], 1
+    per_sample = _per_sample(dirty)
     append, epoch = stats.records.append, fw._epoch
     nan_values = bad_values = 0
     flagged = sorted(per_sample)
