@@ -964,3 +964,48 @@ def test_kept_positions_from_the_cached_mask_stay_exact():
             np.testing.assert_array_equal(_lean._kept(n, flagged), want)
     assert all(mask.all() for mask in _lean._ALL_KEPT.values())
     assert len(_lean._ALL_KEPT) <= _lean._ALL_KEPT_MAX
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("kind", ["dict", "list", "tuple", "array"])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("policy", ["drop", "replace"])
+def test_one_nonfinite_value_records_as_the_general_path(monkeypatch, value, kind, axis, policy):
+    """A batch with exactly one NaN/inf value (``_lean._record``'s own lines) against the
+    general path: records (NaN vs inf counts, field, position), totals and output; the
+    value sits in the second float field, after a clean one."""
+    from numstab.data import _lean
+
+    rng = np.random.default_rng(3)
+    shape = (5, 4) if axis == 0 else (4, 5)
+    a, b = rng.normal(size=shape), rng.normal(size=shape).astype(np.float32)
+    b[(3, 2) if axis == 0 else (2, 3)] = value
+    labels = np.arange(5)
+    batch = {
+        "dict": {"a": a, "b": b, "labels": labels},
+        "list": [a, b, labels],
+        "tuple": (a, b),
+        "array": b,
+    }[kind]
+
+    def run():
+        fw = Firewall(policy, batch_axis=axis)
+        fw.process(a if kind == "array" else (a, a))  # a clean batch first
+        return fw.process(batch), fw.stats
+
+    out, stats = run()
+    with monkeypatch.context() as m:
+        m.setattr(_lean, "handle_flat", lambda *a: _lean.UNHANDLED)
+        m.setattr(_lean, "handle", lambda *a: _lean.UNHANDLED)
+        want_out, want = run()
+    assert len(stats.records) == 1 and stats.records == want.records
+    assert stats.records[0].nan_count == int(np.isnan(value)) and stats.records[0].position == 3
+    assert stats.summary() == want.summary()
+
+    def leaves(o):
+        return [o] if isinstance(o, np.ndarray) else list(o.values() if type(o) is dict else o)
+
+    assert type(out) is type(want_out)
+    for g, e in zip(leaves(out), leaves(want_out), strict=True):
+        assert g.dtype == e.dtype
+        np.testing.assert_array_equal(g, e)
