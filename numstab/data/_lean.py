@@ -57,11 +57,11 @@ def handle_flat(fw: Firewall, batch: Any, counted: list) -> Any:
     if found is None:
         return UNHANDLED
     at, takes = found
-    if cls is dict:
-        keys = list(batch)
-        dirty = [(f"[{keys[k]!r}]", f) for k, f in at]
-    else:
-        dirty = [("<batch>" if cls is np.ndarray else f"[{k!r}]", f) for k, f in at]
+    keys = list(batch) if cls is dict else None
+    dirty = []  # (label, Found); a loop, not a comprehension: one dirty leaf, mostly
+    for k, f in at:
+        label = "<batch>" if cls is np.ndarray else f"[{k if keys is None else keys[k]!r}]"
+        dirty.append((label, f))
     stats, n = fw.stats, leaves[0].shape[axis]
     first_index, number = stats.samples_seen, stats.batches_seen - fw._epoch_start
     stats.samples_seen += n
