@@ -14,6 +14,11 @@ answers ``UNHANDLED`` before touching the stats, and the general path decides.
 Measured on a dirty 256 x 32 float32 + int64 dict batch, hot (timeit, 2-core shared machine,
 2026-12-04): general path ~135 us; this way ~20 us before the sparse form, ~10 us after,
 against ~7.6 us for the benchmark's drop floor (the read, the kept rows, two ``take``).
+Then (issue 20, 2026-12-04, later): records built in one step (``stats.new_record``), a
+cached all-true mask, one non-finite value recorded in a few lines, no per-leaf lists for an
+all-NumPy batch. Per dirty 256 x 32 dict batch, old and new code in one process, load ~4.3:
+hot (min of 21) 14.5 -> 10.5 us against the floor's 7.9; in the benchmark's loop, where a
+dirty batch runs cold (median per batch) 31.8 -> 22.7 us against 15.7.
 """
 
 from __future__ import annotations
