@@ -931,3 +931,81 @@ def test_short_way_locates_one_or_a_few_values_in_any_layout(monkeypatch, layout
     assert stats.records == want.records and len(stats.records) == len({s[axis] for s in spots})
     for key in ("x", "y"):
         np.testing.assert_array_equal(out[key], want_out[key])
+
+
+def test_new_record_is_a_sample_record_in_every_way():
+    import dataclasses
+    import pickle
+
+    from numstab.data.stats import SampleRecord, new_record
+
+    values = (7, 1, 3, 2, "nonfinite", "dropped", ("['x']", "['w']"), 2, 1)
+    got, want = new_record(*values), SampleRecord(*values)
+    assert type(got) is SampleRecord
+    assert got == want and hash(got) == hash(want) and repr(got) == repr(want)
+    assert dataclasses.asdict(got) == dataclasses.asdict(want)
+    assert list(vars(got)) == [f.name for f in dataclasses.fields(SampleRecord)]
+    assert pickle.loads(pickle.dumps(got)) == want
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.index = 0
+    assert new_record(*values[:-1], 0) != want
+
+
+def test_kept_positions_from_the_cached_mask_stay_exact():
+    """``_lean._kept`` copies a cached all-true mask per batch size: the cache is never
+    written, whatever sizes and flagged sets follow one another."""
+    from numstab.data import _lean
+
+    rng = np.random.default_rng(5)
+    for n in [256, 3, 256, 1, 40, 256, *range(2, 2 + 2 * _lean._ALL_KEPT_MAX)]:
+        for count in (0, 1, 8, 9, n):
+            flagged = sorted(rng.choice(n, size=min(count, n), replace=False).tolist())
+            want = np.setdiff1d(np.arange(n), flagged)
+            np.testing.assert_array_equal(_lean._kept(n, flagged), want)
+    assert all(mask.all() for mask in _lean._ALL_KEPT.values())
+    assert len(_lean._ALL_KEPT) <= _lean._ALL_KEPT_MAX
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("kind", ["dict", "list", "tuple", "array"])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("policy", ["drop", "replace"])
+def test_one_nonfinite_value_records_as_the_general_path(monkeypatch, value, kind, axis, policy):
+    """A batch with exactly one NaN/inf value (``_lean._record``'s own lines) against the
+    general path: records (NaN vs inf counts, field, position), totals and output; the
+    value sits in the second float field, after a clean one."""
+    from numstab.data import _lean
+
+    rng = np.random.default_rng(3)
+    shape = (5, 4) if axis == 0 else (4, 5)
+    a, b = rng.normal(size=shape), rng.normal(size=shape).astype(np.float32)
+    b[(3, 2) if axis == 0 else (2, 3)] = value
+    labels = np.arange(5)
+    batch = {
+        "dict": {"a": a, "b": b, "labels": labels},
+        "list": [a, b, labels],
+        "tuple": (a, b),
+        "array": b,
+    }[kind]
+
+    def run():
+        fw = Firewall(policy, batch_axis=axis)
+        fw.process(a if kind == "array" else (a, a))  # a clean batch first
+        return fw.process(batch), fw.stats
+
+    out, stats = run()
+    with monkeypatch.context() as m:
+        m.setattr(_lean, "handle_flat", lambda *a: _lean.UNHANDLED)
+        m.setattr(_lean, "handle", lambda *a: _lean.UNHANDLED)
+        want_out, want = run()
+    assert len(stats.records) == 1 and stats.records == want.records
+    assert stats.records[0].nan_count == int(np.isnan(value)) and stats.records[0].position == 3
+    assert stats.summary() == want.summary()
+
+    def leaves(o):
+        return [o] if isinstance(o, np.ndarray) else list(o.values() if type(o) is dict else o)
+
+    assert type(out) is type(want_out)
+    for g, e in zip(leaves(out), leaves(want_out), strict=True):
+        assert g.dtype == e.dtype
+        np.testing.assert_array_equal(g, e)

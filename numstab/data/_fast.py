@@ -104,7 +104,7 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
     sums = sizes = dirty = None
     try:
         for leaf in children:
-            if type(leaf) is np.ndarray and leaf.ndim > batch_axis:
+            if type(leaf) is _ndarray and leaf.ndim > batch_axis:
                 n = len(leaf) if batch_axis == 0 else leaf.shape[batch_axis]
                 if n != size:
                     if size >= 0:
@@ -113,9 +113,10 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
                 # the common dtypes by identity (builtin dtypes are singletons), others by kind
                 dtype = leaf.dtype
                 if dtype is _F32 or dtype is _F64 or (dtype is not _I64 and dtype.kind == "f"):
-                    if leaf.size < SUM_MIN_SIZE:  # ``find``'s small route, inline
+                    values = leaf.size
+                    if values < SUM_MIN_SIZE:  # ``find``'s small route, inline
                         finite = _isfinite(leaf)
-                        bad = leaf.size - _count_nonzero(finite)
+                        bad = values - _count_nonzero(finite)
                         if not bad:
                             continue
                         found = mask_found(leaf, batch_axis, finite, bad)
@@ -161,7 +162,7 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
 
 _TEXT = (str, bytes)
 _F32, _F64, _I64 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64)
-_isfinite, _count_nonzero = np.isfinite, np.count_nonzero
+_isfinite, _count_nonzero, _ndarray = np.isfinite, np.count_nonzero, np.ndarray
 _STATIC = (str, bytes, int, float, bool, type(None))
 
 
