@@ -15,6 +15,7 @@ from numstab import _validate as v
 from numstab._dispatch import HOST, framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend, native_op
+from numstab.backends._native import has_native
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, unflatten
 
@@ -59,13 +60,23 @@ def _float_leaves(
         like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
         leaves = [to_backend(be, leaf, like=like, name=f"{name} leaves") for leaf in leaves]
         present = [leaf for leaf in leaves if leaf is not None]
-    dtypes = _dtype_names(be, present)
+    dtypes, numeric = _dtypes_and_nonempty(be, present)
     if not all(map(v.is_floating, dtypes)):
         raise _not_floating_error(be, present, name)
-    numeric = be.nonempty(present)
     if len(numeric) != len(present):  # an empty leaf does not choose the accumulation dtype
         dtypes = _dtype_names(be, numeric)
     return be, leaves, treedef, numeric, _accumulation_dtype(dtypes)
+
+
+def _dtypes_and_nonempty(be: Backend, present: list) -> tuple[set[str], list]:
+    """(``_dtype_names(be, present)``, ``be.nonempty(present)``), from the backend's
+    ``native_dtypes_and_nonempty`` where it has one (torch: fewer passes over the leaves, and
+    a list that carries what it proved about them to the norm and scaling kernels)."""
+    if has_native(be, "dtypes_and_nonempty"):
+        found = be.native_dtypes_and_nonempty(present)
+        if found is not None:
+            return found
+    return _dtype_names(be, present), be.nonempty(present)
 
 
 def _dtype_names(be: Backend, arrays: list) -> set[str]:
@@ -160,7 +171,9 @@ def clip_by_global_norm(
     else:
         norm = to_backend(be, norm, like=numeric[0] if numeric else None)
     factor = _coefficient(be, norm, max_norm)
-    return unflatten(treedef, scale_leaves(be, leaves, factor, toward_zero=True)), norm
+    # no None and no empty leaf: the leaves are ``numeric`` (which may carry facts to reuse)
+    present = numeric if len(numeric) == len(leaves) else _present(leaves)
+    return unflatten(treedef, _scale_present(be, leaves, present, factor, True)), norm
 
 
 def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None) -> Array:
@@ -186,11 +199,16 @@ def _coefficient(be: Backend, norm: Array, max_norm: float) -> Array:
     dtype = be.dtype_name(norm)
     dtype = dtype if v.is_floating(dtype) else "float32"
     value = min(float(max_norm), LARGEST_FINITE[dtype])
+    tiny = value < SMALLEST_NORMAL[dtype]
+    if not tiny and has_native(be, "clip_factor"):
+        factor = be.native_clip_factor(norm, value)  # the same factor in fewer kernels
+        if factor is not None:
+            return factor
     limit = be.asarray(value, dtype, like=norm)
     with be.float_errors_ignored():  # inf / inf, or 0 / 0 for a zero limit: unused
         factor = limit / be.maximum(norm, limit)
     applies = norm < math.inf
-    if value < SMALLEST_NORMAL[dtype]:
+    if tiny:
         applies = applies & (norm > limit)
     return be.where(applies, factor, 1.0)
 
@@ -199,7 +217,17 @@ def scale_leaves(be: Backend, leaves: list, factor: Array, *, toward_zero: bool 
     """Every (non-None) leaf times a 0-d float32/64 ``factor``, in the leaf's dtype; 16-bit
     leaves rounded ``toward_zero`` when asked (``Backend.cast_toward_zero``: what clipping asks,
     so that a clipped norm never exceeds max_norm by more than float32's rounding)."""
-    present = [leaf for leaf in leaves if leaf is not None]
+    return _scale_present(be, leaves, _present(leaves), factor, toward_zero)
+
+
+def _present(leaves: list) -> list:
+    return [leaf for leaf in leaves if leaf is not None]
+
+
+def _scale_present(
+    be: Backend, leaves: list, present: list, factor: Array, toward_zero: bool
+) -> list:
+    """``scale_leaves`` given ``present``, the non-None ``leaves`` in order."""
     if not present:
         return list(leaves)
     scaled = native_op(be, "scale_leaves")(present, factor, toward_zero)
