@@ -15,7 +15,7 @@ from numstab import _validate as v
 from numstab._dispatch import HOST, framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend, native_op
-from numstab.backends._native import has_native
+from numstab.backends._native import generic_forced
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, unflatten
 
@@ -41,7 +41,7 @@ SMALLEST_NORMAL = {
 
 
 def _float_leaves(
-    tree: Tree, backend: str | None, *extra: Array, name: str = "tree"
+    tree: Tree, backend: str | None, *extra: Array, name: str = "tree", fused: bool | None = None
 ) -> tuple[Backend, list, Any, list, str]:
     """(backend, all leaves, treedef, the non-None non-empty floating leaves, and their
     accumulation dtype).
@@ -60,7 +60,7 @@ def _float_leaves(
         like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
         leaves = [to_backend(be, leaf, like=like, name=f"{name} leaves") for leaf in leaves]
         present = [leaf for leaf in leaves if leaf is not None]
-    dtypes, numeric = _dtypes_and_nonempty(be, present)
+    dtypes, numeric = _dtypes_and_nonempty(be, present, fused)
     if not all(map(v.is_floating, dtypes)):
         raise _not_floating_error(be, present, name)
     if len(numeric) != len(present):  # an empty leaf does not choose the accumulation dtype
@@ -68,14 +68,26 @@ def _float_leaves(
     return be, leaves, treedef, numeric, _accumulation_dtype(dtypes)
 
 
-def _dtypes_and_nonempty(be: Backend, present: list) -> tuple[set[str], list]:
+def _native(be: Backend, name: str, fused: bool | None) -> Any:
+    """``native_op(be, name)``'s fused kernel, or None where there is none or it is not
+    allowed. ``fused``: ``not generic_forced()`` when the caller already read it (an
+    environment read costs ~0.7 us, and one clipping call would make four), else None."""
+    native = getattr(be, "native_" + name, None)
+    if native is None:
+        return None
+    return native if (not generic_forced() if fused is None else fused) else None
+
+
+def _dtypes_and_nonempty(
+    be: Backend, present: list, fused: bool | None = None
+) -> tuple[set[str], list]:
     """(``_dtype_names(be, present)``, ``be.nonempty(present)``), from the backend's
     ``native_dtypes_and_nonempty`` where it has one (torch: fewer passes over the leaves, and
     a list that carries what it proved about them to the norm and scaling kernels)."""
-    if has_native(be, "dtypes_and_nonempty"):
-        found = be.native_dtypes_and_nonempty(present)
-        if found is not None:
-            return found
+    native = _native(be, "dtypes_and_nonempty", fused)
+    found = None if native is None else native(present)
+    if found is not None:
+        return found
     return _dtype_names(be, present), be.nonempty(present)
 
 
@@ -138,13 +150,15 @@ def global_norm(tree: Tree, norm_type: float = 2.0, *, backend: str | None = Non
     return _global_norm(be, leaves, float(norm_type), dtype)
 
 
-def _global_norm(be: Backend, leaves: list, norm_type: float, dtype: str) -> Array:
+def _global_norm(
+    be: Backend, leaves: list, norm_type: float, dtype: str, fused: bool | None = None
+) -> Array:
     """The norm of floating, non-empty ``leaves``, accumulated in ``dtype`` (``_float_leaves``'
     accumulation dtype)."""
     if not leaves:
         return be.asarray(0.0, dtype=dtype)
     with be.float_errors_ignored():
-        return native_op(be, "global_norm")(leaves, norm_type, dtype)
+        return (_native(be, "global_norm", fused) or be.global_norm)(leaves, norm_type, dtype)
 
 
 @dense_only
@@ -165,15 +179,16 @@ def clip_by_global_norm(
     """
     max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
     norm_type = _check_norm_type(norm_type)
-    be, leaves, treedef, numeric, dtype = _float_leaves(tree, backend, norm)
+    fused = not generic_forced()  # read once for the four kernels below
+    be, leaves, treedef, numeric, dtype = _float_leaves(tree, backend, norm, fused=fused)
     if norm is None:
-        norm = _global_norm(be, numeric, float(norm_type), dtype)
+        norm = _global_norm(be, numeric, float(norm_type), dtype, fused)
     else:
         norm = to_backend(be, norm, like=numeric[0] if numeric else None)
-    factor = _coefficient(be, norm, max_norm)
+    factor = _coefficient(be, norm, max_norm, fused)
     # no None and no empty leaf: the leaves are ``numeric`` (which may carry facts to reuse)
     present = numeric if len(numeric) == len(leaves) else _present(leaves)
-    return unflatten(treedef, _scale_present(be, leaves, present, factor, True)), norm
+    return unflatten(treedef, _scale_present(be, leaves, present, factor, True, fused)), norm
 
 
 def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None) -> Array:
@@ -183,7 +198,7 @@ def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None
     return _coefficient(resolve_backend(norm, backend=backend), norm, max_norm)
 
 
-def _coefficient(be: Backend, norm: Array, max_norm: float) -> Array:
+def _coefficient(be: Backend, norm: Array, max_norm: float, fused: bool | None = None) -> Array:
     """``max_norm / max(norm, max_norm)`` where ``norm < inf``, else exactly 1, in ``norm``'s
     dtype (float32 for a non-float ``norm``).
 
@@ -200,10 +215,10 @@ def _coefficient(be: Backend, norm: Array, max_norm: float) -> Array:
     dtype = dtype if v.is_floating(dtype) else "float32"
     value = min(float(max_norm), LARGEST_FINITE[dtype])
     tiny = value < SMALLEST_NORMAL[dtype]
-    if not tiny and has_native(be, "clip_factor"):
-        factor = be.native_clip_factor(norm, value)  # the same factor in fewer kernels
-        if factor is not None:
-            return factor
+    native = None if tiny else _native(be, "clip_factor", fused)
+    factor = None if native is None else native(norm, value)  # the same, in fewer kernels
+    if factor is not None:
+        return factor
     limit = be.asarray(value, dtype, like=norm)
     with be.float_errors_ignored():  # inf / inf, or 0 / 0 for a zero limit: unused
         factor = limit / be.maximum(norm, limit)
@@ -225,12 +240,18 @@ def _present(leaves: list) -> list:
 
 
 def _scale_present(
-    be: Backend, leaves: list, present: list, factor: Array, toward_zero: bool
+    be: Backend,
+    leaves: list,
+    present: list,
+    factor: Array,
+    toward_zero: bool,
+    fused: bool | None = None,
 ) -> list:
     """``scale_leaves`` given ``present``, the non-None ``leaves`` in order."""
     if not present:
         return list(leaves)
-    scaled = native_op(be, "scale_leaves")(present, factor, toward_zero)
+    scale = _native(be, "scale_leaves", fused) or be.scale_leaves
+    scaled = scale(present, factor, toward_zero)
     if len(present) == len(leaves):
         return list(scaled)
     it = iter(scaled)

@@ -210,3 +210,27 @@ def test_clipping_under_torch_compile_matches_eager():
     _assert_same(norm, want_norm)
     for a, b in zip(got, want, strict=True):
         _assert_same(a, b)
+
+
+@pytest.mark.parametrize("forced", ["1", "0"])
+def test_force_generic_read_at_call_time_decides_every_kernel(forced, monkeypatch):
+    """clip_by_global_norm reads NUMSTAB_FORCE_GENERIC once per call: set, none of the four
+    torch fast kernels runs; unset ("0"), all four do."""
+    called: list[str] = []
+    for name in (*FAST_PATHS, "native_global_norm", "native_scale_leaves"):
+        original = getattr(torch_backend.TorchBackend, name)
+
+        def spy(self, *args, _name=name, _original=original):
+            called.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch_backend.TorchBackend, name, spy)
+    monkeypatch.setenv("NUMSTAB_FORCE_GENERIC", forced)
+    leaves = [torch.full((3,), 2.0), torch.full((2,), -1.0)]
+    clipped, norm = numstab.clip_by_global_norm(leaves, 1.0)
+    eps = torch.finfo(torch.float32).eps
+    assert norm.item() == pytest.approx(math.sqrt(14.0), rel=4 * eps)
+    for got, leaf in zip(clipped, leaves, strict=True):
+        torch.testing.assert_close(got, leaf / math.sqrt(14.0), rtol=8 * eps, atol=0.0)
+    kernels = {*FAST_PATHS, "native_global_norm", "native_scale_leaves"}
+    assert set(called) == (set() if forced == "1" else kernels)
