@@ -48,7 +48,8 @@ def _float_leaves(
 
     One pass per question, none of them a Python call per leaf where it can be avoided: the
     dtype names are asked once per distinct dtype, and ``Backend.nonempty`` drops the empty
-    leaves. Raises InvalidArgumentError naming the first (non-None) leaf of a non-floating
+    leaves (a backend's ``native_dtypes_and_nonempty`` answers both; ``_native`` for
+    ``fused``). Raises InvalidArgumentError naming the first (non-None) leaf of a non-floating
     dtype, counted among the non-None leaves.
     """
     leaves, treedef = flatten(tree)
@@ -209,7 +210,9 @@ def _coefficient(be: Backend, norm: Array, max_norm: float, fused: bool | None =
     so a norm at most ``max_norm`` scales by exactly 1. A NaN norm fails ``norm < inf``: 1.
     A ``max_norm`` below the dtype's smallest normal may round to 0: there the factor also
     needs ``norm > max_norm``, so that 0 / 0 never reaches a zero norm (which keeps 1) and
-    every other finite norm scales to 0.
+    every other finite norm scales to 0. Elsewhere a backend's ``native_clip_factor`` may give
+    the same factor, bit for bit, in fewer kernels (torch: ``limit / max(norm, limit)`` with a
+    non-finite maximum replaced by ``limit``), or decline with None.
     """
     dtype = be.dtype_name(norm)
     dtype = dtype if v.is_floating(dtype) else "float32"

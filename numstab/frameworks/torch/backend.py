@@ -302,7 +302,9 @@ _DTYPE = attrgetter("dtype")
 class _OneKernel(list):
     """Non-empty tensors on one ``device``, of one ``dtype``, as
     ``native_dtypes_and_nonempty`` found them: ``native_leaf_norms`` and
-    ``native_scale_leaves`` trust these facts instead of passing over the tensors again."""
+    ``native_scale_leaves`` trust these facts instead of passing over the tensors again.
+    Built eagerly for one call's leaves and never mutated (a changed list would keep facts
+    that no longer hold)."""
 
     __slots__ = ("device", "dtype")
     device: torch.device
