@@ -234,3 +234,26 @@ def test_force_generic_read_at_call_time_decides_every_kernel(forced, monkeypatc
         torch.testing.assert_close(got, leaf / math.sqrt(14.0), rtol=8 * eps, atol=0.0)
     kernels = {*FAST_PATHS, "native_global_norm", "native_scale_leaves"}
     assert set(called) == (set() if forced == "1" else kernels)
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        torch.tensor(5.0, dtype=torch.float64),
+        torch.tensor(5.0, dtype=torch.float16),
+        torch.tensor(0.5),
+        torch.tensor(math.nan),
+        2.5,
+    ],
+    ids=["float64", "float16", "under", "nan", "host"],
+)
+def test_a_given_norm_matches_the_path_without_fast_paths(norm, without_fast_paths):
+    """A norm computed elsewhere may differ in dtype from the leaves: the factor's dtype
+    then differs from the leaves' and the scaling takes the per-leaf path, as before."""
+    leaves = [torch.linspace(-1.0, 2.0, 5), torch.linspace(0.0, 3.0, 4)]
+    fast, fast_norm = numstab.clip_by_global_norm(leaves, 1.0, norm=norm)
+    without_fast_paths()
+    slow, slow_norm = numstab.clip_by_global_norm(leaves, 1.0, norm=norm)
+    _assert_same(fast_norm, slow_norm)
+    for a, b in zip(fast, slow, strict=True):
+        _assert_same(a, b)
