@@ -14,7 +14,7 @@ from typing import Any
 from numstab import _validate as v
 from numstab._dispatch import HOST, framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
-from numstab.backends._base import Backend, native_op
+from numstab.backends._base import Backend
 from numstab.backends._native import generic_forced
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, unflatten
@@ -134,10 +134,11 @@ def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
 
     Stays on the device (no host sync); jit/tf.function/torch.compile friendly.
     """
-    be, _, _, leaves, _ = _float_leaves(tree, backend)
+    fused = not generic_forced()  # read once for both kernels
+    be, _, _, leaves, _ = _float_leaves(tree, backend, fused=fused)
     if not leaves:
         return be.asarray(True)
-    return native_op(be, "all_finite")(leaves)
+    return (_native(be, "all_finite", fused) or be.all_finite)(leaves)
 
 
 @dense_only
@@ -147,8 +148,9 @@ def global_norm(tree: Tree, norm_type: float = 2.0, *, backend: str | None = Non
     A NaN anywhere gives NaN, an inf (and no NaN) gives inf; an empty tree gives 0.
     """
     norm_type = _check_norm_type(norm_type)
-    be, _, _, leaves, dtype = _float_leaves(tree, backend)
-    return _global_norm(be, leaves, float(norm_type), dtype)
+    fused = not generic_forced()  # read once for both kernels
+    be, _, _, leaves, dtype = _float_leaves(tree, backend, fused=fused)
+    return _global_norm(be, leaves, float(norm_type), dtype, fused)
 
 
 def _global_norm(

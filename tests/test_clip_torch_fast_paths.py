@@ -257,3 +257,30 @@ def test_a_given_norm_matches_the_path_without_fast_paths(norm, without_fast_pat
     _assert_same(fast_norm, slow_norm)
     for a, b in zip(fast, slow, strict=True):
         _assert_same(a, b)
+
+
+@pytest.mark.parametrize("forced", ["1", "0"])
+@pytest.mark.parametrize(
+    ("call", "kernels"),
+    [
+        (numstab.global_norm, {"native_dtypes_and_nonempty", "native_global_norm"}),
+        (numstab.all_finite, {"native_dtypes_and_nonempty", "native_all_finite"}),
+    ],
+    ids=["global_norm", "all_finite"],
+)
+def test_force_generic_decides_global_norm_and_all_finite(call, kernels, forced, monkeypatch):
+    called: set[str] = set()
+    for name in kernels:
+        original = getattr(torch_backend.TorchBackend, name)
+
+        def spy(self, *args, _name=name, _original=original):
+            called.add(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch_backend.TorchBackend, name, spy)
+    monkeypatch.setenv("NUMSTAB_FORCE_GENERIC", forced)
+    result = call([torch.full((3,), 2.0), torch.full((2,), -1.0)])
+    eps = torch.finfo(torch.float32).eps
+    want = True if call is numstab.all_finite else pytest.approx(14.0**0.5, rel=4 * eps)
+    assert result.item() == want
+    assert called == (set() if forced == "1" else kernels)
