@@ -14,7 +14,8 @@ from typing import Any
 from numstab import _validate as v
 from numstab._dispatch import HOST, framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
-from numstab.backends._base import Backend, native_op
+from numstab.backends._base import Backend
+from numstab.backends._native import generic_forced
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, unflatten
 
@@ -40,14 +41,15 @@ SMALLEST_NORMAL = {
 
 
 def _float_leaves(
-    tree: Tree, backend: str | None, *extra: Array, name: str = "tree"
+    tree: Tree, backend: str | None, *extra: Array, name: str = "tree", fused: bool | None = None
 ) -> tuple[Backend, list, Any, list, str]:
     """(backend, all leaves, treedef, the non-None non-empty floating leaves, and their
     accumulation dtype).
 
     One pass per question, none of them a Python call per leaf where it can be avoided: the
     dtype names are asked once per distinct dtype, and ``Backend.nonempty`` drops the empty
-    leaves. Raises InvalidArgumentError naming the first (non-None) leaf of a non-floating
+    leaves (a backend's ``native_dtypes_and_nonempty`` answers both; ``_native`` for
+    ``fused``). Raises InvalidArgumentError naming the first (non-None) leaf of a non-floating
     dtype, counted among the non-None leaves.
     """
     leaves, treedef = flatten(tree)
@@ -59,13 +61,35 @@ def _float_leaves(
         like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
         leaves = [to_backend(be, leaf, like=like, name=f"{name} leaves") for leaf in leaves]
         present = [leaf for leaf in leaves if leaf is not None]
-    dtypes = _dtype_names(be, present)
+    dtypes, numeric = _dtypes_and_nonempty(be, present, fused)
     if not all(map(v.is_floating, dtypes)):
         raise _not_floating_error(be, present, name)
-    numeric = be.nonempty(present)
     if len(numeric) != len(present):  # an empty leaf does not choose the accumulation dtype
         dtypes = _dtype_names(be, numeric)
     return be, leaves, treedef, numeric, _accumulation_dtype(dtypes)
+
+
+def _native(be: Backend, name: str, fused: bool | None) -> Any:
+    """``native_op(be, name)``'s fused kernel, or None where there is none or it is not
+    allowed. ``fused``: ``not generic_forced()`` when the caller already read it (an
+    environment read costs ~0.7 us, and one clipping call would make four), else None."""
+    native = getattr(be, "native_" + name, None)
+    if native is None:
+        return None
+    return native if (not generic_forced() if fused is None else fused) else None
+
+
+def _dtypes_and_nonempty(
+    be: Backend, present: list, fused: bool | None = None
+) -> tuple[set[str], list]:
+    """(``_dtype_names(be, present)``, ``be.nonempty(present)``), from the backend's
+    ``native_dtypes_and_nonempty`` where it has one (torch: fewer passes over the leaves, and
+    a list that carries what it proved about them to the norm and scaling kernels)."""
+    native = _native(be, "dtypes_and_nonempty", fused)
+    found = None if native is None else native(present)
+    if found is not None:
+        return found
+    return _dtype_names(be, present), be.nonempty(present)
 
 
 def _dtype_names(be: Backend, arrays: list) -> set[str]:
@@ -110,10 +134,11 @@ def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
 
     Stays on the device (no host sync); jit/tf.function/torch.compile friendly.
     """
-    be, _, _, leaves, _ = _float_leaves(tree, backend)
+    fused = not generic_forced()  # read once for both kernels
+    be, _, _, leaves, _ = _float_leaves(tree, backend, fused=fused)
     if not leaves:
         return be.asarray(True)
-    return native_op(be, "all_finite")(leaves)
+    return (_native(be, "all_finite", fused) or be.all_finite)(leaves)
 
 
 @dense_only
@@ -123,17 +148,20 @@ def global_norm(tree: Tree, norm_type: float = 2.0, *, backend: str | None = Non
     A NaN anywhere gives NaN, an inf (and no NaN) gives inf; an empty tree gives 0.
     """
     norm_type = _check_norm_type(norm_type)
-    be, _, _, leaves, dtype = _float_leaves(tree, backend)
-    return _global_norm(be, leaves, float(norm_type), dtype)
+    fused = not generic_forced()  # read once for both kernels
+    be, _, _, leaves, dtype = _float_leaves(tree, backend, fused=fused)
+    return _global_norm(be, leaves, float(norm_type), dtype, fused)
 
 
-def _global_norm(be: Backend, leaves: list, norm_type: float, dtype: str) -> Array:
+def _global_norm(
+    be: Backend, leaves: list, norm_type: float, dtype: str, fused: bool | None = None
+) -> Array:
     """The norm of floating, non-empty ``leaves``, accumulated in ``dtype`` (``_float_leaves``'
     accumulation dtype)."""
     if not leaves:
         return be.asarray(0.0, dtype=dtype)
     with be.float_errors_ignored():
-        return native_op(be, "global_norm")(leaves, norm_type, dtype)
+        return (_native(be, "global_norm", fused) or be.global_norm)(leaves, norm_type, dtype)
 
 
 @dense_only
@@ -154,13 +182,16 @@ def clip_by_global_norm(
     """
     max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
     norm_type = _check_norm_type(norm_type)
-    be, leaves, treedef, numeric, dtype = _float_leaves(tree, backend, norm)
+    fused = not generic_forced()  # read once for the four kernels below
+    be, leaves, treedef, numeric, dtype = _float_leaves(tree, backend, norm, fused=fused)
     if norm is None:
-        norm = _global_norm(be, numeric, float(norm_type), dtype)
+        norm = _global_norm(be, numeric, float(norm_type), dtype, fused)
     else:
         norm = to_backend(be, norm, like=numeric[0] if numeric else None)
-    factor = _coefficient(be, norm, max_norm)
-    return unflatten(treedef, scale_leaves(be, leaves, factor, toward_zero=True)), norm
+    factor = _coefficient(be, norm, max_norm, fused)
+    # no None and no empty leaf: the leaves are ``numeric`` (which may carry facts to reuse)
+    present = numeric if len(numeric) == len(leaves) else _present(leaves)
+    return unflatten(treedef, _scale_present(be, leaves, present, factor, True, fused)), norm
 
 
 def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None) -> Array:
@@ -170,7 +201,7 @@ def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None
     return _coefficient(resolve_backend(norm, backend=backend), norm, max_norm)
 
 
-def _coefficient(be: Backend, norm: Array, max_norm: float) -> Array:
+def _coefficient(be: Backend, norm: Array, max_norm: float, fused: bool | None = None) -> Array:
     """``max_norm / max(norm, max_norm)`` where ``norm < inf``, else exactly 1, in ``norm``'s
     dtype (float32 for a non-float ``norm``).
 
@@ -181,16 +212,23 @@ def _coefficient(be: Backend, norm: Array, max_norm: float) -> Array:
     so a norm at most ``max_norm`` scales by exactly 1. A NaN norm fails ``norm < inf``: 1.
     A ``max_norm`` below the dtype's smallest normal may round to 0: there the factor also
     needs ``norm > max_norm``, so that 0 / 0 never reaches a zero norm (which keeps 1) and
-    every other finite norm scales to 0.
+    every other finite norm scales to 0. Elsewhere a backend's ``native_clip_factor`` may give
+    the same factor, bit for bit, in fewer kernels (torch: ``limit / max(norm, limit)`` with a
+    non-finite maximum replaced by ``limit``), or decline with None.
     """
     dtype = be.dtype_name(norm)
     dtype = dtype if v.is_floating(dtype) else "float32"
     value = min(float(max_norm), LARGEST_FINITE[dtype])
+    tiny = value < SMALLEST_NORMAL[dtype]
+    native = None if tiny else _native(be, "clip_factor", fused)
+    factor = None if native is None else native(norm, value)  # the same, in fewer kernels
+    if factor is not None:
+        return factor
     limit = be.asarray(value, dtype, like=norm)
     with be.float_errors_ignored():  # inf / inf, or 0 / 0 for a zero limit: unused
         factor = limit / be.maximum(norm, limit)
     applies = norm < math.inf
-    if value < SMALLEST_NORMAL[dtype]:
+    if tiny:
         applies = applies & (norm > limit)
     return be.where(applies, factor, 1.0)
 
@@ -199,10 +237,26 @@ def scale_leaves(be: Backend, leaves: list, factor: Array, *, toward_zero: bool 
     """Every (non-None) leaf times a 0-d float32/64 ``factor``, in the leaf's dtype; 16-bit
     leaves rounded ``toward_zero`` when asked (``Backend.cast_toward_zero``: what clipping asks,
     so that a clipped norm never exceeds max_norm by more than float32's rounding)."""
-    present = [leaf for leaf in leaves if leaf is not None]
+    return _scale_present(be, leaves, _present(leaves), factor, toward_zero)
+
+
+def _present(leaves: list) -> list:
+    return [leaf for leaf in leaves if leaf is not None]
+
+
+def _scale_present(
+    be: Backend,
+    leaves: list,
+    present: list,
+    factor: Array,
+    toward_zero: bool,
+    fused: bool | None = None,
+) -> list:
+    """``scale_leaves`` given ``present``, the non-None ``leaves`` in order."""
     if not present:
         return list(leaves)
-    scaled = native_op(be, "scale_leaves")(present, factor, toward_zero)
+    scale = _native(be, "scale_leaves", fused) or be.scale_leaves
+    scaled = scale(present, factor, toward_zero)
     if len(present) == len(leaves):
         return list(scaled)
     it = iter(scaled)

@@ -85,6 +85,26 @@ class TorchBackend(NamespaceBackend):
     def size(self, x, dtype):
         return x.numel()
 
+    def native_dtypes_and_nonempty(self, arrays):
+        # clipping._dtypes_and_nonempty: one pass each for the dtypes, the sizes and (when
+        # every tensor is non-empty, of one dtype) the devices; the devices' pass is the one
+        # native_leaf_norms and native_scale_leaves would each make, done once (_OneKernel).
+        # Dynamo cannot trace attrgetter: None there (the generic passes).
+        if torch.compiler.is_compiling():
+            return None
+        dtypes = set(map(_DTYPE, arrays))
+        names = {_DTYPE_NAMES.get(d) or str(d).removeprefix("torch.") for d in dtypes}
+        if not all(map(torch.Tensor.numel, arrays)):
+            return names, [x for x in arrays if x.numel() != 0]
+        if len(dtypes) != 1:
+            return names, list(arrays)
+        device = arrays[0].device
+        if not (all(map(_IS_CPU, arrays)) if device.type == "cpu" else _on_device(arrays, device)):
+            return names, list(arrays)
+        together = _OneKernel(arrays)
+        together.device, together.dtype = device, dtypes.pop()
+        return names, together
+
     def nonempty(self, arrays):
         # numel through map: no Python frame per tensor (~3 us for 50 against ~9)
         if all(map(torch.Tensor.numel, arrays)):
@@ -137,8 +157,11 @@ class TorchBackend(NamespaceBackend):
     def native_leaf_norms(self, leaves, ord, dtype):
         if ord == math.inf and leaves and is_dtensor(leaves[0]):
             return self._dtensor_absmax(leaves, dtype)
-        first = leaves[0].device if leaves else _CPU
-        together = _on_device(leaves, first)
+        if type(leaves) is _OneKernel:
+            first, together = leaves.device, True
+        else:
+            first = leaves[0].device if leaves else _CPU
+            together = _on_device(leaves, first)
         if ord == math.inf and together and first.type == "cpu":
             return _cpu_absmax(leaves, getattr(torch, dtype))
         # one multi-tensor kernel per device and dtype; dtype= upcasts fp16 before squaring
@@ -165,9 +188,26 @@ class TorchBackend(NamespaceBackend):
         return torch.linalg.vector_norm(self.native_leaf_norms(leaves, ord, dtype), ord)
 
     def native_scale_leaves(self, leaves, factor, toward_zero=False):
-        if {x.dtype for x in leaves} == {factor.dtype} and _on_device(leaves, factor.device):
+        if type(leaves) is _OneKernel:
+            fast = leaves.dtype == factor.dtype and leaves.on(factor.device)
+        else:
+            fast = {x.dtype for x in leaves} == {factor.dtype} and _on_device(leaves, factor.device)
+        if fast:
             return list(torch._foreach_mul(leaves, factor))  # one multi-tensor kernel
         return super().scale_leaves(leaves, factor, toward_zero)
+
+    def native_clip_factor(self, norm, limit):
+        """``clipping._coefficient``'s factor for a normal ``limit`` (max_norm as a Python
+        float, at most the dtype's largest finite): ``limit / max(norm, limit)`` where
+        ``norm < inf``, else exactly 1. A NaN or +inf ``max(norm, limit)`` becomes ``limit``
+        (``nan_to_num``) and ``limit / limit`` is exactly 1: 4 kernels for the generic 5,
+        no Python scalar wrapped into a tensor for a comparison or a ``where``. The fill and
+        ``limit`` round the same double to the same float32/float64. None (the generic
+        path) for a norm that is not a plain float32/float64 tensor (16-bit, DTensor)."""
+        if type(norm) is not torch.Tensor or norm.dtype not in _FAST_FLOATS:
+            return None
+        bound = norm.new_full((), limit)  # norm's dtype and device
+        return bound / torch.maximum(norm, bound).nan_to_num(nan=limit, posinf=limit)
 
     def native_leaf_finite(self, leaves):
         # max |x| per leaf (a max cannot overflow; float64 stays float64)
@@ -259,6 +299,25 @@ class TorchBackend(NamespaceBackend):
 BACKEND = TorchBackend()
 _CPU = torch.device("cpu")
 _IS_CPU = attrgetter("is_cpu")
+_DTYPE = attrgetter("dtype")
+
+
+class _OneKernel(list):
+    """Non-empty tensors on one ``device``, of one ``dtype``, as
+    ``native_dtypes_and_nonempty`` found them: ``native_leaf_norms`` and
+    ``native_scale_leaves`` trust these facts instead of passing over the tensors again.
+    Built eagerly for one call's leaves and never mutated (a changed list would keep facts
+    that no longer hold)."""
+
+    __slots__ = ("device", "dtype")
+    device: torch.device
+    dtype: torch.dtype
+
+    def on(self, device: torch.device) -> bool:
+        """``_on_device(self, device)``, from the recorded device."""
+        if device.type == "cpu":
+            return self.device.type == "cpu"
+        return self.device == device
 
 
 def _label_summary_on_device(labels: torch.Tensor, ignore_index: int) -> tuple[int, int, bool]:
