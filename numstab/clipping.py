@@ -15,7 +15,7 @@ from numstab import _validate as v
 from numstab._dispatch import HOST, framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend
-from numstab.backends._native import generic_forced
+from numstab.backends._native import generic_forced, native_op
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, unflatten
 
@@ -48,9 +48,9 @@ def _float_leaves(
 
     One pass per question, none of them a Python call per leaf where it can be avoided: the
     dtype names are asked once per distinct dtype, and ``Backend.nonempty`` drops the empty
-    leaves (a backend's ``native_dtypes_and_nonempty`` answers both; ``_native`` for
-    ``fused``). Raises InvalidArgumentError naming the first (non-None) leaf of a non-floating
-    dtype, counted among the non-None leaves.
+    leaves (a backend's ``native_dtypes_and_nonempty`` answers both; ``fused``: as
+    ``native_op``'s ``allowed``). Raises InvalidArgumentError naming the first
+    (non-None) leaf of a non-floating dtype, counted among the non-None leaves.
     """
     leaves, treedef = flatten(tree)
     present = [leaf for leaf in leaves if leaf is not None]
@@ -61,45 +61,12 @@ def _float_leaves(
         like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
         leaves = [to_backend(be, leaf, like=like, name=f"{name} leaves") for leaf in leaves]
         present = [leaf for leaf in leaves if leaf is not None]
-    dtypes, numeric = _dtypes_and_nonempty(be, present, fused)
+    dtypes, numeric = native_op(be, "dtypes_and_nonempty", fused)(present)
     if not all(map(v.is_floating, dtypes)):
         raise _not_floating_error(be, present, name)
     if len(numeric) != len(present):  # an empty leaf does not choose the accumulation dtype
-        dtypes = _dtype_names(be, numeric)
+        dtypes = be.dtype_names(numeric)
     return be, leaves, treedef, numeric, _accumulation_dtype(dtypes)
-
-
-def _native(be: Backend, name: str, fused: bool | None) -> Any:
-    """``native_op(be, name)``'s fused kernel, or None where there is none or it is not
-    allowed. ``fused``: ``not generic_forced()`` when the caller already read it (an
-    environment read costs ~0.7 us, and one clipping call would make four), else None."""
-    native = getattr(be, "native_" + name, None)
-    if native is None:
-        return None
-    return native if (not generic_forced() if fused is None else fused) else None
-
-
-def _dtypes_and_nonempty(
-    be: Backend, present: list, fused: bool | None = None
-) -> tuple[set[str], list]:
-    """(``_dtype_names(be, present)``, ``be.nonempty(present)``), from the backend's
-    ``native_dtypes_and_nonempty`` where it has one (torch: fewer passes over the leaves, and
-    a list that carries what it proved about them to the norm and scaling kernels)."""
-    native = _native(be, "dtypes_and_nonempty", fused)
-    found = None if native is None else native(present)
-    if found is not None:
-        return found
-    return _dtype_names(be, present), be.nonempty(present)
-
-
-def _dtype_names(be: Backend, arrays: list) -> set[str]:
-    """The set of ``be.dtype_name`` over ``arrays``, asked once per distinct ``.dtype`` (the
-    name is a function of it); one by one when an array has no hashable ``.dtype``."""
-    try:
-        one_per_dtype = {x.dtype: x for x in arrays}.values()
-    except (AttributeError, TypeError):
-        one_per_dtype = arrays
-    return {be.dtype_name(x) for x in one_per_dtype}
 
 
 def _not_floating_error(be: Backend, present: list, name: str) -> InvalidArgumentError:
@@ -138,7 +105,7 @@ def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
     be, _, _, leaves, _ = _float_leaves(tree, backend, fused=fused)
     if not leaves:
         return be.asarray(True)
-    return (_native(be, "all_finite", fused) or be.all_finite)(leaves)
+    return native_op(be, "all_finite", fused)(leaves)
 
 
 @dense_only
@@ -161,7 +128,7 @@ def _global_norm(
     if not leaves:
         return be.asarray(0.0, dtype=dtype)
     with be.float_errors_ignored():
-        return (_native(be, "global_norm", fused) or be.global_norm)(leaves, norm_type, dtype)
+        return native_op(be, "global_norm", fused)(leaves, norm_type, dtype)
 
 
 @dense_only
@@ -212,25 +179,14 @@ def _coefficient(be: Backend, norm: Array, max_norm: float, fused: bool | None =
     so a norm at most ``max_norm`` scales by exactly 1. A NaN norm fails ``norm < inf``: 1.
     A ``max_norm`` below the dtype's smallest normal may round to 0: there the factor also
     needs ``norm > max_norm``, so that 0 / 0 never reaches a zero norm (which keeps 1) and
-    every other finite norm scales to 0. Elsewhere a backend's ``native_clip_factor`` may give
-    the same factor, bit for bit, in fewer kernels (torch: ``limit / max(norm, limit)`` with a
-    non-finite maximum replaced by ``limit``), or decline with None.
+    every other finite norm scales to 0. ``Backend.clip_factor`` computes it (torch's native
+    version in 4 kernels, bit for bit the same).
     """
     dtype = be.dtype_name(norm)
     dtype = dtype if v.is_floating(dtype) else "float32"
     value = min(float(max_norm), LARGEST_FINITE[dtype])
     tiny = value < SMALLEST_NORMAL[dtype]
-    native = None if tiny else _native(be, "clip_factor", fused)
-    factor = None if native is None else native(norm, value)  # the same, in fewer kernels
-    if factor is not None:
-        return factor
-    limit = be.asarray(value, dtype, like=norm)
-    with be.float_errors_ignored():  # inf / inf, or 0 / 0 for a zero limit: unused
-        factor = limit / be.maximum(norm, limit)
-    applies = norm < math.inf
-    if tiny:
-        applies = applies & (norm > limit)
-    return be.where(applies, factor, 1.0)
+    return native_op(be, "clip_factor", fused)(norm, value, dtype, tiny)
 
 
 def scale_leaves(be: Backend, leaves: list, factor: Array, *, toward_zero: bool = False) -> list:
@@ -255,8 +211,7 @@ def _scale_present(
     """``scale_leaves`` given ``present``, the non-None ``leaves`` in order."""
     if not present:
         return list(leaves)
-    scale = _native(be, "scale_leaves", fused) or be.scale_leaves
-    scaled = scale(present, factor, toward_zero)
+    scaled = native_op(be, "scale_leaves", fused)(present, factor, toward_zero)
     if len(present) == len(leaves):
         return list(scaled)
     it = iter(scaled)

@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import numstab  # noqa: E402
+from numstab.backends._base import Backend  # noqa: E402
 from numstab.clipping import LARGEST_FINITE, SMALLEST_NORMAL, clip_coefficient  # noqa: E402
 from numstab.errors import InvalidArgumentError  # noqa: E402
 from numstab.frameworks.torch import backend as torch_backend  # noqa: E402
@@ -153,10 +154,17 @@ def test_clip_coefficient_matches_the_generic_composite(dtype, without_fast_path
 
 
 def test_clip_coefficient_of_other_norms_takes_the_generic_path():
-    """16-bit and integer norms are not the fast path's: it declines them (None)."""
+    """16-bit and integer norms, and a tiny limit, are not the fast path's: it hands them to
+    the generic ``Backend.clip_factor``."""
     be = torch_backend.BACKEND
-    assert be.native_clip_factor(torch.tensor(2.0, dtype=torch.float16), 1.0) is None
-    assert be.native_clip_factor(torch.tensor(2), 1.0) is None
+    cases = [
+        (torch.tensor(2.0, dtype=torch.float16), 1.0, "float16", False),
+        (torch.tensor(2), 1.0, "float32", False),
+        (torch.tensor(0.0), 1e-45, "float32", True),
+        (torch.tensor(2.0), 1e-45, "float32", True),
+    ]
+    for args in cases:
+        _assert_same(be.native_clip_factor(*args), Backend.clip_factor(be, *args))
     got = clip_coefficient(torch.tensor(4.0, dtype=torch.float16), 1.0)
     assert got.dtype == torch.float16 and got.item() == 0.25
 

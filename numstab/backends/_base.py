@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from numstab.backends._native import FORCE_GENERIC_ENV, generic_forced, has_native, native_op
+from numstab.backends._tree_ops import TreeOps
 
 __all__ = [
     "FORCE_GENERIC_ENV",
@@ -38,7 +39,7 @@ def numpy_dtype_name(dtype: Any) -> str:
     return dtype.name
 
 
-class Backend(abc.ABC):
+class Backend(TreeOps, abc.ABC):
     """Primitives over one framework's arrays. Subclasses implement every abstract method;
     the composites at the end are generic (a subclass may add ``native_<name>`` versions)."""
 
@@ -82,12 +83,6 @@ class Backend(abc.ABC):
     def size(self, x: Array, dtype: str) -> int | Array:
         """Number of elements: a Python int when static, else a scalar array of ``dtype``."""
         return int(math.prod(self.shape(x)))
-
-    def nonempty(self, arrays: list[Array]) -> list[Array]:
-        """The arrays with at least one element (``size != 0``), in order: the leaves the
-        tree functions compute on. An array of unknown size (a traced dynamic shape) is
-        kept: an empty one adds nothing to a sum and scaling it is a no-op."""
-        return [x for x in arrays if _maybe_nonempty(self.size(x, "float32"))]
 
     @abc.abstractmethod
     def unflatten_rows(self, rows: Array, like: Array) -> Array:
@@ -181,77 +176,12 @@ class Backend(abc.ABC):
     def gather(self, vector: Array, index: Array) -> Array:
         """``vector[index]`` for a 1-D ``vector`` and in-range integer ``index``."""
 
-    # -- generic composites (backends may add native_* fused versions) ------------------------
-    def leaf_norms(self, leaves: list[Array], ord: float, dtype: str) -> Array:
-        """The ``ord``-norm of each (non-empty) leaf, accumulated in ``dtype``, as a vector."""
-        norms = []
-        for leaf in leaves:
-            x = self.cast(leaf, dtype)
-            if ord == 2.0:
-                norms.append(self.sqrt(self.sum(x * x)))
-            elif ord == float("inf"):
-                norms.append(self.max(self.abs(x)))
-            elif ord == 1.0:
-                norms.append(self.sum(self.abs(x)))
-            else:
-                norms.append(self.sum(self.abs(x) ** ord) ** (1.0 / ord))
-        return self.stack(norms)
-
-    def global_norm(self, leaves: list[Array], ord: float, dtype: str) -> Array:
-        """The ``ord``-norm of the leaf norms (``leaf_norms``), a 0-d array of ``dtype``."""
-        norms = native_op(self, "leaf_norms")(leaves, ord, dtype)
-        if ord == float("inf"):
-            return self.max(norms)
-        if ord == 2.0:
-            return self.sqrt(self.sum(norms * norms))
-        if ord == 1.0:
-            return self.sum(norms)
-        return self.sum(norms**ord) ** (1.0 / ord)
-
-    def scale_leaves(
-        self, leaves: list[Array], factor: Array, toward_zero: bool = False
-    ) -> list[Array]:
-        """Each leaf times a 0-d ``factor``: float32/64 leaves multiply in their own dtype,
-        16-bit leaves in float32 and are rounded back once: to nearest, or ``toward_zero``
-        (``cast_toward_zero``: clipping, whose result must not grow past the float32 one)."""
-        out = []
-        factor32 = None  # a float64 factor (float64 leaves in the tree) cast once, if needed
-        for leaf in leaves:
-            dtype = self.dtype_name(leaf)
-            if dtype in ("float32", "float64"):
-                out.append(leaf * self.cast(factor, dtype))
-                continue
-            factor32 = self.cast(factor, "float32") if factor32 is None else factor32
-            product = self.cast(leaf, "float32") * factor32
-            out.append(
-                self.cast_toward_zero(product, dtype) if toward_zero else self.cast(product, dtype)
-            )
-        return out
-
-    def cast_toward_zero(self, x: Array, dtype: str) -> Array:
-        """float32 ``x`` as the 16-bit ``dtype``, rounded toward zero: ``|out| <= |x|``
-        everywhere (round to nearest can move a value up by half a spacing, which below the
-        normal range is any fraction of it: 0.6 * 2**-24 becomes 2**-24 in float16). A value
-        that rounded away from zero steps back one spacing (``step_toward_zero``); NaN stays
-        NaN, and a finite value past the dtype's largest becomes that largest, not inf."""
-        rounded = self.cast(x, dtype)
-        away = self.abs(self.cast(rounded, "float32")) > self.abs(x)
-        return self.where(away, self.step_toward_zero(rounded), rounded)
-
+    # -- generic composites (backends may add native_* fused versions; the tree ones: TreeOps) --
     @abc.abstractmethod
     def step_toward_zero(self, x: Array) -> Array:
         """The next representable value toward 0 of each element of a 16-bit float array,
         for nonzero ``x`` (elsewhere the result is unspecified): the bits read as int16,
         minus 1 (sign and magnitude: one less magnitude, whatever the sign)."""
-
-    def leaf_finite(self, leaves: list[Array]) -> Array:
-        """A boolean vector, one entry per (non-empty) leaf: every element of that leaf is
-        finite. Stays on the device: the first pass of ``find_nonfinite`` and ``all_finite``."""
-        return self.stack([self.all(self.isfinite(leaf)) for leaf in leaves])
-
-    def all_finite(self, leaves: list[Array]) -> Array:
-        """One 0-d boolean: every element of every leaf is finite."""
-        return self.all(native_op(self, "leaf_finite")(leaves))
 
     def count(self, mask: Array, axis: int | None, dtype: str, keepdims: bool = False) -> Array:
         """Number of true entries along ``axis``, as ``dtype``."""
@@ -443,8 +373,3 @@ class Backend(abc.ABC):
     def compress(self, x: Array, keep: Array, axis: int) -> Array:
         """The slices of ``x`` along ``axis`` where ``keep`` is true; ``keep`` is a host (NumPy)
         1-D boolean array. Eager only: the result's size depends on ``keep``."""
-
-
-def _maybe_nonempty(size: Any) -> bool:
-    """False only for a size known to be 0 (a Python int; a traced size is unknown)."""
-    return not isinstance(size, int) or size != 0

@@ -18,9 +18,11 @@ def generic_forced() -> bool:
     return os.environ.get(FORCE_GENERIC_ENV, "") not in ("", "0")
 
 
-def native_op(backend: Backend, name: str) -> Callable[..., Any]:
-    """The backend's fused ``native_<name>`` if it has one and it is allowed, else ``<name>``."""
-    if not generic_forced():
+def native_op(backend: Backend, name: str, allowed: bool | None = None) -> Callable[..., Any]:
+    """The backend's fused ``native_<name>`` if it has one and it is allowed, else ``<name>``.
+    ``allowed``: ``not generic_forced()`` when the caller already read it (an environment
+    read costs ~0.7 us, and one clipping call would make four), else None (read here)."""
+    if not generic_forced() if allowed is None else allowed:
         native = getattr(backend, "native_" + name, None)
         if native is not None:
             return native

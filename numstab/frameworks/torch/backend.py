@@ -86,12 +86,12 @@ class TorchBackend(NamespaceBackend):
         return x.numel()
 
     def native_dtypes_and_nonempty(self, arrays):
-        # clipping._dtypes_and_nonempty: one pass each for the dtypes, the sizes and (when
+        # Backend.dtypes_and_nonempty in one pass each for the dtypes, the sizes and (when
         # every tensor is non-empty, of one dtype) the devices; the devices' pass is the one
         # native_leaf_norms and native_scale_leaves would each make, done once (_OneKernel).
-        # Dynamo cannot trace attrgetter: None there (the generic passes).
+        # Dynamo cannot trace attrgetter: the generic passes there
         if torch.compiler.is_compiling():
-            return None
+            return super().dtypes_and_nonempty(arrays)
         dtypes = set(map(_DTYPE, arrays))
         names = {_DTYPE_NAMES.get(d) or str(d).removeprefix("torch.") for d in dtypes}
         if not all(map(torch.Tensor.numel, arrays)):
@@ -196,16 +196,14 @@ class TorchBackend(NamespaceBackend):
             return list(torch._foreach_mul(leaves, factor))  # one multi-tensor kernel
         return super().scale_leaves(leaves, factor, toward_zero)
 
-    def native_clip_factor(self, norm, limit):
-        """``clipping._coefficient``'s factor for a normal ``limit`` (max_norm as a Python
-        float, at most the dtype's largest finite): ``limit / max(norm, limit)`` where
-        ``norm < inf``, else exactly 1. A NaN or +inf ``max(norm, limit)`` becomes ``limit``
+    def native_clip_factor(self, norm, limit, dtype, tiny):
+        """``Backend.clip_factor`` for a normal ``limit`` and a plain float32/float64 ``norm``
+        (else the generic): a NaN or +inf ``max(norm, limit)`` becomes ``limit``
         (``nan_to_num``) and ``limit / limit`` is exactly 1: 4 kernels for the generic 5,
         no Python scalar wrapped into a tensor for a comparison or a ``where``. The fill and
-        ``limit`` round the same double to the same float32/float64. None (the generic
-        path) for a norm that is not a plain float32/float64 tensor (16-bit, DTensor)."""
-        if type(norm) is not torch.Tensor or norm.dtype not in _FAST_FLOATS:
-            return None
+        ``limit`` round the same double to the same float32/float64."""
+        if tiny or type(norm) is not torch.Tensor or norm.dtype not in _FAST_FLOATS:
+            return super().clip_factor(norm, limit, dtype, tiny)
         bound = norm.new_full((), limit)  # norm's dtype and device
         return bound / torch.maximum(norm, bound).nan_to_num(nan=limit, posinf=limit)
 

@@ -1,0 +1,120 @@
+"""The generic tree composites of every backend (``Backend`` inherits them): the leaves'
+dtypes and sizes, per-leaf and global norms, the clip factor, scaling and finiteness, written
+once over the backend's primitives. A backend may add ``native_<name>`` fused versions."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from numstab.backends._native import native_op
+
+Array = Any
+
+
+class TreeOps:
+    """Composites over a list of leaves; ``self`` is a ``Backend`` (its primitives)."""
+
+    def nonempty(self, arrays: list[Array]) -> list[Array]:
+        """The arrays with at least one element (``size != 0``), in order: the leaves the
+        tree functions compute on. An array of unknown size (a traced dynamic shape) is
+        kept: an empty one adds nothing to a sum and scaling it is a no-op."""
+        return [x for x in arrays if _maybe_nonempty(self.size(x, "float32"))]
+
+    def dtype_names(self, arrays: list[Array]) -> set[str]:
+        """The set of ``dtype_name`` over ``arrays``, asked once per distinct ``.dtype`` (the
+        name is a function of it); one by one when an array has no hashable ``.dtype``."""
+        try:
+            one_per_dtype = {x.dtype: x for x in arrays}.values()
+        except (AttributeError, TypeError):
+            one_per_dtype = arrays
+        return {self.dtype_name(x) for x in one_per_dtype}
+
+    def dtypes_and_nonempty(self, arrays: list[Array]) -> tuple[set[str], list[Array]]:
+        """``(dtype_names(arrays), nonempty(arrays))``: what the tree functions ask of their
+        leaves first (a native version may answer in fewer passes, and return a list that
+        carries what it found to its own norm and scaling kernels)."""
+        return self.dtype_names(arrays), self.nonempty(arrays)
+
+    def clip_factor(self, norm: Array, limit: float, dtype: str, tiny: bool) -> Array:
+        """``limit / max(norm, limit)`` where ``norm < inf``, else exactly 1, in ``dtype``
+        (``clipping._coefficient``, which derives ``limit`` and ``dtype`` and documents the
+        edge cases); ``tiny``: ``limit`` is below ``dtype``'s smallest normal, where the factor
+        also needs ``norm > limit`` (0 / 0 must not reach a zero norm)."""
+        bound = self.asarray(limit, dtype, like=norm)
+        with self.float_errors_ignored():  # inf / inf, or 0 / 0 for a zero limit: unused
+            factor = bound / self.maximum(norm, bound)
+        applies = norm < math.inf
+        if tiny:
+            applies = applies & (norm > bound)
+        return self.where(applies, factor, 1.0)
+
+    def leaf_norms(self, leaves: list[Array], ord: float, dtype: str) -> Array:
+        """The ``ord``-norm of each (non-empty) leaf, accumulated in ``dtype``, as a vector."""
+        norms = []
+        for leaf in leaves:
+            x = self.cast(leaf, dtype)
+            if ord == 2.0:
+                norms.append(self.sqrt(self.sum(x * x)))
+            elif ord == float("inf"):
+                norms.append(self.max(self.abs(x)))
+            elif ord == 1.0:
+                norms.append(self.sum(self.abs(x)))
+            else:
+                norms.append(self.sum(self.abs(x) ** ord) ** (1.0 / ord))
+        return self.stack(norms)
+
+    def global_norm(self, leaves: list[Array], ord: float, dtype: str) -> Array:
+        """The ``ord``-norm of the leaf norms (``leaf_norms``), a 0-d array of ``dtype``."""
+        norms = native_op(self, "leaf_norms")(leaves, ord, dtype)
+        if ord == float("inf"):
+            return self.max(norms)
+        if ord == 2.0:
+            return self.sqrt(self.sum(norms * norms))
+        if ord == 1.0:
+            return self.sum(norms)
+        return self.sum(norms**ord) ** (1.0 / ord)
+
+    def scale_leaves(
+        self, leaves: list[Array], factor: Array, toward_zero: bool = False
+    ) -> list[Array]:
+        """Each leaf times a 0-d ``factor``: float32/64 leaves multiply in their own dtype,
+        16-bit leaves in float32 and are rounded back once: to nearest, or ``toward_zero``
+        (``cast_toward_zero``: clipping, whose result must not grow past the float32 one)."""
+        out = []
+        factor32 = None  # a float64 factor (float64 leaves in the tree) cast once, if needed
+        for leaf in leaves:
+            dtype = self.dtype_name(leaf)
+            if dtype in ("float32", "float64"):
+                out.append(leaf * self.cast(factor, dtype))
+                continue
+            factor32 = self.cast(factor, "float32") if factor32 is None else factor32
+            product = self.cast(leaf, "float32") * factor32
+            out.append(
+                self.cast_toward_zero(product, dtype) if toward_zero else self.cast(product, dtype)
+            )
+        return out
+
+    def cast_toward_zero(self, x: Array, dtype: str) -> Array:
+        """float32 ``x`` as the 16-bit ``dtype``, rounded toward zero: ``|out| <= |x|``
+        everywhere (round to nearest can move a value up by half a spacing, which below the
+        normal range is any fraction of it: 0.6 * 2**-24 becomes 2**-24 in float16). A value
+        that rounded away from zero steps back one spacing (``step_toward_zero``); NaN stays
+        NaN, and a finite value past the dtype's largest becomes that largest, not inf."""
+        rounded = self.cast(x, dtype)
+        away = self.abs(self.cast(rounded, "float32")) > self.abs(x)
+        return self.where(away, self.step_toward_zero(rounded), rounded)
+
+    def leaf_finite(self, leaves: list[Array]) -> Array:
+        """A boolean vector, one entry per (non-empty) leaf: every element of that leaf is
+        finite. Stays on the device: the first pass of ``find_nonfinite`` and ``all_finite``."""
+        return self.stack([self.all(self.isfinite(leaf)) for leaf in leaves])
+
+    def all_finite(self, leaves: list[Array]) -> Array:
+        """One 0-d boolean: every element of every leaf is finite."""
+        return self.all(native_op(self, "leaf_finite")(leaves))
+
+
+def _maybe_nonempty(size: Any) -> bool:
+    """False only for a size known to be 0 (a Python int; a traced size is unknown)."""
+    return not isinstance(size, int) or size != 0
