@@ -224,15 +224,8 @@ def test_clipping_under_torch_compile_matches_eager():
 def test_force_generic_read_at_call_time_decides_every_kernel(forced, monkeypatch):
     """clip_by_global_norm reads NUMSTAB_FORCE_GENERIC once per call: set, none of the four
     torch fast kernels runs; unset ("0"), all four do."""
-    called: list[str] = []
-    for name in (*FAST_PATHS, "native_global_norm", "native_scale_leaves"):
-        original = getattr(torch_backend.TorchBackend, name)
-
-        def spy(self, *args, _name=name, _original=original):
-            called.append(_name)
-            return _original(self, *args)
-
-        monkeypatch.setattr(torch_backend.TorchBackend, name, spy)
+    kernels = {*FAST_PATHS, "native_global_norm", "native_scale_leaves"}
+    called = _spy_on(kernels, monkeypatch)
     monkeypatch.setenv("NUMSTAB_FORCE_GENERIC", forced)
     leaves = [torch.full((3,), 2.0), torch.full((2,), -1.0)]
     clipped, norm = numstab.clip_by_global_norm(leaves, 1.0)
@@ -240,8 +233,21 @@ def test_force_generic_read_at_call_time_decides_every_kernel(forced, monkeypatc
     assert norm.item() == pytest.approx(math.sqrt(14.0), rel=4 * eps)
     for got, leaf in zip(clipped, leaves, strict=True):
         torch.testing.assert_close(got, leaf / math.sqrt(14.0), rtol=8 * eps, atol=0.0)
-    kernels = {*FAST_PATHS, "native_global_norm", "native_scale_leaves"}
-    assert set(called) == (set() if forced == "1" else kernels)
+    assert called == (set() if forced == "1" else kernels)
+
+
+def _spy_on(kernels: set[str], monkeypatch) -> set[str]:
+    """The names of the torch backend's ``kernels`` that run from now on (still running)."""
+    called: set[str] = set()
+    for name in kernels:
+        original = getattr(torch_backend.TorchBackend, name)
+
+        def spy(self, *args, _name=name, _original=original):
+            called.add(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch_backend.TorchBackend, name, spy)
+    return called
 
 
 @pytest.mark.parametrize(
@@ -277,15 +283,7 @@ def test_a_given_norm_matches_the_path_without_fast_paths(norm, without_fast_pat
     ids=["global_norm", "all_finite"],
 )
 def test_force_generic_decides_global_norm_and_all_finite(call, kernels, forced, monkeypatch):
-    called: set[str] = set()
-    for name in kernels:
-        original = getattr(torch_backend.TorchBackend, name)
-
-        def spy(self, *args, _name=name, _original=original):
-            called.add(_name)
-            return _original(self, *args)
-
-        monkeypatch.setattr(torch_backend.TorchBackend, name, spy)
+    called = _spy_on(kernels, monkeypatch)
     monkeypatch.setenv("NUMSTAB_FORCE_GENERIC", forced)
     result = call([torch.full((3,), 2.0), torch.full((2,), -1.0)])
     eps = torch.finfo(torch.float32).eps
