@@ -68,7 +68,7 @@ def handle_flat(fw: Firewall, batch: Any, counted: list) -> Any:
         label = "<batch>" if cls is np.ndarray else f"[{k if keys is None else keys[k]!r}]"
         dirty.append((label, f))
     stats, n = fw.stats, leaves[0].shape[axis]
-    first_index, number = stats.samples_seen, stats.batches_seen - fw._epoch_start
+    first_index, number = stats.samples_seen, fw._batch_in_epoch
     stats.samples_seen += n
     stats.batches_seen += 1
     if not dirty:  # every suspect was a finite sum that overflowed
@@ -266,23 +266,12 @@ def _record(
 
 def _per_sample(dirty: list[tuple[str, Found]]) -> dict[int, list]:
     """``{position: [labels, NaN values, non-finite values]}`` of every flagged sample, the
-    labels in flatten order: from the sparse positions for a few values (one value each),
-    else (a batch full of NaN) from the dense counts."""
+    labels in flatten order: from the sparse positions for a few values, else (a batch full
+    of NaN) from the dense counts."""
+    sparse = sum(f.size for _, f in dirty) <= SPARSE_MAX
     per_sample: dict[int, list] = {}
-    if sum(f.size for _, f in dirty) <= SPARSE_MAX:
-        for label, found in dirty:
-            for i, is_nan in found.sparse():
-                entry = per_sample.get(i)
-                if entry is None:
-                    per_sample[i] = [[label], int(is_nan), 1]
-                    continue
-                if entry[0][-1] != label:
-                    entry[0].append(label)
-                entry[1] += is_nan
-                entry[2] += 1
-        return per_sample
     for label, found in dirty:
-        for i, nan, bad in _dense_entries(found):
+        for i, nan, bad in _sparse_entries(found) if sparse else _dense_entries(found):
             entry = per_sample.get(i)
             if entry is None:
                 per_sample[i] = [[label], nan, bad]
@@ -292,6 +281,11 @@ def _per_sample(dirty: list[tuple[str, Found]]) -> dict[int, list]:
             entry[1] += nan
             entry[2] += bad
     return per_sample
+
+
+def _sparse_entries(found: Found) -> list:
+    """``(sample, NaN values, non-finite values)`` per non-finite value (1 value each)."""
+    return [(i, int(is_nan), 1) for i, is_nan in found.sparse()]
 
 
 def _dense_entries(found: Found) -> Any:
