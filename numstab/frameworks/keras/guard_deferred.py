@@ -32,8 +32,8 @@ FIELDS = [k for k in policy.Decision._fields if k != "layer_norms"]
 
 class DeferredGuardCallback(GuardCallback):
     """:class:`GuardCallback` whose steady batch stays on the device; a backend gives
-    ``_start_device``, ``_device_check``, ``_read_rows``, ``_device_state``,
-    ``_set_device_state``, ``_keep_as_undo`` and ``_keep_metrics_as_undo``."""
+    ``_start_device``, ``_device_check``, ``_read_rows`` and ``_device_state`` (or both at
+    once: ``_read``), ``_set_device_state``, ``_keep_as_undo`` and ``_keep_metrics_as_undo``."""
 
     # Keras' default: its per-batch logging stays asynchronous
     on_train_batch_end = keras.callbacks.Callback.on_train_batch_end

@@ -118,9 +118,6 @@ class DeviceGuardCallback(DeferredGuardCallback):
         vectors["float32"] = vectors["float32"][size:]
         return rows, self._layout.unpack(vectors, copy=True)
 
-    def _read_rows(self, n: int) -> Any:
-        return self._read(n)[0]
-
     def _set_device_state(self, state: policy.GuardState) -> None:
         for name, x in self._layout.pack(state, np).items():
             self._packed[name].assign(x)
