@@ -68,7 +68,7 @@ class TorchBackend(NamespaceBackend):
         return _label_summary_on_device(labels, ignore_index)
 
     def dtype_name(self, x):
-        return _DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
+        return _dtype_name(x.dtype)
 
     def cast(self, x, dtype):
         return x.to(getattr(torch, dtype))
@@ -93,7 +93,7 @@ class TorchBackend(NamespaceBackend):
         if torch.compiler.is_compiling():
             return super().dtypes_and_nonempty(arrays)
         dtypes = set(map(_DTYPE, arrays))
-        names = {_DTYPE_NAMES.get(d) or str(d).removeprefix("torch.") for d in dtypes}
+        names = set(map(_dtype_name, dtypes))
         if not all(map(torch.Tensor.numel, arrays)):
             return names, [x for x in arrays if x.numel() != 0]
         if len(dtypes) != 1:
@@ -298,6 +298,11 @@ BACKEND = TorchBackend()
 _CPU = torch.device("cpu")
 _IS_CPU = attrgetter("is_cpu")
 _DTYPE = attrgetter("dtype")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``"float32"`` for ``torch.float32``: a dict lookup for the common dtypes."""
+    return _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 class _OneKernel(list):
