@@ -1,6 +1,6 @@
 """TensorFlow's in-place weight-gradient update (numstab.frameworks.tensorflow.fused) against
 NumPy: blocks that divide the vocabulary (one add per block, on a reshaped view) and blocks
-that leave a remainder (row by row)."""
+that leave a remainder (row by row), one or several blocks per loop iteration."""
 
 from __future__ import annotations
 
@@ -14,11 +14,21 @@ WIDTH = 8
 
 
 @pytest.mark.parametrize(
-    ("vocab", "target", "block", "divides"),
-    [(12, 4, 4, True), (12, 5, 4, True), (11, 3, 3, False), (12, 12, 12, True), (7, 100, 7, True)],
+    ("vocab", "target", "block", "divides", "per_iteration"),
+    [
+        (12, 4, 4, True, 16),
+        (12, 5, 4, True, 16),
+        (11, 3, 3, False, 16),
+        (12, 12, 12, True, 16),
+        (7, 100, 7, True, 16),
+        (24, 2, 2, True, 4),  # 12 blocks, 4 per loop iteration: 3 iterations
+        (14, 2, 2, True, 4),  # 7 blocks, a prime: 1 per iteration
+        (25, 2, 2, False, 4),  # 12 blocks of 2, 4 per iteration, and a row left over
+    ],
 )
-def test_matmul_accumulate_in_blocks(monkeypatch, vocab, target, block, divides):
+def test_matmul_accumulate_in_blocks(monkeypatch, vocab, target, block, divides, per_iteration):
     monkeypatch.setattr(fused, "_ACCUMULATE_BLOCK_BYTES", 4 * WIDTH * target)
+    monkeypatch.setattr(fused, "_BLOCKS_PER_ITERATION", per_iteration)
     assert fused._block_rows(vocab, WIDTH, 4) == (block, divides)
     rng = np.random.default_rng(0)
     acc, a, b = (

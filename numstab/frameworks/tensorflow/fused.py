@@ -12,6 +12,11 @@ import tensorflow as tf
 #: 8 MiB blocks took ~5% less CPU for the blocked update alone (385 against 407 ms per 256-row
 #: chunk) but nothing measurable in a whole step, and cost 5 MiB of peak (1.091 of the floor)
 _ACCUMULATE_BLOCK_BYTES = 4 * 2**20
+#: At most this many blocks per iteration of ``matmul_accumulate``'s loop (unrolled in the
+#: graph, two in flight): 1.155x a fresh-buffer product per 256-row chunk against 1.18-1.49x
+#: with one block per iteration (``benchmarks/tf_fused_parts.py``); bounded, the graph stays
+#: small at any vocabulary
+_BLOCKS_PER_ITERATION = 16
 
 
 @functools.cache
@@ -63,26 +68,39 @@ def matmul_accumulate(acc: tf.Tensor, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     if divides:
         acc = tf.reshape(acc, (full, block * width))  # a view: the same buffer
 
-    def add_block(acc, start, size):
+    def add_block(acc, start, size, after):
         # not slice + add + TensorStridedSliceUpdate: its strided assignment of the block cost
-        # more CPU than the block's matmul (280 against 170 ms per 128-row chunk)
-        product = tf.linalg.matmul(tf.slice(a, [0, start], [-1, size]), b, transpose_a=True)
+        # more CPU than the block's matmul (280 against 170 ms per 128-row chunk). The block
+        # starts once ``after`` is added: unordered, the unrolled blocks would all compute
+        # their products at once, each holding a block (+62 MiB over 16 blocks)
+        with tf.control_dependencies([after]):
+            part = tf.slice(a, [0, start], [-1, size])
+        product = tf.linalg.matmul(part, b, transpose_a=True)
         product = tf.cast(product, acc.dtype)
         if divides:
             index = tf.reshape(start // block, (1,))
             return tf.raw_ops.InplaceAdd(x=acc, i=index, v=tf.reshape(product, (1, -1)))
         return tf.raw_ops.InplaceAdd(x=acc, i=tf.range(start, start + size), v=product)
 
+    # the largest divisor of ``full`` up to _BLOCKS_PER_ITERATION: whole iterations
+    unroll = max(u for u in range(1, min(full, _BLOCKS_PER_ITERATION) + 1) if full % u == 0)
+
+    def body(i, acc):
+        # block k's product overlaps block k - 1's add (it waits for block k - 2's): two
+        # blocks in flight at most
+        added = [acc]
+        for k in range(unroll):
+            after = added[max(k - 1, 0)]
+            added.append(add_block(added[-1], (i * unroll + k) * block, block, after))
+        return i + 1, added[-1]
+
     _, acc = tf.while_loop(
-        lambda i, _: i < full,
-        lambda i, acc: (i + 1, add_block(acc, i * block, block)),
-        (tf.constant(0), acc),
-        parallel_iterations=1,
+        lambda i, _: i < full // unroll, body, (tf.constant(0), acc), parallel_iterations=1
     )
     if divides:
         return tf.reshape(acc, (vocab, width))
     if full * block < vocab:
-        acc = add_block(acc, tf.constant(full * block), vocab - full * block)
+        acc = add_block(acc, tf.constant(full * block), vocab - full * block, acc)
     return acc
 
 
