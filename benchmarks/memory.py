@@ -63,13 +63,17 @@ Goals (issue 20, goal 5): per framework, the fused step peak <= 1.10 x the floor
 peak, and fused time <= 1.10 x unfused. Numbers are printed,
 never asserted; --json rows carry ``ratio`` (fused / floor), ``goal``, ``meets_goal`` and
 the time ratio with its own goal, and for TensorFlow ``time_floor_ratio`` (floor / unfused),
-``fused_over_time_floor`` and ``time_floor_meets_goal``. ``--device gpu`` runs issue 20's
-GPU shape, 32768 tokens x d_model 4096 x vocab 131072 in bfloat16 (``--dtype`` to change
-it), each framework's peak counter in place of the RSS.
+``fused_over_time_floor`` and ``time_floor_meets_goal``. ``--interleaved ROUNDS`` also times
+unfused, fused and the time floor in one process, one step of each per round in rotating
+order, and prints the median of the per-round ratios with quartiles (``interleaved`` in the
+JSON rows): the runs above are separate processes for clean peaks, so a load that changes
+between them moves their time ratios; interleaved rounds do not have that bias.
+``--device gpu`` runs issue 20's GPU shape, 32768 tokens x d_model 4096 x vocab 131072 in
+bfloat16 (``--dtype`` to change it), each framework's peak counter in place of the RSS.
 
 Usage: python benchmarks/memory.py [--backends torch,jax,tensorflow] [--device cpu|gpu]
        [--quick] [--repeats 3] [--tokens N --d-model D --vocab V] [--chunk-size C]
-       [--dtype float32|bfloat16] [--json P]
+       [--dtype float32|bfloat16] [--interleaved ROUNDS] [--json P]
 """
 
 from __future__ import annotations
@@ -355,13 +359,7 @@ def worker(args) -> dict:
     gpu = args.device == "gpu"
     _tiny_warmup(args.backend, gpu)
     hidden, weight, labels = _inputs(args.tokens, args.d_model, args.vocab)
-    chunk = args.chunk
-    if args.variant in ("floor", "chunked") and chunk is None:  # the chunk the fused path chooses
-        from numstab.backends import load_backend
-        from numstab.fused_cross_entropy import default_chunk_size
-
-        budget = load_backend(args.backend).fused_chunk_bytes
-        chunk = default_chunk_size(args.tokens, args.vocab, budget)
+    chunk = _chunk_of(args, args.variant)
     step, gpu_stats, compile_ = STEPS[args.backend](
         args.variant, hidden, weight, labels, chunk, gpu, args.dtype
     )
@@ -417,6 +415,79 @@ def worker(args) -> dict:
     }
 
 
+def _chunk_of(args, variant: str) -> int | None:
+    """The chunk a run uses: ``--chunk-size``, else None for the fused path (its default)
+    and, for the floors, the chunk the fused path chooses."""
+    if args.chunk is not None or variant not in ("floor", "chunked"):
+        return args.chunk
+    from numstab.backends import load_backend
+    from numstab.fused_cross_entropy import default_chunk_size
+
+    budget = load_backend(args.backend).fused_chunk_bytes
+    return default_chunk_size(args.tokens, args.vocab, budget)
+
+
+def interleaved_worker(args) -> dict:
+    """Time only, in one process: unfused, fused and (where the backend has one) the time
+    floor, one step each per round in an order rotating from round to round, ``--interleaved``
+    rounds after an untimed step each. Per-round ratios over that round's unfused step, so
+    a load that drifts between rounds moves both sides of each ratio."""
+    gpu = args.device == "gpu"
+    hidden, weight, labels = _inputs(args.tokens, args.d_model, args.vocab)
+    floor = TIME_FLOORS.get(args.backend)
+    variants = ("unfused", "fused", *([floor] if floor else []))
+    steps = {}
+    for variant in variants:
+        step = STEPS[args.backend](
+            variant, hidden, weight, labels, _chunk_of(args, variant), gpu, args.dtype
+        )[0]
+        step()  # traced, compiled, warm
+        steps[variant] = step
+    seconds = {variant: [] for variant in variants}
+    gc.disable()
+    for i in range(args.interleaved):
+        for variant in variants[i % len(variants) :] + variants[: i % len(variants)]:
+            start = time.perf_counter()
+            steps[variant]()
+            seconds[variant].append(time.perf_counter() - start)
+    gc.enable()
+    return {"backend": args.backend, "variant": "interleaved", "seconds": seconds}
+
+
+def _interleaved_row(run: dict) -> dict:
+    """Median and quartiles of the per-round ratios: fused / unfused, and with a time floor,
+    floor / unfused and fused / floor."""
+    t = run["seconds"]
+
+    def ratios(a, b):
+        per_round = [x / y for x, y in zip(t[a], t[b], strict=True)]
+        q = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
+        return statistics.median(per_round), q[0], q[2]
+
+    row = {"backend": run["backend"], "rounds": len(t["unfused"])}
+    row["time_ratio"], row["q1"], row["q3"] = ratios("fused", "unfused")
+    row |= {"time_goal": TIME_GOAL, "meets_time_goal": row["time_ratio"] <= TIME_GOAL}
+    floor = TIME_FLOORS.get(run["backend"])
+    if floor in t:
+        row["time_floor_ratio"] = ratios(floor, "unfused")[0]
+        row["fused_over_time_floor"] = ratios("fused", floor)[0]
+    return row
+
+
+def _print_interleaved(row: dict) -> None:
+    text = (
+        f"{row['backend']}: interleaved ({row['rounds']} rounds, one process) fused/unfused "
+        f"{row['time_ratio']:.3f} (q1-q3 {row['q1']:.2f}-{row['q3']:.2f}), "
+        f"time {'ok' if row['meets_time_goal'] else 'OVER'}"
+    )
+    if "time_floor_ratio" in row:
+        text += (
+            f"; time floor/unfused {row['time_floor_ratio']:.3f}, "
+            f"fused/time floor {row['fused_over_time_floor']:.3f}"
+        )
+    print(text)
+
+
 def _peak(gpu, gpu_stats, method, baseline, before) -> int:
     return gpu_stats(reset=False) - before if gpu else _high_water_mark(method) - baseline
 
@@ -430,6 +501,8 @@ def _run_worker(args, backend, variant) -> dict:
     ]  # fmt: skip
     if args.chunk is not None:
         command += ["--chunk-size", str(args.chunk)]
+    if variant == "interleaved":
+        command += ["--interleaved", str(args.interleaved)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", XLA_PYTHON_CLIENT_PREALLOCATE="false",
                TF_FORCE_GPU_ALLOW_GROWTH="true")  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -461,6 +534,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--dtype", choices=DTYPES, default=None, help="float32 on cpu, bfloat16 on gpu"
     )
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="also time unfused, fused and the time floor in one process, interleaved",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
@@ -474,7 +554,8 @@ def main(argv=None) -> int:
     args.d_model = args.d_model or defaults[1]
     args.vocab = args.vocab or defaults[2]
     if args.worker:
-        print(json.dumps(worker(args)))
+        run = interleaved_worker if args.variant == "interleaved" else worker
+        print(json.dumps(run(args)))
         return 0
 
     how = (
@@ -520,6 +601,16 @@ def main(argv=None) -> int:
         )
     for row in rows:
         _print_time_floor(row)
+    for row in rows:
+        if args.interleaved:
+            run = _run_worker(args, row["backend"], "interleaved")
+            results.append(run)
+            if "error" in run:
+                failed = True
+                print(f"{row['backend']} interleaved FAILED:\n{run['error']}")
+                continue
+            row["interleaved"] = _interleaved_row(run)
+            _print_interleaved(row["interleaved"])
     print(
         f"\ngoals (issue 20, goal 5): fused/floor <= {MEMORY_GOAL:.2f} (per-step peaks), "
         f"time ratio fused/unfused <= {TIME_GOAL:.2f}"
