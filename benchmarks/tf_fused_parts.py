@@ -44,13 +44,13 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-BLOCK_BYTES = 4 * 2**20  # as numstab.frameworks.tensorflow.fused._ACCUMULATE_BLOCK_BYTES
-
 
 def _variants(tf, vocab: int, width: int) -> dict:
     from numstab.frameworks.tensorflow import fused
 
-    block = BLOCK_BYTES // (4 * width)
+    block, divides = fused._block_rows(vocab, width, 4)  # numstab's own blocks
+    if not divides:
+        raise SystemExit(f"vocab {vocab}: no block of numstab's size divides it; choose another")
     blocks = vocab // block
 
     def view(acc):
@@ -178,8 +178,6 @@ def main() -> int:
                         default=[256, 384, 480, 512, 640, 1024])  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args()
-    if args.vocab * 4 * args.d_model % BLOCK_BYTES:
-        parser.error("--vocab * --d-model * 4 must be a multiple of 4 MiB (whole blocks)")
 
     updates = update_times(args)
     print(

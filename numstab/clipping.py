@@ -53,14 +53,14 @@ def _float_leaves(
     (non-None) leaf of a non-floating dtype, counted among the non-None leaves.
     """
     leaves, treedef = flatten(tree)
-    present = [leaf for leaf in leaves if leaf is not None]
+    present = _present(leaves)
     # one leaf per Python type: the framework of an array is a function of its type
     kinds = list({type(leaf): leaf for leaf in present}.values())
     be = resolve_backend(*kinds, *extra, backend=backend)
     if any(framework_of(leaf) == HOST for leaf in kinds):
         like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
         leaves = [to_backend(be, leaf, like=like, name=f"{name} leaves") for leaf in leaves]
-        present = [leaf for leaf in leaves if leaf is not None]
+        present = _present(leaves)
     dtypes, numeric = native_op(be, "dtypes_and_nonempty", fused)(present)
     if not all(map(v.is_floating, dtypes)):
         raise _not_floating_error(be, present, name)
@@ -197,6 +197,7 @@ def scale_leaves(be: Backend, leaves: list, factor: Array, *, toward_zero: bool 
 
 
 def _present(leaves: list) -> list:
+    """The non-None ``leaves``, in order."""
     return [leaf for leaf in leaves if leaf is not None]
 
 
