@@ -102,3 +102,33 @@ def counting(framework: str) -> Iterator[ReadCounter]:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
+
+
+class _RecordedSyncs:
+    """``count``: the CUDA synchronisations torch reported so far."""
+
+    def __init__(self, recorded: list) -> None:
+        self._recorded = recorded
+
+    @property
+    def count(self) -> int:
+        return sum("synchronizing CUDA operation" in str(w.message) for w in self._recorded)
+
+
+@contextlib.contextmanager
+def counting_cuda_syncs() -> Iterator[_RecordedSyncs]:
+    """Count torch's host synchronisations with the GPU inside the ``with`` block, as
+    ``torch.cuda.set_sync_debug_mode("warn")`` reports them: the C++ ones too (``.item()``,
+    ``nonzero``, a blocking copy to the host), which ``counting`` cannot see."""
+    import warnings
+
+    import torch
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as recorded:
+        warnings.simplefilter("always")  # every sync, not one warning per call site
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield _RecordedSyncs(recorded)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)

@@ -30,7 +30,10 @@ steady step stays on the device, the host reads every k steps; docs/semantics.md
 
 Snapshots every ``--snapshot-every`` good steps (default 100; memory only), so their cost is
 amortised as in a real run. No NaN is injected: this is the price of the guard on healthy
-steps. Every framework's loops cycle through the same 128 batches of a noisy teacher
+steps. ``--device gpu`` runs torch on CUDA and JAX on its GPU (Keras stays where its backend
+puts it); there torch's host syncs are also counted as the GPU reports them
+(``torch.cuda.set_sync_debug_mode("warn")``: the C++ ones too), and the goal holds for both
+counts. Every framework's loops cycle through the same 128 batches of a noisy teacher
 (``teacher_batches``): a single fixed batch (or random targets) is memorised to a loss of
 ~1e-13 within a few hundred steps, where its wobbles read as loss spikes, and the guard then
 skips steps and rolls back (measured: 49 skips and 2 rollbacks in 1500 torch steps), which is
@@ -52,7 +55,7 @@ amortised. Goal: no read beyond the base loop's on a steady step. Timings are pr
 asserted.
 
 Usage: python benchmarks/guard.py [--quick] [--backends torch,jax,keras] [--threads 1]
-       [--host-every K] [--json PATH]
+       [--host-every K] [--device cpu|gpu] [--json PATH]
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
     from numstab.guard.monitor import layer_norms
 
     torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "gpu" else "cpu")
 
     def make(fused=False):
         torch.manual_seed(0)
@@ -123,11 +127,14 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
         for i in range(args.layers):
             layers.append(torch.nn.Linear(args.width if i else 32, args.width))
             layers.append(torch.nn.Tanh())
-        model = torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 1))
+        model = torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 1)).to(device)
         return model, torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
 
     xs, ys = teacher_batches(args.batch)
-    batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in zip(xs, ys, strict=True)]
+    batches = [
+        (torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+        for x, y in zip(xs, ys, strict=True)
+    ]
     be = load_backend("torch")
 
     def loop(fused=False, host_every=None, extra=None):
@@ -217,7 +224,8 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
         ("torch", "floor: norms + backup + undo", "plain", "floor:norms+undo"),
         ("torch", "floor: norms + found_inf (fused)", "plain_fused", "floor:norms+found_inf"),
     ]
-    rows = _measure("torch", loops, pairs, args, lambda: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    rows = _measure("torch", loops, pairs, args, sync)
     runners = {}
     for name, run in loops.items():
         if run.guard is not None:
@@ -238,14 +246,18 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
     from numstab.frameworks.jax.guard import guarded_step
     from numstab.guard import TrainingGuard
 
+    device = jax.devices(args.device)[0]  # committed inputs: every jit runs there
     keys = jax.random.split(jax.random.PRNGKey(0), args.layers + 1)
     sizes = [32] + [args.width] * args.layers + [1]
-    params0 = [
-        {"w": jax.random.normal(k, (i, o)) / np.sqrt(i), "b": jnp.zeros(o)}
-        for k, i, o in zip(keys, sizes[:-1], sizes[1:], strict=True)
-    ]
+    params0 = jax.device_put(
+        [
+            {"w": jax.random.normal(k, (i, o)) / np.sqrt(i), "b": jnp.zeros(o)}
+            for k, i, o in zip(keys, sizes[:-1], sizes[1:], strict=True)
+        ],
+        device,
+    )
     xs, ys = teacher_batches(args.batch)
-    batches = [(jnp.asarray(x), jnp.asarray(y)) for x, y in zip(xs, ys, strict=True)]
+    batches = [jax.device_put((x, y), device) for x, y in zip(xs, ys, strict=True)]
     tx = optax.adam(1e-3)
 
     def loss_fn(params, x, y):
@@ -484,7 +496,7 @@ def keras_case(args: argparse.Namespace) -> list[dict]:
 def _measure(framework: str, loops: dict, pairs: list, args, sync) -> list[dict]:
     """Median step times (interleaved rounds) and host reads per step of every loop; one
     row per (backend, mode, baseline loop, loop) of ``pairs``."""
-    from _host_reads import counting
+    from _host_reads import counting, counting_cuda_syncs
 
     # past the spike windows' first fill (128 steps) and a read: the steady state
     settle = 128 + args.host_every
@@ -492,18 +504,25 @@ def _measure(framework: str, loops: dict, pairs: list, args, sync) -> list[dict]
         fn(settle)
     sync()
     times = _time(loops, args, sync)
-    reads, steady = {}, {}
+    cuda = framework == "torch" and args.device == "gpu"
+    counters = {"host_reads": lambda: counting(framework)}
+    if cuda:  # the GPU's own count: every host sync torch reports, C++ ones too
+        counters["cuda_syncs"] = counting_cuda_syncs
+    counts = {kind: ({}, {}) for kind in counters}  # kind -> (per step, per steady step)
     for name, fn in loops.items():
         # a whole read period (host_every steps, at least --steps): the reads per step
         # amortised over it, and the median step's reads (a steady step: no periodic read)
         n = max(args.steps, args.host_every)
-        with counting(framework) as counter:
-            per_step = _ticks(fn, n, counter)
+        for kind, make_counter in counters.items():
+            with make_counter() as counter:
+                per_step = _ticks(fn, n, counter)
+                total = counter.count  # before the sync, which is the benchmark's own
             sync()
-        reads[name] = counter.count / n
-        steady[name] = statistics.median(
-            b - a for a, b in zip([0, *per_step[:-1]], per_step, strict=True)
-        )
+            amortised, steady = counts[kind]
+            amortised[name] = total / n
+            steady[name] = statistics.median(
+                b - a for a, b in zip([0, *per_step[:-1]], per_step, strict=True)
+            )
     rows = []
     for backend, mode, base, name in pairs:
         # the ratio in each round (both loops ran within seconds of each other), then the
@@ -516,14 +535,16 @@ def _measure(framework: str, loops: dict, pairs: list, args, sync) -> list[dict]
             "guard_ms": statistics.median(times[name]),
             "ratio": statistics.median(ratios),
             "ratio_quartiles": statistics.quantiles(ratios, n=4)[::2],
-            "plain_host_reads_per_step": reads[base],
-            "guard_host_reads_per_step": reads[name],
-            "plain_host_reads_steady_step": steady[base],
-            "guard_host_reads_steady_step": steady[name],
         }
-        row["extra_host_reads_per_step"] = reads[name] - reads[base]
-        extra = steady[name] - steady[base]
-        row["extra_host_reads_steady_step"] = extra
+        extra = 0.0
+        for kind, (amortised, steady) in counts.items():
+            row[f"plain_{kind}_per_step"] = amortised[base]
+            row[f"guard_{kind}_per_step"] = amortised[name]
+            row[f"plain_{kind}_steady_step"] = steady[base]
+            row[f"guard_{kind}_steady_step"] = steady[name]
+            row[f"extra_{kind}_per_step"] = amortised[name] - amortised[base]
+            row[f"extra_{kind}_steady_step"] = steady[name] - steady[base]
+            extra = max(extra, steady[name] - steady[base])
         row["goal"] = GOAL
         floor = mode.startswith("floor")
         row["meets_goal"] = None if floor else bool(row["ratio"] <= GOAL and extra <= 0)
@@ -574,16 +595,21 @@ def main() -> None:
         "--host-every", type=int, default=100, help="the device mode's host_every (k)"
     )
     parser.add_argument("--quick", action="store_true", help="a small model, few rounds")
+    parser.add_argument(
+        "--device", choices=("cpu", "gpu"), default="cpu", help="gpu: torch on CUDA, jax on its GPU"
+    )
     args = parser.parse_args()
     unknown = set(args.backends.split(",")) - set(CASES)
     if unknown:
         parser.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(CASES)}")
+    if args.device == "gpu" and "keras" in args.backends.split(","):
+        parser.error("--device gpu runs torch and jax; keras runs where its backend puts it")
     if args.quick:
         args.width, args.layers, args.batch = 256, 4, 64
         args.steps, args.repeats, args.warmup = 20, 11, 1
     print(
         f"MLP {args.layers}x{args.width}, batch {args.batch}, Adam; {args.steps} steps per "
-        f"round, median of {args.repeats} rounds; torch threads {args.threads}"
+        f"round, median of {args.repeats} rounds; torch threads {args.threads}; {args.device}"
     )
     rows = []
     for name in args.backends.split(","):
@@ -597,7 +623,14 @@ def main() -> None:
                 f"steady step {r['plain_host_reads_steady_step']:.0f} -> "
                 f"{r['guard_host_reads_steady_step']:.0f}, amortised "
                 f"{r['plain_host_reads_per_step']:.2f} -> {r['guard_host_reads_per_step']:.2f}"
-                f" [{verdict}]"
+                + (
+                    f"; CUDA syncs per steady step {r['plain_cuda_syncs_steady_step']:.0f} -> "
+                    f"{r['guard_cuda_syncs_steady_step']:.0f}, amortised "
+                    f"{r['plain_cuda_syncs_per_step']:.2f} -> {r['guard_cuda_syncs_per_step']:.2f}"
+                    if "guard_cuda_syncs_per_step" in r
+                    else ""
+                )
+                + f" [{verdict}]"
             )
             rows.append(r)
     if args.json:
