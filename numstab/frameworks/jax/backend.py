@@ -69,7 +69,9 @@ class JaxBackend(NamespaceBackend):
         return _jitted(fn, static, generic_forced())
 
     def can_read(self, x):
-        return jax.core.is_concrete(x)  # also under jax.grad without jit, unlike is_tracing
+        # not traced, or traced eagerly with its value at hand (jax.grad without jit), which
+        # is_tracing does not tell apart; jax.core.is_concrete, removed in JAX 0.11, did this
+        return not isinstance(x, jax.core.Tracer) or x.to_concrete_value() is not None
 
     def stop_gradient(self, x):
         return jax.lax.stop_gradient(x)
@@ -121,10 +123,17 @@ class JaxBackend(NamespaceBackend):
     # gradient into one elementwise pass that overwrites the logits (a scatter kept a second
     # chunk-sized buffer; measured with memory_analysis)
 
+    def on_gpu(self, x):
+        if isinstance(x, jax.core.Tracer):  # traced: compiled for the default platform
+            return jax.default_backend() == "gpu"
+        return all(d.platform == "gpu" for d in x.devices())
+
     def matmul_accumulate(self, acc, a, b):
-        b = b.astype(a.dtype)
-        if acc is None:
-            return jnp.matmul(a.T, b)
+        # 16-bit operands multiplied into float32 (tensor cores on a GPU), as the generic
+        wide = jnp.float64 if a.dtype == jnp.float64 else jnp.float32
+        if acc is None or self.on_gpu(a):  # XLA:GPU adds the dot into acc in its epilogue
+            product = jnp.matmul(a.T, b, preferred_element_type=wide)
+            return product if acc is None else acc + product
         # ``acc + a.T @ b`` in blocks of acc's rows, each written back in place: XLA:CPU cannot
         # add a dot into its output, so one product would be a second acc-sized temporary
         vocab = a.shape[1]
@@ -133,7 +142,8 @@ class JaxBackend(NamespaceBackend):
         full = vocab // block
 
         def add_block(start, acc, size=block):
-            product = jnp.matmul(jax.lax.dynamic_slice_in_dim(a, start, size, axis=1).T, b)
+            part = jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+            product = jnp.matmul(part.T, b, preferred_element_type=wide)
             total = jax.lax.dynamic_slice_in_dim(acc, start, size) + product.astype(acc.dtype)
             return jax.lax.dynamic_update_slice_in_dim(acc, total, start, 0)
 
