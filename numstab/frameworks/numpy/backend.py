@@ -48,7 +48,14 @@ class NumpyBackend(NamespaceBackend):
     def step_toward_zero(self, x):
         return (x.view(np.int16) - np.int16(1)).view(x.dtype)
 
-    # -- schedules and adaptive clipping --
+    def where(self, condition, x, y):
+        # a Python number takes the other side's dtype (NEP 50), which bfloat16 arrays get
+        # only from ml_dtypes >= 0.7: with 0.5 the result was float64
+        if isinstance(y, int | float) and isinstance(x, np.ndarray | np.generic):
+            y = np.asarray(y, x.dtype)
+        elif isinstance(x, int | float) and isinstance(y, np.ndarray | np.generic):
+            x = np.asarray(x, y.dtype)
+        return np.where(condition, x, y)
 
     # -- fused cross-entropy --
     def matmul(self, a, b, transpose_a=False, transpose_b=False):
