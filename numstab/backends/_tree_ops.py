@@ -37,17 +37,16 @@ class TreeOps:
         return self.dtype_names(arrays), self.nonempty(arrays)
 
     def clip_factor(self, norm: Array, limit: float, dtype: str, tiny: bool) -> Array:
-        """``limit / max(norm, limit)`` where ``norm < inf``, else exactly 1, in ``dtype``
+        """``limit / norm`` where ``limit < norm < inf``, else exactly 1, in ``dtype``
         (``clipping._coefficient``, which derives ``limit`` and ``dtype`` and documents the
-        edge cases); ``tiny``: ``limit`` is below ``dtype``'s smallest normal, where the factor
-        also needs ``norm > limit`` (0 / 0 must not reach a zero norm)."""
+        edge cases); ``tiny``: ``limit`` is below ``dtype``'s smallest normal (for native
+        versions, which may need the generic there)."""
         bound = self.asarray(limit, dtype, like=norm)
         with self.float_errors_ignored():  # inf / inf, or 0 / 0 for a zero limit: unused
             factor = bound / self.maximum(norm, bound)
-        applies = norm < math.inf
-        if tiny:
-            applies = applies & (norm > bound)
-        return self.where(applies, factor, 1.0)
+        # 1 by a select, not by limit / limit: XLA on GPU rewrote leaf * (limit / limit)
+        # one ulp away from the leaf (seen with JAX 0.11 on an H200)
+        return self.where((norm > bound) & (norm < math.inf), factor, 1.0)
 
     def leaf_norms(self, leaves: list[Array], ord: float, dtype: str) -> Array:
         """The ``ord``-norm of each (non-empty) leaf, accumulated in ``dtype``, as a vector."""
