@@ -423,7 +423,8 @@ def _chunk_of(args, variant: str) -> int | None:
     from numstab.backends import load_backend
     from numstab.fused_cross_entropy import default_chunk_size
 
-    budget = load_backend(args.backend).fused_chunk_bytes
+    be = load_backend(args.backend)
+    budget = be.fused_chunk_bytes_gpu if args.device == "gpu" else be.fused_chunk_bytes
     return default_chunk_size(args.tokens, args.vocab, budget)
 
 

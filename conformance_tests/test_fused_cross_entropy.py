@@ -138,6 +138,8 @@ def test_mean_smoothing_z_loss(target):
     _check(target, "float32", CASES["smoothing_z_loss"])
 
 
+#: a fast path that fell back (torch's float32-out GEMM on CUDA) warns: an error here
+@pytest.mark.filterwarnings("error:numstab:RuntimeWarning")
 def test_none_bfloat16_without_bias(target):
     """reduction="none" takes a per-row cotangent: its backward recomputes the chunks."""
     got, _ = _check(target, "bfloat16", {"label_smoothing": 0.1, "reduction": "none"}, bias=False)
@@ -332,3 +334,18 @@ def test_default_chunk_follows_the_backend_budget():
 
     assert load_backend("numpy").fused_chunk_bytes == 32 * 2**20
     assert default_chunk_size(4096, 65536, 64 * 2**20) == 256  # TensorFlow's budget
+
+
+def test_default_chunk_budget_follows_the_device(eager_target):
+    """A GPU's products need long chunks to run at speed: its budget is the GPU one."""
+    from numstab.backends import load_backend
+
+    h = eager_target.h
+    be = load_backend(eager_target.name)
+    x = h.asarray(np.ones((2, 2)), "float32")
+    on_gpu = h.device == "gpu" and eager_target.name in ("torch", "jax")  # TF: where it sees one
+    if eager_target.name == "tensorflow":
+        on_gpu = h.device == "gpu" and "GPU" in x.device
+    assert be.on_gpu(x) == on_gpu
+    want = be.fused_chunk_bytes_gpu if on_gpu else be.fused_chunk_bytes
+    assert be.fused_chunk_budget(x) == want

@@ -31,7 +31,7 @@ Array = Any
 NAN = float("nan")
 
 #: ``chunk_size=None`` keeps one chunk of float32 logits near this many bytes (the
-#: backend's ``fused_chunk_bytes``: TensorFlow's is twice this)
+#: backend's ``fused_chunk_budget``: TensorFlow's is twice this, a GPU's 1 GiB)
 CHUNK_BYTES = 32 * 2**20
 
 
@@ -102,8 +102,8 @@ def fused_linear_cross_entropy(
     if not be.is_tracing(out_of_range) and be.any(out_of_range):  # concrete labels only
         raise_out_of_range(be, labels, vocab, ignore_index)
 
-    plan = _Plan(be, eps, z_loss, ignore_index, reduction, cdt, vocab, rows,
-                 chunk_size or default_chunk_size(rows, vocab, be.fused_chunk_bytes))  # fmt: skip
+    chunk_size = chunk_size or default_chunk_size(rows, vocab, be.fused_chunk_budget(h))
+    plan = _Plan(be, eps, z_loss, ignore_index, reduction, cdt, vocab, rows, chunk_size)
     with be.float_errors_ignored():
         out = be.custom_gradient(plan.forward, plan.backward, (h, weight, bias, y))
     if reduction == "none":
@@ -252,11 +252,12 @@ class _Plan:
             g, pending = g * be.reshape(pending, (-1, 1)), None
         s = None if pending is None else be.reshape(pending, (-1, 1))
         dh = None
+        g_in = be.cast(g, dtype) if needs[0] or needs[1] else None  # the products' operand
         if needs[0]:
-            dh = be.matmul(be.cast(g, dtype), w)
+            dh = be.matmul(g_in, w)
             dh = dh if s is None else dh * s
-        if needs[1]:
-            dw = be.matmul_accumulate(dw, g, h if s is None else h * s)
+        if needs[1]:  # summed in float32 for 16-bit inputs
+            dw = be.matmul_accumulate(dw, g_in, h if s is None else h * s)
         if needs[2]:
             db = be.sum(g, axis=0) if db is None else db + be.sum(g, axis=0)
         return dh, dw, db

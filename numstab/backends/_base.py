@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from numstab import _validate as v
 from numstab.backends._native import FORCE_GENERIC_ENV, generic_forced, has_native, native_op
 from numstab.backends._tree_ops import TreeOps
 
@@ -48,6 +49,8 @@ class Backend(TreeOps, abc.ABC):
     index_dtype: str = "int64"
     #: fused linear cross-entropy's default chunk: float32 logits of about this many bytes
     fused_chunk_bytes: int = 32 * 2**20
+    #: the same on a GPU: its products need about 2048 rows to run at speed (docs §11.1)
+    fused_chunk_bytes_gpu: int = 2**30
 
     # -- conversion and metadata ------------------------------------------------------------
     @abc.abstractmethod
@@ -305,10 +308,22 @@ class Backend(TreeOps, abc.ABC):
         )
         return x + self.where(hit, self.reshape(values, (-1, 1)), 0.0)
 
+    def fused_chunk_budget(self, x: Array) -> int:
+        """Bytes of float32 logits per chunk of fused cross-entropy for ``x``'s device:
+        ``fused_chunk_bytes_gpu`` on a GPU (``on_gpu``), else ``fused_chunk_bytes``."""
+        return self.fused_chunk_bytes_gpu if self.on_gpu(x) else self.fused_chunk_bytes
+
+    def on_gpu(self, x: Array) -> bool:
+        """Whether ``x`` (or a computation traced on it) lives on a GPU."""
+        return False
+
     def matmul_accumulate(self, acc: Array | None, a: Array, b: Array) -> Array:
-        """``acc + a.T @ b`` computed in ``a``'s dtype (``b`` is cast to it); ``a.T @ b`` when
-        ``acc`` is None. May reuse ``acc``'s memory."""
-        product = self.matmul(a, self.cast(b, self.dtype_name(a)), transpose_a=True)
+        """``acc + a.T @ b`` for ``a`` and ``b`` of one dtype, in ``compute_dtype`` of it:
+        16-bit operands are multiplied exactly and summed in float32 (what a tensor-core GEMM
+        with a float32 output does, up to the order of the sums). ``a.T @ b`` when ``acc`` is
+        None. May reuse ``acc``'s memory."""
+        wide = v.compute_dtype(self.dtype_name(a))
+        product = self.matmul(self.cast(a, wide), self.cast(b, wide), transpose_a=True)
         return product if acc is None else acc + product
 
     def scale_owned(self, x: Array, factor: Array) -> Array:

@@ -248,6 +248,9 @@ class TensorflowBackend(Backend):
         # (lse - x[y], softmax(x) - onehot(y)) from the one kernel behind sparse softmax CE
         return tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=x, labels=labels)
 
+    def on_gpu(self, x):
+        return "GPU" in (x.device or "")  # a symbolic tensor's may be unset: the CPU's budget
+
     def matmul_accumulate(self, acc, a, b):
         if acc is None or tf.executing_eagerly() or in_xla_context():
             return super().matmul_accumulate(acc, a, b)

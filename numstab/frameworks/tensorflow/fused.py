@@ -48,8 +48,8 @@ def _block_rows(vocab: int, width: int, itemsize: int) -> tuple[int, bool]:
 
 
 def matmul_accumulate(acc: tf.Tensor, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    """``acc + a.T @ b`` (``b`` cast to ``a``'s dtype) in blocks of ``acc``'s rows, each added
-    in place: no second ``acc``-sized product.
+    """``acc + a.T @ b`` in ``acc``'s dtype (16-bit operands: exact products, float32 sums), in
+    blocks of ``acc``'s rows, each added in place: no second ``acc``-sized product.
 
     InplaceAdd writes into its input's buffer whoever holds it: Snapshot hands that buffer on
     when ``acc`` is its only reference and copies it otherwise (a first chunk that grappler
@@ -60,7 +60,7 @@ def matmul_accumulate(acc: tf.Tensor, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     argument's buffer is the caller's, and Snapshot may hand it on, so the caller's tensor
     would change.
     """
-    b = tf.cast(b, a.dtype)
+    a, b = tf.cast(a, acc.dtype), tf.cast(b, acc.dtype)
     vocab, width = a.shape[1], b.shape[1]
     block, divides = _block_rows(vocab, width, acc.dtype.size)
     full = vocab // block
@@ -76,7 +76,6 @@ def matmul_accumulate(acc: tf.Tensor, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
         with tf.control_dependencies([after]):
             part = tf.slice(a, [0, start], [-1, size])
         product = tf.linalg.matmul(part, b, transpose_a=True)
-        product = tf.cast(product, acc.dtype)
         if divides:
             index = tf.reshape(start // block, (1,))
             return tf.raw_ops.InplaceAdd(x=acc, i=index, v=tf.reshape(product, (1, -1)))

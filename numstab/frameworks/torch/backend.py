@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from operator import attrgetter
 
 import numpy as np
@@ -39,6 +40,30 @@ def is_dtensor(x) -> bool:
 
 
 _FAST_FLOATS = (torch.float32, torch.float64)
+_HALF_FLOATS = (torch.float16, torch.bfloat16)
+#: whether torch.addmm(..., out_dtype=float32) takes 16-bit operands (CUDA, torch >= 2.8);
+#: set to False where it fails
+_FLOAT32_OUT = ["dtype_out" in torch.ops.aten.addmm.overloads()]
+
+
+def _add_float32_product(acc, a, b):
+    """``acc + a.T @ b`` (``a.T @ b`` for a None ``acc``) for 16-bit CUDA ``a``, ``b``, in
+    float32 by one tensor-core GEMM, added into ``acc`` in place; None (and a warning, once)
+    where torch cannot."""
+    try:
+        if acc is None:
+            return torch.mm(a.mT, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a.mT, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, NotImplementedError) as err:
+        _FLOAT32_OUT[0] = False
+        warnings.warn(
+            f"numstab fused_linear_cross_entropy: torch could not add a {a.dtype} product into "
+            f"float32 ({type(err).__name__}: {err}); it multiplies in float32 instead (the same "
+            f"values, slower)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 class TorchBackend(NamespaceBackend):
@@ -267,11 +292,20 @@ class TorchBackend(NamespaceBackend):
     def add_at_rows(self, x, index, values):
         return x.scatter_add_(-1, index.long().unsqueeze(-1), values.to(x.dtype).unsqueeze(-1))
 
+    def on_gpu(self, x):
+        return x.is_cuda
+
     def matmul_accumulate(self, acc, a, b):
-        b = b.to(a.dtype)
+        compiling = torch.compiler.is_compiling()  # Dynamo cannot return a mutated intermediate
+        if a.dtype in _HALF_FLOATS:
+            if a.is_cuda and not compiling and _FLOAT32_OUT[0]:  # tensor cores, float32 out
+                product = _add_float32_product(acc, a, b)
+                if product is not None:
+                    return product
+            a, b = a.float(), b.float()  # exact products, float32 sums
         if acc is None:
             return a.mT @ b
-        if torch.compiler.is_compiling():  # Dynamo cannot return a mutated intermediate
+        if compiling:
             return torch.addmm(acc, a.mT, b)
         return acc.addmm_(a.mT, b)  # in place: no weight-sized temporary
 
