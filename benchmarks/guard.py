@@ -74,6 +74,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 GOAL = 1.05  # guarded / plain step time; and no host read beyond the plain loop's
 
 
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A timestamped line on stderr: where a run that hit its time limit had got to."""
+    print(f"   [{time.perf_counter() - _START:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
 POOL = 128  # batches of the teacher, cycled: 4000 steps of the 4x256 MLP stay healthy
 
 
@@ -208,8 +216,9 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
         "device_fused": loop(fused=True, host_every=k),
         "floor:norms+found_inf": loop(fused=True, extra=norms_found_inf),
     }
-    for fn in loops.values():
+    for name, fn in loops.items():
         fn(20)
+        progress(f"torch {name}: first 20 steps (compiles included)")
     for base, other in (("plain", "host"), ("plain", "device"), ("plain_fused", "device_fused")):
         for a, b in zip(
             loops[base].model.parameters(), loops[other].model.parameters(), strict=True
@@ -339,8 +348,9 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
         "floor": floor_loop("floor", False),
         "floor_skip": floor_loop("floor_skip", True),
     }
-    for fn in loops.values():
+    for name, fn in loops.items():
         fn(20)
+        progress(f"jax {name}: first 20 steps (compiles included)")
     for name in ("host", "device", "floor", "floor_skip"):
         for a, b in zip(*(jax.tree.leaves(state[k][0]) for k in ("plain", name)), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -503,7 +513,9 @@ def _measure(framework: str, loops: dict, pairs: list, args, sync) -> list[dict]
     for fn in loops.values():
         fn(settle)
     sync()
+    progress(f"{framework}: settled; timing")
     times = _time(loops, args, sync)
+    progress(f"{framework}: timed; counting host reads")
     cuda = framework == "torch" and args.device == "gpu"
     counters = {"host_reads": lambda: counting(framework)}
     if cuda:  # the GPU's own count: every host sync torch reports, C++ ones too
