@@ -188,3 +188,28 @@ def test_tiny_max_norm_bounds_16bit_leaves(target, max_norm):
     norm = np.sqrt(sum(np.sum(np.asarray(c, np.float64) ** 2) for c in clipped))
     assert norm <= clipped_norm_bound(max_norm, 49)
     assert all(np.isfinite(c).all() for c in clipped)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cast_toward_zero_is_round_toward_zero(target, dtype):
+    """``Backend.cast_toward_zero`` against NumPy: round to nearest, then one spacing back where
+    that moved away from zero; largest finite for finite overflow; NaN and inf kept. Compiled
+    too: XLA on a GPU may keep 16-bit intermediates in float32 (excess precision)."""
+    import ml_dtypes
+
+    from numstab.backends import load_backend
+
+    rng = np.random.default_rng(3)
+    scales = (1e-9, 1e-7, 1e-6, 1e-3, 1.0, 1e3, 1e5)
+    special = [np.nan, np.inf, -np.inf, 0.0, 65504.0, 65520.0, -7e4, 3.4e38]
+    x = np.concatenate([rng.normal(0, s, 400) for s in scales] + [special]).astype(np.float32)
+    kind = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    with np.errstate(over="ignore"):
+        nearest = x.astype(kind)
+    back = nearest.view(np.int16) - np.int16(1)
+    away = np.abs(nearest.astype(np.float32)) > np.abs(x)
+    want = np.where(away, back.view(kind), nearest).astype(np.float64)
+    be = load_backend(target.name)
+    got = target.h.call(lambda v: be.cast_toward_zero(v, dtype), target.compiled,
+                        target.h.asarray(x, "float32"))  # fmt: skip
+    np.testing.assert_array_equal(got, want)
