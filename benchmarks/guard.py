@@ -123,6 +123,7 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
 
     from numstab.backends import load_backend
     from numstab.frameworks.torch.guard_compiled import undo_plan
+    from numstab.frameworks.torch.guard_device import _undo_elsewhere
     from numstab.guard import TrainingGuard
     from numstab.guard.monitor import layer_norms
 
@@ -191,13 +192,18 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
             flag = loss.isfinite() if flag is None else flag
             if len(plans.get(id(opt), ((),))[0]) != len(tensors):
                 buffers = [torch.empty_like(t) for t in tensors]
-                plans[id(opt)] = (buffers, undo_plan(flag, tensors, buffers))
-            buffers, plan = plans[id(opt)]
+                here = [i for i, t in enumerate(tensors) if t.device == flag.device]
+                pick = lambda xs: [xs[i] for i in here]
+                elsewhere = [(t, b) for t, b in zip(tensors, buffers, strict=True)
+                             if t.device != flag.device]  # fmt: skip
+                plans[id(opt)] = (buffers, undo_plan(flag, pick(tensors), pick(buffers)), elsewhere)
+            buffers, plan, elsewhere = plans[id(opt)]
             torch._foreach_copy_(buffers, tensors)
 
-        def select():  # after the step: the guard's compiled where
-            with torch.no_grad():
+        def select():  # after the step: the guard's compiled where; Adam's CPU step counts
+            with torch.no_grad():  # (no capturable=True) as the guard does: one flag copy
                 plan(flag)
+                _undo_elsewhere(flag, elsewhere)
 
         return select
 

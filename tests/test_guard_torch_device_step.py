@@ -147,3 +147,23 @@ def test_decide_norms_equals_the_policy_and_runs_eagerly_without_a_compiler(monk
             k: b[k] for k in ("apply", "rollback", "snapshot", "reasons")
         }
         np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-6)
+
+
+def test_state_on_another_device_is_undone_with_one_flag_copy(monkeypatch):
+    """Adam's CPU step counts beside CUDA parameters: each bad step restores them with the flag
+    copied once per device and step (one sync), not once per tensor."""
+    import torch
+
+    from numstab.frameworks.torch import guard_device
+
+    copies = []
+    real_on = guard_device._on
+    monkeypatch.setattr(guard_device, "_on", lambda f, t: copies.append(t) or real_on(f, t))
+    steps = [torch.tensor(float(i)) for i in range(5)]
+    backups = [s - 1 for s in steps]
+    pairs = list(zip(steps, backups, strict=True))
+    guard_device._undo_elsewhere(torch.tensor(True), pairs)
+    assert [s.item() for s in steps] == [0.0, 1.0, 2.0, 3.0, 4.0]  # a good step: kept
+    guard_device._undo_elsewhere(torch.tensor(False), pairs)
+    assert [s.item() for s in steps] == [-1.0, 0.0, 1.0, 2.0, 3.0]  # a bad one: restored
+    assert len(copies) == 2  # one copy of the flag per call, for the five tensors

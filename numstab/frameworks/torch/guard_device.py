@@ -15,15 +15,17 @@
   step is bad (``torch.where``, compiled into one call, bound once to the tensors while the
   optimizer updates the same ones in place: ``guard_compiled.undo_plan``): the step runs,
   then is undone on the device. Costs two passes over the parameters and the
-  optimizer state per step. A state tensor on another device than the flag (Adam's CPU step
-  counter beside CUDA parameters without ``capturable=True``) is restored with the flag
-  copied to it (a sync); a step that adds or replaces non-tensor state, or creates the state
-  (the first step), reads the flag on the host once.
+  optimizer state per step. State tensors on another device than the flag (Adam's CPU step
+  counters beside CUDA parameters without ``capturable=True``) are restored with one copy of
+  the flag per device and step: one sync per step, with a warning, once, naming the cure; a
+  step that adds or replaces non-tensor state, or creates the state (the first step), reads
+  the flag on the host once.
 """
 
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -170,9 +172,10 @@ class Skipper:
         self, apply: torch.Tensor, tensors: list[torch.Tensor], new_entries: list
     ) -> Callable[[torch.Tensor], None] | None:
         """The undo where the step may have replaced state tensors: each replaced one
-        restored in its place; the undo of the others (all on the flag's device, none
-        replaced) for the next steps, else None."""
+        restored in its place; the undo of the others (none replaced) for the next steps,
+        else None."""
         here, backups, simple = [], [], True  # on the flag's device, in place: one call
+        elsewhere = []  # (tensor, backup) on other devices: Adam's CPU step counts
         for i, (t, backup) in enumerate(zip(tensors, self._backup, strict=True)):
             entry = new_entries[i - len(self.params)] if i >= len(self.params) else None
             if entry is not None and entry[2] is not t:
@@ -183,9 +186,17 @@ class Skipper:
                 here.append(t)
                 backups.append(backup)
             else:
-                torch.where(_on(apply, t), t, backup, out=t)
-                simple = False
-        plan = undo_plan(apply, here, backups)
+                elsewhere.append((t, backup))
+        if elsewhere and apply.device.type != "cpu":
+            _warn_sync_once(elsewhere[0][0].device)
+        on_device = undo_plan(apply, here, backups)
+
+        def plan(flag: torch.Tensor) -> None:
+            on_device(flag)
+            _undo_elsewhere(flag, elsewhere)
+
+        plan = plan if elsewhere else on_device
+
         plan(apply)
         return plan if simple else None
 
@@ -233,6 +244,33 @@ def _same_objects(a: list[Any], b: list[Any]) -> bool:
     if b and isinstance(b[0], tuple):
         b = [e[2] for e in b]
     return all(map(operator.is_, a, b))
+
+
+def _undo_elsewhere(flag: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``t = where(flag, t, backup)`` for tensors on other devices than ``flag``'s, with one
+    copy of ``flag`` per device (from an accelerator: one sync per step, not one per tensor)."""
+    copies: dict[torch.device, torch.Tensor] = {}
+    for t, backup in pairs:
+        flag_there = copies.get(t.device)
+        if flag_there is None:
+            flag_there = copies[t.device] = _on(flag, t)
+        torch.where(flag_there, t, backup, out=t)
+
+
+_WARNED_SYNC: list[bool] = []
+
+
+def _warn_sync_once(device: torch.device) -> None:
+    if not _WARNED_SYNC:
+        _WARNED_SYNC.append(True)
+        warnings.warn(
+            f"numstab TrainingGuard(host_every>1): the optimizer keeps state on {device} (Adam's "
+            f"step counts without capturable=True), so undoing a step there reads the decision "
+            f"once per step (a device sync); capturable=True or fused=True keeps the step on "
+            f"the device",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _on(flag: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
