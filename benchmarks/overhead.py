@@ -520,7 +520,13 @@ def bench_large(
             theirs = build(h.native_loss(eps), x, y)
             assert_same_step(h, ours, theirs, float(tokens * classes), where)
             rows.append(timed_row(h, case, mode, ours, theirs, warmup, repeats, most))
+            _print_done(rows[-1])
     return rows
+
+
+def _print_done(row: Row) -> None:
+    """The row's ratio as soon as it is measured: a run stopped at a time limit keeps it."""
+    print(f"    ratio {row.ratio:.3f} (goal {row.goal}, {row.rounds} rounds)", flush=True)
 
 
 def bench_tree(
@@ -539,6 +545,7 @@ def bench_tree(
                 row.host_reads = host_reads_per_call(h.name, ours)
                 row.native_host_reads = host_reads_per_call(h.name, theirs)
             rows.append(row)
+            _print_done(row)
     return rows
 
 
