@@ -295,6 +295,11 @@ class LossScaler:
                 f"Expected state_dict to be a numstab loss-scaler state dict "
                 f"(LossScaler.state_dict()). Received: a mapping missing or mistyping {exc!r}"
             ) from exc
+        if not 0 <= int(values["hysteresis_left"]) <= scaler.hysteresis:  # no update makes it
+            raise InvalidArgumentError(
+                f"Expected state_dict's hysteresis_left within [0, hysteresis={scaler.hysteresis}]"
+                f". Received: hysteresis_left={values['hysteresis_left']}"
+            )
         return scaler, state
 
 

@@ -38,6 +38,7 @@ import torch
 from numstab import _validate as v
 from numstab.clipping import clip_coefficient, global_norm
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.torch import scale_update
 from numstab.frameworks.torch.clipping import dense_grads, norm_type_of, scale_groups_
 from numstab.frameworks.torch.distributed import (
     OptimizerState,
@@ -271,7 +272,7 @@ class GradScaler:
             found = reduced_found_inf(recorded[0], self._group())
             for opt_state in recorded[1:]:
                 found = found + reduced_found_inf(opt_state, self._group()).to(found.device)
-            self._state = self._scaler.update(state, found == 0, backend="torch")
+            self._state = scale_update.update(self._scaler, state, found)
         self._opt_states = {}
 
     def state_dict(self) -> dict[str, Any]:
