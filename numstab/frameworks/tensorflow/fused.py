@@ -60,7 +60,7 @@ def matmul_accumulate(acc: tf.Tensor, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     argument's buffer is the caller's, and Snapshot may hand it on, so the caller's tensor
     would change.
     """
-    a, b = tf.cast(a, acc.dtype), tf.cast(b, acc.dtype)
+    b = tf.cast(b, acc.dtype)  # a: a block at a time, not a chunk-sized float32 copy
     vocab, width = a.shape[1], b.shape[1]
     block, divides = _block_rows(vocab, width, acc.dtype.size)
     full = vocab // block
@@ -74,7 +74,7 @@ def matmul_accumulate(acc: tf.Tensor, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
         # starts once ``after`` is added: unordered, the unrolled blocks would all compute
         # their products at once, each holding a block (+62 MiB over 16 blocks)
         with tf.control_dependencies([after]):
-            part = tf.slice(a, [0, start], [-1, size])
+            part = tf.cast(tf.slice(a, [0, start], [-1, size]), acc.dtype)
         product = tf.linalg.matmul(part, b, transpose_a=True)
         if divides:
             index = tf.reshape(start // block, (1,))
