@@ -199,6 +199,24 @@ def test_skipped_step_leaves_params_and_optimizer_state_unchanged(optimizer, bad
     assert not torch.isfinite(scaler.last_grad_norm)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+@pytest.mark.parametrize("bad", [INF, NAN])
+def test_clip_leaves_unscaled_gradients_untouched_when_the_step_will_skip(norm_type, bad):
+    """A non-finite gradient: clip_grad_norm_ scales nothing (a tiny max_norm would clip any
+    finite norm) and the step is skipped; the gradients stay as unscale_ left them."""
+    scaler, twin = GradScaler(init_scale=8.0), GradScaler(init_scale=8.0)
+    model, opt = _scaled_backward(scaler)
+    next(iter(model.parameters())).grad.view(-1)[1] = bad
+    twins = _params_with_grads([p.grad.clone() for p in model.parameters()])
+    twin.scale(torch.ones(()))
+    twin.unscale_(torch.optim.SGD(twins, lr=0.1))
+    norm = scaler.clip_grad_norm_(opt, 1e-6, norm_type=norm_type)
+    assert not torch.isfinite(norm)
+    for p, t in zip(model.parameters(), twins, strict=True):
+        torch.testing.assert_close(p.grad, t.grad, rtol=0, atol=0, equal_nan=True)
+    assert scaler.step(opt) is None and not next(iter(model.parameters())).isnan().any()
+
+
 def test_overflow_while_unscaling_below_scale_one_is_skipped_by_the_combined_step():
     # torch's kernel checks before unscaling: 3e38 * 4 = inf passes its check
     param = torch.nn.Parameter(torch.ones(2))

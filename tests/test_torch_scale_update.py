@@ -17,8 +17,9 @@ APPLIES = {
     "keras": LossScaler.preset("keras"),
     "floored": LossScaler(init_scale=4.0, growth_interval=3, min_scale=1.0),
     "consecutive": LossScaler(init_scale=8.0, growth_interval=3, consecutive_hysteresis=True),
-    "factor 4": LossScaler(init_scale=2.0**10, growth_interval=2, growth_factor=4.0,
-                           backoff_factor=0.25),  # fmt: skip
+    "factor 4": LossScaler(
+        init_scale=2.0**10, growth_interval=2, growth_factor=4.0, backoff_factor=0.25
+    ),
     "near the top": LossScaler(init_scale=2.0**126, growth_interval=1),
     "near the floor": LossScaler(init_scale=2.0**-120, growth_interval=5),
 }
@@ -63,3 +64,45 @@ def test_a_state_with_more_hysteresis_than_configured_is_refused():
     data["state"]["hysteresis_left"] = 2
     with pytest.raises(InvalidArgumentError, match="hysteresis_left"):
         LossScaler.from_state_dict(data, backend="torch")
+
+
+@pytest.mark.parametrize("name", APPLIES)
+def test_kernel_update_equals_the_generic_rule_from_any_state(name):
+    """Trackers no update of this scaler makes (negative, or at and past the interval, as a
+    loaded state or a lowered ``set_growth_interval`` leaves them): still every field equal.
+    torch's kernel grows only at ``tracker + 1 == interval``; the generic rule at ``>=``."""
+    scaler = APPLIES[name]
+    interval = scaler.growth_interval
+    init = scaler.init(backend="torch")
+    for tracker in (-3, -1, 0, interval - 2, interval - 1, interval, interval + 5):
+        for left in (0, 1):
+            state = init._replace(
+                growth_tracker=torch.tensor(tracker, dtype=torch.int32),
+                hysteresis_left=torch.tensor(left, dtype=torch.int32),
+            )
+            for found in (0.0, 1.0):
+                ours = scale_update.fused_update(scaler, state, torch.tensor(found))
+                theirs = scaler.update(state, torch.tensor(found == 0), backend="torch")
+                for field, a, b in zip(ours._fields, ours, theirs, strict=True):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (tracker, left, found, field)
+                assert ours.growth_tracker is not state.growth_tracker
+
+
+def test_grad_scaler_grows_after_a_lowered_growth_interval():
+    """As ``LossScaler.update``: the first finite step at or past the new interval grows
+    (torch's GradScaler, whose kernel tests ``==``, would never grow again)."""
+    from numstab.integrations.torch import GradScaler
+
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler = GradScaler(scaler=LossScaler(init_scale=8.0, growth_interval=4))
+    scales = []
+    for step in range(6):
+        scaler.scale(param.sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if step == 2:  # tracker 3
+            scaler.set_growth_interval(2)
+        scales.append(scaler.get_scale())
+    assert scales == [8.0, 8.0, 8.0, 16.0, 16.0, 32.0]

@@ -47,7 +47,11 @@ from numstab.frameworks.torch.distributed import (
     reduced_found_inf,
     reduction_group,
 )
-from numstab.frameworks.torch.grad_scaler_state import numstab_state_dict, torch_state_dict
+from numstab.frameworks.torch.grad_scaler_state import (
+    loss_scaler_from,
+    numstab_state_dict,
+    torch_state_dict,
+)
 from numstab.frameworks.torch.unscale import check_and_unscale, check_new_scale
 from numstab.loss_scale import LossScaler, LossScaleState
 
@@ -95,23 +99,12 @@ class GradScaler:
             "min_scale": min_scale,
             "max_scale": max_scale,
         }
-        settings = {k: val for k, val in settings.items() if val is not None}
-        if scaler is not None:
-            if not isinstance(scaler, LossScaler):
-                raise InvalidArgumentError(
-                    f"Expected scaler to be a numstab.LossScaler. Received: scaler={scaler!r}"
-                )
-            if settings:
-                raise InvalidArgumentError(
-                    "Expected either scaler= or individual settings, not both. Received: "
-                    f"scaler={scaler!r} and {', '.join(sorted(settings))}"
-                )
+        self._scaler: LossScaler = loss_scaler_from(scaler, settings)
         if not isinstance(enabled, bool) or not isinstance(sharded, bool):
             raise InvalidArgumentError(
                 f"Expected enabled and sharded to be bools. Received: enabled={enabled!r}, "
                 f"sharded={sharded!r}"
             )
-        self._scaler: LossScaler = scaler if scaler is not None else LossScaler(**settings)
         self._device = device
         self._enabled = enabled
         if enabled and device == "cuda" and not torch.cuda.is_available():
@@ -219,8 +212,10 @@ class GradScaler:
         is not flagged; ``clip_grad_norm_`` and ``step_and_update(max_norm=...)`` catch it
         through the non-finite norm.
         """
-        if not self._enabled:
-            return
+        if self._enabled:
+            self._unscale(optimizer)
+
+    def _unscale(self, optimizer: torch.optim.Optimizer, dense: dict | None = None) -> None:
         state = self._require_state("unscale_")
         opt_state = self._opt_states.get(id(optimizer)) or OptimizerState()
         if opt_state.stage is Stage.UNSCALED:
@@ -232,7 +227,9 @@ class GradScaler:
         # The float64 reciprocal rounded to float32 is the correctly rounded 1/scale (53 >=
         # 2*24+2 bits), i.e. LossScaler.unscale's 1.0 / scale, whatever the compiler does.
         inv_scale = state.scale.double().reciprocal().float()
-        opt_state.found_inf = check_and_unscale(optimizer, inv_scale, state.scale.device, False)
+        opt_state.found_inf = check_and_unscale(
+            optimizer, inv_scale, state.scale.device, False, dense
+        )
         opt_state.reduced = False
         opt_state.stage = Stage.UNSCALED
         self._opt_states[id(optimizer)] = opt_state
@@ -322,14 +319,17 @@ class GradScaler:
             if opt_state is not None and opt_state.stage is Stage.STEPPED:
                 raise InvalidArgumentError("clip_grad_norm_() is being called after step().")
             if opt_state is None or opt_state.stage is Stage.READY:
-                self.unscale_(optimizer)
+                self._unscale(optimizer, grads)  # grouped once, for both
                 opt_state = self._opt_states[id(optimizer)]
         norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")
-        norm, found = reduce_norm(norm, float(norm_type), opt_state, self._group(), self._sharded)
+        group = self._group()
+        norm, found = reduce_norm(norm, float(norm_type), opt_state, group, self._sharded)
         # In place (optimizers and DDP buckets hold views of these gradients), with the
-        # coefficient numstab.clip_by_global_norm uses: max_norm / max(norm, max_norm), or 1.
+        # coefficient numstab.clip_by_global_norm uses: max_norm / max(norm, max_norm), or 1
+        # for a non-finite norm. In one process a gradient found non-finite makes the norm
+        # non-finite; across ranks the flag may come from another rank.
         coef = clip_coefficient(norm, max_norm, backend="torch")
-        if found is not None:
+        if found is not None and group is not None:
             coef = torch.where(found.to(norm.device) == 0, coef, 1.0)
         scale_groups_(grads, coef)
         self._last_grad_norm = norm

@@ -1,6 +1,7 @@
-"""GradScaler state dicts: torch's format (``scale``, ``growth_factor``, ``backoff_factor``,
-``growth_interval``, ``_growth_tracker``) with numstab's full state under ``"numstab"``,
-and back; a ``torch.amp.GradScaler`` state dict loads too."""
+"""The GradScaler's configuration from torch-style arguments, and its state dicts: torch's
+format (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+``_growth_tracker``) with numstab's full state under ``"numstab"``, and back; a
+``torch.amp.GradScaler`` state dict loads too."""
 
 from __future__ import annotations
 
@@ -51,3 +52,21 @@ def numstab_state_dict(scaler: LossScaler, state_dict: Any) -> dict[str, Any]:
     except KeyError as exc:
         raise InvalidArgumentError(f"Not a GradScaler state dict: missing {exc}") from exc
     return {"config": config, "state": values}
+
+
+def loss_scaler_from(scaler: LossScaler | None, settings: dict[str, Any]) -> LossScaler:
+    """The GradScaler's ``LossScaler``: ``scaler`` itself, or one built from the individual
+    ``settings`` given (None values are unset: ``LossScaler``'s defaults); not both."""
+    settings = {k: val for k, val in settings.items() if val is not None}
+    if scaler is None:
+        return LossScaler(**settings)
+    if not isinstance(scaler, LossScaler):
+        raise InvalidArgumentError(
+            f"Expected scaler to be a numstab.LossScaler. Received: scaler={scaler!r}"
+        )
+    if settings:
+        raise InvalidArgumentError(
+            "Expected either scaler= or individual settings, not both. Received: "
+            f"scaler={scaler!r} and {', '.join(sorted(settings))}"
+        )
+    return scaler

@@ -52,12 +52,17 @@ def fused_update(scaler: LossScaler, state: LossScaleState, found: torch.Tensor)
     """``scaler.update(state, found == 0)`` for a ``scaler`` that ``kernel_applies`` to and a
     float ``found`` (> 0: a non-finite step) on the state's device; new tensors."""
     finite = found == 0
+    # A tracker at or past ``growth_interval - 1`` grows on a finite step in the generic rule;
+    # the kernel grows only at ``tracker + 1 == growth_interval`` (a loaded state or a
+    # lowered ``set_growth_interval`` can be past it): clamped, both grow. The clamp is also
+    # the copy the in-place kernel needs.
+    tracker = state.growth_tracker.clamp(max=scaler.growth_interval - 1)
     if scaler.consecutive_hysteresis:  # refilled by every finite step, emptied by a bad one
         hysteresis = finite.to(torch.int32)
     else:  # refilled by a growth, emptied by a bad step (states hold 0 or 1 here)
-        grows = state.growth_tracker >= scaler.growth_interval - 1
-        hysteresis = ((state.hysteresis_left > 0) | grows).logical_and_(finite).to(torch.int32)
-    scale, tracker = state.scale.clone(), state.growth_tracker.clone()
+        grows = tracker == scaler.growth_interval - 1
+        hysteresis = (state.hysteresis_left | grows) & finite  # int32
+    scale = state.scale.clone()
     torch._amp_update_scale_(
         scale,
         tracker,

@@ -19,14 +19,47 @@ def check_and_unscale(
     inv_scale: torch.Tensor,
     home: torch.device,
     allow_fp16: bool,
+    dense: dict[tuple, list[torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """Validate every gradient, then run torch's fused check-and-unscale once per device
     and dtype; one flag on ``home`` (the scale's device), 0.0 or exactly 1.0 (fused
-    optimizers test ``found_inf == 1``)."""
+    optimizers test ``found_inf == 1``). ``dense``: the optimizer's gradients already grouped
+    by (device, dtype) and found dense (``clipping.dense_grads``), not grouped again."""
     allowed = UNSCALE_DTYPES_FP16 if allow_fp16 else UNSCALE_DTYPES
-    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+    groups, sparse = _grouped(optimizer, allowed) if dense is None else (dense, ())
+    if dense is not None and not all(dtype in allowed for _, dtype in dense):
+        _raise_bad_grad(optimizer, allowed)
+    with torch.no_grad():
+        for param in sparse:
+            # check the coalesced values: duplicates summed may overflow float16
+            if param.grad.dtype == torch.float16:
+                param.grad = param.grad.coalesce()
+            values = param.grad._values()
+            groups.setdefault((values.device, values.dtype), []).append(values)
+        found_on: dict[torch.device, torch.Tensor] = {}
+        inv_on: dict[torch.device, torch.Tensor] = {}
+        for (device, _), grads in groups.items():
+            if device not in found_on:
+                found_on[device] = torch.zeros((), dtype=torch.float32, device=device)
+                inv_on[device] = inv_scale.to(device, non_blocking=True)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, found_on[device], inv_on[device]
+            )
+        found_total = None
+        for found in found_on.values():
+            found = found.to(home, non_blocking=True)
+            found_total = found if found_total is None else torch.maximum(found_total, found)
+    if found_total is None:  # no gradients at all: nothing can be non-finite
+        found_total = torch.zeros((), dtype=torch.float32, device=home)
+    return found_total
+
+
+def _grouped(optimizer: torch.optim.Optimizer, allowed: frozenset) -> tuple[dict, list]:
+    """(dense gradients by (device, dtype), parameters with a sparse gradient); raises on a
+    gradient of a dtype not ``allowed`` before anything changes."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
     sparse = []
-    for group in optimizer.param_groups:  # validate all before changing anything
+    for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad
             if grad is None:
@@ -36,25 +69,8 @@ def check_and_unscale(
             if grad.is_sparse:
                 sparse.append(param)
             else:
-                groups.setdefault(grad.device, {}).setdefault(grad.dtype, []).append(grad)
-    with torch.no_grad():
-        for param in sparse:
-            # check the coalesced values: duplicates summed may overflow float16
-            if param.grad.dtype == torch.float16:
-                param.grad = param.grad.coalesce()
-            values = param.grad._values()
-            groups.setdefault(values.device, {}).setdefault(values.dtype, []).append(values)
-        found_total = None
-        for device, per_dtype in groups.items():
-            found = torch.zeros((), dtype=torch.float32, device=device)
-            inv = inv_scale.to(device, non_blocking=True)
-            for grads in per_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-            found = found.to(home, non_blocking=True)
-            found_total = found if found_total is None else torch.maximum(found_total, found)
-    if found_total is None:  # no gradients at all: nothing can be non-finite
-        found_total = torch.zeros((), dtype=torch.float32, device=home)
-    return found_total
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    return groups, sparse
 
 
 def _raise_bad_grad(optimizer: torch.optim.Optimizer, allowed: frozenset) -> None:
