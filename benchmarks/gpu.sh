@@ -9,6 +9,9 @@
 #     syncs per step (torch: CUDA's own count)                                 (50 s, 110 s)
 #   loss_scaling: benchmarks/loss_scaling_torch.py --device cuda: GradScaler parity (40 s)
 #   overhead: benchmarks/overhead.py --device gpu --quick: against native calls      (60 s)
+# and, only when GPU_STEPS names it (not in "all": the run would pass 10 minutes):
+#   chunks: memory.py --device gpu --backends torch at --chunk-size 1024 and 4096, beside
+#     the default 2048 of the memory step: is the 1 GiB chunk budget the right one (120 s each)
 # Usage: [GPU_STEPS=memory,guard_torch,...] bash benchmarks/gpu.sh [OUT_DIR]
 #   (GPU_STEPS: the steps to run, default all; OUT_DIR: default bench-results/gpu-<date>,
 #   gitignored)
@@ -63,5 +66,11 @@ want guard_torch && step guard_torch 110 python benchmarks/guard.py --device gpu
 want loss_scaling && step loss_scaling 40 python benchmarks/loss_scaling_torch.py --device cuda
 want overhead && step overhead 60 python benchmarks/overhead.py --device gpu --quick \
   --backends torch,jax --json "$OUT/overhead.json"
+if [[ ",${GPU_STEPS:-}," == *",chunks,"* ]]; then
+  for rows in 1024 4096; do
+    step "chunks_$rows" 120 python benchmarks/memory.py --device gpu --backends torch \
+      --chunk-size "$rows" --json "$OUT/chunks_$rows.json"
+  done
+fi
 echo "gpu.sh: exit $status; results in $OUT"
 exit "$status"
