@@ -100,7 +100,8 @@ class TreeOps:
         normal range is any fraction of it: 0.6 * 2**-24 becomes 2**-24 in float16). A value
         that rounded away from zero steps back one spacing (``step_toward_zero``); NaN stays
         NaN, and a finite value past the dtype's largest becomes that largest, not inf."""
-        rounded = self.cast(x, dtype)
+        with self.float_errors_ignored():  # a finite overflow is handled below, not reported
+            rounded = self.cast(x, dtype)
         away = self.abs(self.cast(rounded, "float32")) > self.abs(x)
         return self.where(away, self.step_toward_zero(rounded), rounded)
 
