@@ -68,7 +68,7 @@ def reduce_norm(
         if opt_state is not None and not opt_state.reduced:
             # a non-finite unscaled norm (scale < 1 overflow) skips too, on every rank
             assert found is not None
-            finite = (norm < math.inf).to(found.device, non_blocking=True)  # norm >= 0 or NaN
+            finite = (norm < math.inf).to(found.device)  # a norm is >= 0 or NaN
             opt_state.found_inf = torch.where(finite, found, 1.0)
             found = reduced_found_inf(opt_state, group)
         return norm, found
