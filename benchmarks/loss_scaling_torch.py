@@ -39,7 +39,10 @@ for the cores inflate far less than wall time (a check on noisy shared machines)
 device-to-host reads of one call of each side, counted on any device by
 ``benchmarks/_host_reads.py`` (on CUDA each is a host sync).
 
-``--json PATH`` writes the rows (ratio, goal, meets_goal, host reads).
+Also counted, one call of each side: the aten ops dispatched (a ``TorchDispatchMode``; on a
+GPU each is a kernel launch or host-side op, the host time the H200 run measured).
+
+``--json PATH`` writes the rows (ratio, goal, meets_goal, host reads, aten ops).
 
 Usage: PYTHONPATH=. python benchmarks/loss_scaling_torch.py [--device cpu|cuda]
        [--tensors 200] [--params 20000000] [--repeats 21] [--warmup 3] [--threads N]
@@ -202,6 +205,30 @@ def _host_reads_per_call(ours: Side, theirs: Side, row: tuple) -> tuple[int, int
     return counts[0], counts[1]
 
 
+def _aten_ops_per_call(ours: Side, theirs: Side, row: tuple) -> tuple[int, int]:
+    """The aten ops one call of each side dispatches (profiler markers not counted): on a
+    GPU each is a kernel launch or a host-side op, so this is the host cost that timing on
+    a CPU cannot show, counted the same on any machine."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace != "profiler":
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    fn_ours, fn_theirs, grads, _ = row
+    counts = []
+    for side, fn in ((ours, fn_ours), (theirs, fn_theirs)):
+        side.reset(grads)
+        with Counting() as mode:
+            fn()
+        counts.append(mode.count)
+    return counts[0], counts[1]
+
+
 def _sync_check(device: str, ours: Side) -> str:
     if device != "cuda":
         return "sync check skipped: needs --device cuda (set_sync_debug_mode is CUDA only)"
@@ -312,6 +339,7 @@ def main() -> None:
     finally:
         gc.enable()
     reads = {name: _host_reads_per_call(ours, theirs, row) for name, row in rows.items()}
+    ops = {name: _aten_ops_per_call(ours, theirs, row) for name, row in rows.items()}
 
     n = sum(math.prod(s) for s in shapes)
     print(
@@ -335,11 +363,17 @@ def main() -> None:
                 cpu_ratio=a_cpu / b_cpu,
                 host_reads=reads[name][0],
                 torch_host_reads=reads[name][1],
+                aten_ops=ops[name][0],
+                torch_aten_ops=ops[name][1],
             )
         )
     columns = [("numstab_ms", ".2f"), ("torch_ms", ".2f"), ("cpu_ratio", ".3f")]
-    print_rows(table, [*columns, ("host_reads", "d"), ("torch_host_reads", "d")])
-    print("cpu_ratio: median process CPU time, numstab / torch; host reads: one call each")
+    columns += [("host_reads", "d"), ("torch_host_reads", "d")]
+    print_rows(table, [*columns, ("aten_ops", "d"), ("torch_aten_ops", "d")])
+    print(
+        "cpu_ratio: median process CPU time, numstab / torch; host reads and aten ops "
+        "(kernel launches on a GPU): one call each"
+    )
     write_json(args.json, args, table)
     print(sync_note)
 
