@@ -191,24 +191,30 @@ def _step(side: Side) -> Callable[[], None]:
     return run
 
 
-def _host_reads_per_call(ours: Side, theirs: Side, row: tuple) -> tuple[int, int]:
-    """Device-to-host reads (``benchmarks/_host_reads.py``) of one call of each side."""
-    from _host_reads import counting
-
+def _per_call(ours: Side, theirs: Side, row: tuple, counter: Callable) -> tuple[int, int]:
+    """``counter().count`` over one call of each side: ``counter`` is a context manager
+    factory whose context counts something while the call runs."""
     fn_ours, fn_theirs, grads, _ = row
     counts = []
     for side, fn in ((ours, fn_ours), (theirs, fn_theirs)):
         side.reset(grads)
-        with counting("torch") as reads:
+        with counter() as seen:
             fn()
-        counts.append(reads.count)
+        counts.append(seen.count)
     return counts[0], counts[1]
 
 
-def _aten_ops_per_call(ours: Side, theirs: Side, row: tuple) -> tuple[int, int]:
-    """The aten ops one call of each side dispatches (profiler markers not counted): on a
-    GPU each is a kernel launch or a host-side op, so this is the host cost that timing on
-    a CPU cannot show, counted the same on any machine."""
+def _host_reads() -> object:
+    """Device-to-host reads (``benchmarks/_host_reads.py``; on CUDA each is a host sync)."""
+    from _host_reads import counting
+
+    return counting("torch")
+
+
+def _aten_ops() -> object:
+    """The aten ops dispatched (profiler markers not counted): on a GPU each is a kernel
+    launch or a host-side op, so this is the host cost that timing on a CPU cannot show,
+    counted the same on any machine."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counting(TorchDispatchMode):
@@ -219,14 +225,7 @@ def _aten_ops_per_call(ours: Side, theirs: Side, row: tuple) -> tuple[int, int]:
                 self.count += 1
             return func(*args, **(kwargs or {}))
 
-    fn_ours, fn_theirs, grads, _ = row
-    counts = []
-    for side, fn in ((ours, fn_ours), (theirs, fn_theirs)):
-        side.reset(grads)
-        with Counting() as mode:
-            fn()
-        counts.append(mode.count)
-    return counts[0], counts[1]
+    return Counting()
 
 
 def _sync_check(device: str, ours: Side) -> str:
@@ -338,8 +337,8 @@ def main() -> None:
                         times[name][i].append(elapsed)
     finally:
         gc.enable()
-    reads = {name: _host_reads_per_call(ours, theirs, row) for name, row in rows.items()}
-    ops = {name: _aten_ops_per_call(ours, theirs, row) for name, row in rows.items()}
+    reads = {name: _per_call(ours, theirs, row, _host_reads) for name, row in rows.items()}
+    ops = {name: _per_call(ours, theirs, row, _aten_ops) for name, row in rows.items()}
 
     n = sum(math.prod(s) for s in shapes)
     print(
