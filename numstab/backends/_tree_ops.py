@@ -102,8 +102,13 @@ class TreeOps:
         NaN, and a finite value past the dtype's largest becomes that largest, not inf."""
         with self.float_errors_ignored():  # a finite overflow is handled below, not reported
             rounded = self.cast(x, dtype)
-        away = self.abs(self.cast(rounded, "float32")) > self.abs(x)
+        away = self.magnitude_float32(rounded) > self.abs(x)
         return self.where(away, self.step_toward_zero(rounded), rounded)
+
+    def magnitude_float32(self, x: Array) -> Array:
+        """``|x|`` of a 16-bit ``x`` as float32, exactly ``x``'s value (a backend whose compiler
+        may keep 16-bit values in float32 reads it from the bits instead)."""
+        return self.abs(self.cast(x, "float32"))
 
     def leaf_finite(self, leaves: list[Array]) -> Array:
         """A boolean vector, one entry per (non-empty) leaf: every element of that leaf is

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax  # noqa: F401  (the jax extra ships optax; its absence disables the backend)
 
+from numstab import _validate as v
 from numstab.backends._base import generic_forced, numpy_dtype_name
 from numstab.backends._namespace import NamespaceBackend
 
@@ -80,13 +81,11 @@ class JaxBackend(NamespaceBackend):
         bits = jax.lax.bitcast_convert_type(x, jnp.int16)
         return jax.lax.bitcast_convert_type(bits - jnp.int16(1), x.dtype)
 
-    def cast_toward_zero(self, x, dtype):
-        # the generic, with the rounded value read back through its bits: XLA:GPU may keep a
-        # 16-bit intermediate in float32 (excess precision), and float32(rounded) > x never
-        # held (an H200: clipped float16 norms 0.6% over max_norm); a bitcast needs the bits
-        rounded = x.astype(dtype)
-        away = _magnitude_from_bits(rounded) > jnp.abs(x)
-        return jnp.where(away, self.step_toward_zero(rounded), rounded)
+    def magnitude_float32(self, x):
+        # from the bits: XLA:GPU may keep a 16-bit intermediate in float32 (excess
+        # precision), so cast_toward_zero's float32(rounded) > x never held (an H200: clipped
+        # float16 norms 0.6% over max_norm); a bitcast needs the rounded bits
+        return _magnitude_from_bits(x)
 
     # fused kernels with the generic semantics
     def native_leaf_finite(self, leaves):
@@ -138,7 +137,7 @@ class JaxBackend(NamespaceBackend):
 
     def matmul_accumulate(self, acc, a, b):
         # 16-bit operands multiplied into float32 (tensor cores on a GPU), as the generic
-        wide = jnp.float64 if a.dtype == jnp.float64 else jnp.float32
+        wide = v.compute_dtype(self.dtype_name(a))
         if acc is None or self.on_gpu(a):  # XLA:GPU adds the dot into acc in its epilogue
             product = jnp.matmul(a.T, b, preferred_element_type=wide)
             return product if acc is None else acc + product
