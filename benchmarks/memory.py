@@ -41,7 +41,11 @@ How
 * GPU peak memory = the framework's own peak counter, reset before the step:
   ``torch.cuda.max_memory_allocated``, ``jax Device.memory_stats()["peak_bytes_in_use"]``,
   ``tf.config.experimental.get_memory_info("GPU:0")["peak"]``, minus the bytes in use before
-  the step.
+  the step. JAX's counter cannot be reset, so after compiling it holds the compilation's
+  peak (autotuning buffers): on a GPU a JAX step's peak is XLA's buffer assignment for one
+  execution instead (``memory_analysis()``: temp + outputs not aliased to the arguments, the
+  one block XLA allocates per call), and the counter's figure is kept as
+  ``process_peak_bytes``.
 * Time: the median of ``--repeats`` timed steps after the first, untimed, step, each ending
   with a device sync; the garbage collector is paused while timing. ``cpu ratio``: the same
   for the process's CPU time (all its threads), fused over unfused, which moves less than
@@ -53,6 +57,11 @@ How
   algorithm at the fused path's chunk size: both gradients allocated (hidden's and weight's),
   one chunk of float32 logits, its softmax, and its products written into the gradients.
   Every chunked implementation holds at least that; measured the same way, in the same run.
+  For 16-bit inputs a second floor (``floor_f32``) sums ``dweight`` in float32 beside the
+  chunk and casts it at the end: what a chunked path whose ``dweight`` matches the unfused
+  GEMM's one rounding holds at least (the fused path does that). Printed under the table as
+  ``fused/that floor``; ``--json``: ``f32_sum_floor_mib``, ``ratio_f32_sum_floor``,
+  ``meets_goal_f32_sum_floor`` (``ratio`` stays over the first floor).
 * Time floor (TensorFlow): a fourth run, every chunk of the fused algorithm in plain ops, one
   chunk after the other at the same chunk size (logits, softmax gradient, ``dhidden`` rows,
   ``dweight += g.T @ h_chunk`` into a new buffer: the work of any exact chunked path, with
@@ -91,6 +100,10 @@ import time
 
 BACKENDS = ("torch", "jax", "tensorflow")
 VARIANTS = ("unfused", "fused", "floor")
+#: for 16-bit inputs, a second memory floor: one whose dweight is summed in float32, as an
+#: exact chunked path's must be to match the unfused GEMM's one rounding (the fused path's is)
+F32_SUM_FLOOR = "floor_f32"
+FLOORS = ("floor", F32_SUM_FLOOR)
 #: a time floor, where the backend has one: every chunk of the fused algorithm in plain
 #: framework ops, one after the other (see _tf_chunked_floor)
 TIME_FLOORS = {"tensorflow": "chunked"}
@@ -185,9 +198,29 @@ def _torch_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32"):
             dw.addmm_(logits.T.to(dt), h[:chunk])
         return logits.sum(), dh, dw
 
+    def floor_f32_sum_step():
+        # the floor of a path that sums a 16-bit dweight over chunks in float32 (to match the
+        # unfused GEMM's one rounding): that sum beside the gradients and the chunk, then the
+        # returned 16-bit dweight made from it once the chunk is gone
+        with torch.no_grad():
+            dh = torch.zeros_like(h)
+            dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            logits = torch.mm(h[:chunk], w.T).float()
+            logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+            logits.div_(logits.sum(-1, keepdim=True))
+            p = logits.to(dt)
+            dh[:chunk] = torch.mm(p, w)
+            if gpu:  # one tensor-core GEMM into float32, as the fused path's
+                torch.addmm(dw32, p.T, h[:chunk], out_dtype=torch.float32, out=dw32)
+            else:  # CPU has no 16-bit GEMM into float32: float32 operands, as the fused path's
+                dw32.addmm_(p.T.float(), h[:chunk].float())
+            loss = logits.sum()
+            del logits, p
+            return loss, dh, dw32.to(dt)
+
     def step():
-        if variant == "floor":
-            loss, dh, dw = floor_step()
+        if variant in FLOORS:
+            loss, dh, dw = floor_step() if variant == "floor" else floor_f32_sum_step()
         else:
             loss = loss_fn()
             dh, dw = torch.autograd.grad(loss, [h, w])
@@ -238,10 +271,23 @@ def _jax_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32"):
         dw = jnp.matmul(p.T.astype(h.dtype), h[:chunk]).astype(w.dtype)
         return p.sum(), (dh, dw)
 
+    def floor_f32_sum_fn(h, w):  # dweight summed in float32, then cast (see _torch_step)
+        x = jnp.matmul(h[:chunk], w.T, preferred_element_type=jnp.float32)
+        # the gradients' buffers live beside the chunk, as in a chunk loop
+        zeros = jnp.zeros_like(h), jnp.zeros(w.shape, jnp.float32)
+        x, dh, dw32 = jax.lax.optimization_barrier((x, *zeros))
+        p = jax.nn.softmax(x)
+        dh = dh.at[:chunk].set((p.astype(h.dtype) @ w).astype(h.dtype))
+        dw32 = dw32 + jnp.matmul(p.T.astype(h.dtype), h[:chunk], preferred_element_type=jnp.float32)
+        # the float32 sum exists (else XLA folds the cast into the GEMM)
+        dw32 = jax.lax.optimization_barrier(dw32)
+        return p.sum(), (dh, dw32.astype(w.dtype))
+
     @jax.jit
     def value_and_grad(h, w):  # the norms inside: eagerly, norm(dw) would square dw into a copy
-        if variant == "floor":
-            loss, (dh, dw) = floor_fn(h, w)
+        if variant in FLOORS:
+            fn = floor_fn if variant == "floor" else floor_f32_sum_fn
+            loss, (dh, dw) = fn(h, w)
         else:
             loss, (dh, dw) = jax.value_and_grad(loss_fn, argnums=(0, 1))(h, w)
         return (
@@ -252,8 +298,13 @@ def _jax_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32"):
 
     program = [value_and_grad]
 
-    def compile_():  # ahead of the first step, so that its memory is measured apart
+    def compile_():
+        """Compiled ahead of the first step, so that its memory is measured apart; returns
+        the bytes XLA's buffer assignment gives one execution beyond its arguments (temp +
+        outputs not aliased to them), what a GPU allocates for the step."""
         program[0] = value_and_grad.lower(h, w).compile()
+        plan = program[0].memory_analysis()
+        return plan.temp_size_in_bytes + plan.output_size_in_bytes - plan.alias_size_in_bytes
 
     def step():
         return tuple(float(v) for v in program[0](h, w))
@@ -282,10 +333,18 @@ def _tensorflow_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32
         dh = tf.pad(tf.matmul(p, w), [[0, h.shape[0] - chunk], [0, 0]])
         return tf.reduce_sum(logits), dh, tf.matmul(p, h[:chunk], transpose_a=True)
 
+    def floor_f32_sum_fn(h, w):  # dweight summed in float32, then cast (see _torch_step)
+        logits = tf.cast(tf.matmul(h[:chunk], w, transpose_b=True), tf.float32)
+        p = tf.nn.softmax(logits)
+        dh = tf.pad(tf.matmul(tf.cast(p, h.dtype), w), [[0, h.shape[0] - chunk], [0, 0]])
+        dw32 = tf.matmul(p, tf.cast(h[:chunk], tf.float32), transpose_a=True)
+        return tf.reduce_sum(logits), dh, tf.cast(dw32, w.dtype)
+
     @tf.function
     def value_and_grad(h, w):
-        if variant in ("floor", "chunked"):
-            fn = floor_fn if variant == "floor" else _tf_chunked_floor(tf, y, chunk)
+        if variant in (*FLOORS, "chunked"):
+            fns = {"floor": floor_fn, F32_SUM_FLOOR: floor_f32_sum_fn}
+            fn = fns[variant] if variant in fns else _tf_chunked_floor(tf, y, chunk)
             loss, dh, dw = fn(h, w)
             return loss, tf.norm(tf.cast(dh, tf.float32)), tf.norm(tf.cast(dw, tf.float32))
         with tf.GradientTape() as tape:
@@ -307,7 +366,10 @@ def _tensorflow_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32
             return tf.config.experimental.get_memory_info(name[1:])["current"]
         return tf.config.experimental.get_memory_info(name[1:])["peak"]
 
-    return step, gpu_stats, lambda: value_and_grad.get_concrete_function(h, w)  # traces
+    def trace():
+        value_and_grad.get_concrete_function(h, w)
+
+    return step, gpu_stats, trace
 
 
 def _tf_chunked_floor(tf, y, chunk):
@@ -334,11 +396,11 @@ def _tf_chunked_floor(tf, y, chunk):
             )
             x = tf.raw_ops.BatchMatMulV2(x=hc, y=w, adj_y=True)
             nll, g = tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=x, labels=yc)
-            g = g * sc[:, None]
+            g = g * tf.cast(sc, g.dtype)[:, None]
             dh = dh.write(i, tf.matmul(g, w))
             return (
                 i + 1,
-                total + tf.reduce_sum(nll * sc),
+                total + tf.reduce_sum(tf.cast(nll, tf.float32) * sc),
                 dw + tf.matmul(g, hc, transpose_a=True),
                 dh,
             )
@@ -379,8 +441,8 @@ def worker(args) -> dict:
     gc.collect()
     method, baseline = _reset_high_water_mark()
     before = gpu_stats(reset=True) if gpu else 0
-    if compile_ is not None:  # jit / tf.function: traced (and compiled) apart from the step
-        compile_()
+    # jit / tf.function: traced (and compiled) apart from the step; JAX: XLA's planned bytes
+    planned = compile_() if compile_ is not None else None
     compile_peak = _peak(gpu, gpu_stats, method, baseline, before)
     gc.collect()
     trimmed = gpu or _return_freed_memory()
@@ -409,6 +471,11 @@ def worker(args) -> dict:
     gc.enable()
     step_peak = _peak(gpu, gpu_stats, method, baseline, before) if per_step else None
     allocator_peak = gpu_stats(reset=False) - held if counted else None
+    process_peak = None
+    if gpu and args.backend == "jax":  # its peak counter has the compilation's autotuning in it
+        process_peak, peak, method = peak, planned, "XLA buffer assignment (temp + outputs)"
+    elif gpu:
+        method = "framework peak counter"
     return {
         "backend": args.backend,
         "variant": args.variant,
@@ -417,9 +484,11 @@ def worker(args) -> dict:
         "step_peak_bytes": step_peak,  # the timed steps
         "compile_peak_bytes": compile_peak,
         "allocator_step_peak_bytes": allocator_peak,  # TensorFlow on CPU only
+        "xla_planned_bytes": planned,  # JAX: temp + outputs of one execution
+        "process_peak_bytes": process_peak,  # JAX on a GPU: the counter's, compile included
         "trimmed": trimmed,
         "baseline_rss_bytes": baseline,
-        "memory_method": "framework peak counter" if gpu else method,
+        "memory_method": method,
         "seconds": statistics.median(times),
         "cpu_seconds": statistics.median(cpu_times),  # all the process's threads
         "loss": values[0],
@@ -430,7 +499,7 @@ def worker(args) -> dict:
 def _chunk_of(args, variant: str) -> int | None:
     """The chunk a run uses: ``--chunk-size``, else None for the fused path (its default)
     and, for the floors, the chunk the fused path chooses."""
-    if args.chunk is not None or variant not in ("floor", "chunked"):
+    if args.chunk is not None or variant not in (*FLOORS, "chunked"):
         return args.chunk
     from numstab.backends import load_backend
     from numstab.fused_cross_entropy import default_chunk_size
@@ -594,7 +663,11 @@ def main(argv=None) -> int:
     print("-" * len(header))
     results, rows, failed = [], [], False
     for backend in args.backends.split(","):
-        variants = (*VARIANTS, *([TIME_FLOORS[backend]] if backend in TIME_FLOORS else []))
+        variants = (
+            *VARIANTS,
+            *([F32_SUM_FLOOR] if args.dtype != "float32" else []),
+            *([TIME_FLOORS[backend]] if backend in TIME_FLOORS else []),
+        )
         runs = {variant: _run_worker(args, backend, variant) for variant in variants}
         results += list(runs.values())
         errors = [r for r in runs.values() if "error" in r]
@@ -613,6 +686,7 @@ def main(argv=None) -> int:
             f"{row['cpu_time_ratio']:>10.2f}  {row['verdict']}"
         )
     for row in rows:
+        _print_f32_sum_floor(row)
         _print_time_floor(row)
     for row in rows:
         if args.interleaved:
@@ -692,8 +766,32 @@ def _row(backend: str, runs: dict, rtol: float) -> dict:
         "meets_time_goal": agree and speed <= TIME_GOAL,
         "agree": agree,
         "verdict": verdict,
+        **_f32_sum_floor(runs.get(F32_SUM_FLOOR), f, agree),
         **_time_floor(runs.get(TIME_FLOORS.get(backend)), u, f, rtol),
     }
+
+
+def _f32_sum_floor(t: dict | None, f: dict, agree: bool) -> dict:
+    """For 16-bit inputs: the fused peak over the floor that sums dweight in float32."""
+    if t is None:
+        return {}
+    ratio = _step_peak(f) / max(_step_peak(t), 1)
+    return {
+        "f32_sum_floor_mib": _step_peak(t) / 2**20,
+        "ratio_f32_sum_floor": ratio,
+        "meets_goal_f32_sum_floor": agree and ratio <= MEMORY_GOAL,
+    }
+
+
+def _print_f32_sum_floor(row: dict) -> None:
+    if "f32_sum_floor_mib" not in row:
+        return
+    met = "met" if row["meets_goal_f32_sum_floor"] else "OVER"
+    print(
+        f"{row['backend']}: floor with dweight summed in float32 "
+        f"{row['f32_sum_floor_mib']:.0f} MiB, fused/that floor "
+        f"{row['ratio_f32_sum_floor']:.3f} (goal {MEMORY_GOAL:.2f}: {met})"
+    )
 
 
 def _time_floor(t: dict | None, u: dict, f: dict, rtol: float) -> dict:
