@@ -257,6 +257,7 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from _hlo import entry_ops, summary
 
     from numstab.frameworks.jax.guard import guarded_step
     from numstab.guard import TrainingGuard
@@ -329,10 +330,11 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
 
         return run
 
-    guards = {}
+    guards, training_guards = {}, {}
 
     def guarded_loop(name, host_every):
         guard = TrainingGuard(snapshot_every=args.snapshot_every, host_every=host_every)
+        training_guards[name] = guard
         og = guards[name] = guard.for_optax()
         state[name] = [params0, tx.init(params0), og.init(params0, tx.init(params0)), 0]
 
@@ -379,6 +381,18 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
         og.flush(p, o, g)
         runners[name] = (og.runner, steps)
     healthy("jax", runners, rows, pairs)  # a skipped step: the same work (a select)
+    x, y = batches[0]
+    p, o, g, _ = state["device"]
+    programs = {
+        "plain": plain_step.lower(p, o, x, y),
+        "floor: norms + skip select": norms_step.lower(True, p, o, x, y),
+        "device mode": guard_step.lower(training_guards["device"], p, o, g, x, y),
+    }
+    ops = {name: entry_ops(lowered.compile().as_text()) for name, lowered in programs.items()}
+    for name, counts in ops.items():  # on a GPU each one is a kernel launch (benchmarks/_hlo)
+        print(f"   jax compiled step, {name}: {summary(counts)}")
+    for row in rows:
+        row["entry_ops"] = {name: dict(counts) for name, counts in ops.items()}
     return rows
 
 
