@@ -12,10 +12,12 @@ KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_per_keras_backend(script: str) -> dict[str, tuple[int, str, str]]:
+def run_per_keras_backend(
+    script: str, backends: tuple[str, ...] = KERAS_BACKENDS
+) -> dict[str, tuple[int, str, str]]:
     """backend -> (exit code, stdout, stderr) of ``python -c script``."""
     procs = {}
-    for backend in KERAS_BACKENDS:
+    for backend in backends:
         env = {
             **os.environ,
             "KERAS_BACKEND": backend,

@@ -4,11 +4,16 @@ backends, and :func:`callback`, which picks the guard's callback for the running
 The hooks are ``guard_deferred.py``'s. The per-batch work is :func:`device_step`, a pure
 function of the variables' values, the undo copy and the guard state (arrays of the
 backend): the batch's loss from the loss tracker, the update norms, ``policy.decide`` on the
-backend, and, per variable, ``where(apply, value, undo copy)``: the variables get the kept
-values and the undo copy becomes them. On JAX it runs under ``jax.jit`` (the undo copy
-donated; its outputs are buffers apart from the variables', which Keras donates to its next
-train step); on torch as eager torch ops under ``no_grad`` (asynchronous on a GPU). Neither
-reads the host: each step's row stays on the device until the k-step read stacks them.
+backend, and, per variable, ``where(apply, value, undo copy)``: the kept values, which the
+undo copy becomes. On JAX it runs under ``jax.jit`` (the undo copy donated; its outputs are
+buffers apart from the kept values, which Keras donates to its next train step), reads
+Keras' training state where Keras keeps it between steps, and hands the kept values to
+Keras' next train step (``model.train_function`` wrapped for the length of a ``fit``), so a
+steady batch assigns no variable; the variables get them before the runner reads or writes
+them (every k steps) and where Keras holds its state in them (the epoch's end). On torch it
+runs as eager torch ops under ``no_grad`` (asynchronous on a GPU) and the variables copy the
+kept values in. Neither reads the host: each step's row stays on the device until the k-step
+read stacks them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from keras import ops
 
 from numstab.backends import load_backend
 from numstab.backends._base import Backend
+from numstab.errors import NumstabError
 from numstab.frameworks.keras.guard import GuardCallback, _copy
 from numstab.frameworks.keras.guard_deferred import FIELDS, DeferredGuardCallback
 from numstab.guard import policy
@@ -82,6 +88,7 @@ class ArrayGuardCallback(DeferredGuardCallback):
         self._set_device_state(self.state)
         self._rows: list[Any] = getattr(self, "_rows", [])
         self._jax_at = _jax_state_places(self.model, self._state_vars + self._metric_vars)
+        self._hand_on()
         if getattr(self, "_fn", None) is not None:  # a later fit(): compiled already
             return
         args = (self.guard, self._be)
@@ -105,26 +112,74 @@ class ArrayGuardCallback(DeferredGuardCallback):
             self._fn = run
 
     def _device_check(self, i: int) -> None:
-        variables = self._state_vars + self._metric_vars
-        kept, self._shadow, self._gstate, row = self._fn(self._values(), self._shadow, self._gstate)
-        for var, x in zip(variables, kept, strict=True):
+        state = self._training_state()
+        values = (
+            [v.value for v in self._state_vars + self._metric_vars]
+            if state is None
+            else [state[key][j] for key, j in self._jax_at]
+        )
+        kept, self._shadow, self._gstate, row = self._fn(values, self._shadow, self._gstate)
+        self._rows.append(row)
+        if state is not None:  # Keras' next train step is handed the kept values
+            self._kept_for_next_step = (values, kept)
+            return
+        self._assign(kept)
+
+    def _assign(self, kept: list[Any]) -> None:
+        for var, x in zip(self._state_vars + self._metric_vars, kept, strict=True):
             var.assign(x)
         self._synced()
-        self._rows.append(row)
 
-    # -- Keras on JAX: its training state, read without first writing it to the variables ----
+    def flush(self) -> None:
+        # the runner reads the variables (a snapshot) and writes them (a rollback, the
+        # learning rate): they get the kept values first
+        kept, self._kept_for_next_step = self._kept_for_next_step, None
+        if kept is not None:
+            self._assign(kept[1])
+        super().flush()
+
+    # -- Keras on JAX: its training state, read and handed on without the variables ----------
     def _sync(self) -> None:
         if self._jax_at is None:
             super()._sync()
 
-    def _values(self) -> list[Any]:
-        """The variables' values; on JAX, from the state Keras trains on (``_jax_state``)
-        where it has not been written back to the variables."""
+    def _training_state(self) -> dict | None:
+        """On JAX during ``fit``, the state Keras trains on (``model._jax_state``) where it
+        has not been written back to the variables; else None (the variables hold it)."""
         model = self._model  # Callback.model would write the state to the variables first
         state = getattr(model, "_jax_state", None)
-        if self._jax_at is None or not state or getattr(model, "_jax_state_synced", True):
-            return [v.value for v in self._state_vars + self._metric_vars]
-        return [state[key][j] for key, j in self._jax_at]
+        if not self._handing_on or not state:
+            return None
+        return None if getattr(model, "_jax_state_synced", True) else state
+
+    def _hand_on(self) -> None:
+        """From now until the end of ``fit``, Keras' train step takes the kept values of the
+        last check: ``model.train_function`` is wrapped so that its state argument has them
+        in place of the values the check read. Keras' fit loop passes each step's state on to
+        the next without the variables; the alternative, assigning every variable and making
+        Keras read them all back, is Python work per variable and batch on the host."""
+        model = self._model
+        self._kept_for_next_step = None
+        self._handing_on = self._jax_at is not None and model.train_function is not None
+        if self._handing_on and model.train_function != self._train_with_kept_values:
+            self._train_function = model.train_function  # (else still ours: a fit cut short)
+            model.train_function = self._train_with_kept_values
+
+    def _train_with_kept_values(self, state: Any, data: Any) -> Any:
+        """``model.train_function`` while the guard is on: the kept values in ``state`` where
+        it still holds the very arrays the check read (where something wrote the variables
+        since, a rollback or the user, Keras read them back and they win, as when the
+        check assigned the variables itself)."""
+        kept, self._kept_for_next_step = self._kept_for_next_step, None
+        if kept is not None:
+            state = _with_kept_values(state, self._jax_at, *kept)
+        return self._train_function(state, data)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        super().on_train_end(logs)
+        self._handing_on, self._kept_for_next_step = False, None
+        if self._model.train_function == self._train_with_kept_values:
+            self._model.train_function = self._train_function
 
     def _synced(self) -> None:
         """The variables hold the state: Keras on JAX reads them at its next step (and its
@@ -152,6 +207,35 @@ class ArrayGuardCallback(DeferredGuardCallback):
 
     def _keep_metrics_as_undo(self) -> None:
         self._shadow[len(self._state_vars) :] = _copy(self._metric_vars)
+
+
+_STATE_KEYS = (
+    "trainable_variables",
+    "non_trainable_variables",
+    "optimizer_variables",
+    "metrics_variables",
+)
+
+
+def _with_kept_values(
+    state: Any, places: list[tuple[str, int]], read: list[Any], kept: list[Any]
+) -> tuple:
+    """Keras' JAX training state (its four lists, in ``_STATE_KEYS`` order) with ``kept[i]``
+    at ``places[i]`` wherever the state still holds ``read[i]``, the array the check read."""
+    if not (isinstance(state, tuple | list) and len(state) == len(_STATE_KEYS)):
+        raise NumstabError(
+            "TrainingGuard(host_every > 1) on Keras' JAX backend expected Keras' training "
+            f"state as {len(_STATE_KEYS)} lists ({', '.join(_STATE_KEYS)}), the way Keras "
+            f"3.15 passes it to its train step; received a {type(state).__name__}. Use "
+            "host_every=1 with this Keras."
+        )
+    lists = [list(x) for x in state]
+    slot = {key: i for i, key in enumerate(_STATE_KEYS)}
+    for (key, j), was, new in zip(places, read, kept, strict=True):
+        values = lists[slot[key]]
+        if values[j] is was:
+            values[j] = new
+    return tuple(lists)
 
 
 def _jax_state_places(model: Any, variables: list[Any]) -> list[tuple[str, int]] | None:

@@ -1,0 +1,137 @@
+"""The device mode of the Keras guard on Keras' JAX and torch backends (``TrainingGuard(
+host_every=k)``, ``guard_arrays.ArrayGuardCallback``) decides, skips and rolls back exactly
+as the per-batch host mode: the same events, history and final state over two ``fit`` calls
+(TensorFlow's device mode: tests/test_guard_keras_device_equivalence.py). On JAX the check
+hands the kept values to Keras' next train step by wrapping ``model.train_function`` for the
+length of a ``fit``: no variable is assigned on a steady batch, a snapshot holds its step's
+state, and the wrapper is gone after the ``fit``, also after one cut short."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.keras_backends import run_per_keras_backend
+
+pytest.importorskip("keras")
+
+SCRIPT = r"""
+import numpy as np, keras, numstab as ns
+from numstab.frameworks.keras.guard_arrays import ArrayGuardCallback
+
+BATCH, STEPS = 16, 36
+rng = np.random.default_rng(3)
+X = rng.standard_normal((STEPS * BATCH, 8)).astype("float32")
+Y = (X @ rng.standard_normal((8, 1))).astype("float32")
+BAD = X.copy()
+BAD[5 * BATCH, 0] = np.nan  # step 5: a lone skip
+BAD[15 * BATCH : 18 * BATCH, 1] = np.nan  # steps 15-17: three skips, a rollback at step 17
+BAD[35 * BATCH, 2] = np.nan  # the epoch's last step
+SPIKY = Y.copy()
+SPIKY[30 * BATCH : 31 * BATCH] *= 1e3  # step 36 + 30 of the second fit: a loss spike
+
+def run(host_every):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    guard = ns.TrainingGuard(snapshot_every=1000, rollback_after=3, rollback_window=4,
+                             host_every=host_every,
+                             loss_spikes=ns.SpikeDetector(window=8, sigma=4.0, warmup=4))
+    cb = guard.keras_callback()
+    logs = []
+    for x, y, epochs in ((BAD, Y, 1), (X, SPIKY, 2)):
+        h = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+                      callbacks=[cb])
+        logs.append(h.history)
+        assert model.train_function != getattr(cb, "_train_with_kept_values", None)
+    return model, cb, logs
+
+def events(cb):
+    return [(e["event"], e["step"], tuple(e.get("reasons", ()))) for e in cb.events
+            if e["event"] in ("skip", "rollback", "snapshot")]
+
+host_model, host_cb, host_logs = run(1)
+model, cb, logs = run(3)
+assert isinstance(cb, ArrayGuardCallback), type(cb)
+want = events(host_cb)
+assert ("rollback", 17, ()) in want and ("skip", STEPS + 30, ("loss_spike",)) in want, want
+assert events(cb) == want, (events(cb), want)
+assert logs == host_logs and np.isfinite(logs[0]["loss"]).all(), (logs, host_logs)
+rtol = 8 * np.finfo(np.float32).eps
+h, w = cb.history.as_arrays(), host_cb.history.as_arrays()
+for key in w.keys() - {"names"}:
+    if np.asarray(w[key]).dtype.kind == "f":
+        np.testing.assert_allclose(h[key], w[key], rtol=rtol, atol=0, err_msg=key)
+    else:
+        np.testing.assert_array_equal(h[key], w[key], err_msg=key)
+for a, b in zip(model.weights + model.optimizer.variables,
+                host_model.weights + host_model.optimizer.variables, strict=True):
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
+
+# a fit cut short by an exception leaves no wrapper behind it, and the next fit trains
+class Stop(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 4:
+            raise RuntimeError("stop")
+try:
+    model.fit(X, Y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[cb, Stop()])
+except RuntimeError:
+    pass
+before = [np.array(keras.ops.convert_to_numpy(v)) for v in model.weights]
+model.fit(BAD, Y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[cb])
+assert model.train_function != cb._train_with_kept_values
+assert all(np.isfinite(keras.ops.convert_to_numpy(v)).all() for v in model.weights)
+assert any((keras.ops.convert_to_numpy(v) != b).any() for v, b in zip(model.weights, before))
+# a snapshot taken at a read holds the state of its step (the variables get the kept values
+# before the runner reads them): the weights of a plain run of that many steps
+def model_of(callbacks, steps):
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
+    )
+    m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    m.fit(X[: steps * BATCH], Y[: steps * BATCH], batch_size=BATCH, shuffle=False, verbose=0,
+          callbacks=callbacks)
+    return m
+snap_cb = ns.TrainingGuard(snapshot_every=10, host_every=3).keras_callback()
+model_of([snap_cb], STEPS)
+snap = snap_cb.runner.ring.latest()
+assert snap is not None and 10 < snap.step < STEPS, snap_cb.runner.ring.steps()
+plain = model_of([], snap.step)
+for got, want in zip(snap.payload, plain.weights, strict=False):
+    np.testing.assert_array_equal(got, keras.ops.convert_to_numpy(want))
+# on JAX a steady batch assigns no variable (the kept values go to Keras' next train step):
+# a fit of 36 batches assigns as many as one of 12, as without the guard (each check
+# assigned every variable before)
+if keras.backend.backend() == "jax":
+    from keras.src.backend.common.variables import Variable
+    assign, calls = Variable.assign, [0]
+    def counted(self, value):
+        calls[0] += 1
+        return assign(self, value)
+    def assigns(callbacks, steps):
+        calls[0] = 0
+        Variable.assign = counted
+        try:
+            model.fit(X[: steps * BATCH], Y[: steps * BATCH], batch_size=BATCH, shuffle=False,
+                      verbose=0, callbacks=callbacks)
+        finally:
+            Variable.assign = assign
+        return calls[0]
+    steady_cb = ns.TrainingGuard(host_every=1000).keras_callback()
+    assert assigns([], STEPS) == assigns([], 12)
+    assert assigns([steady_cb], STEPS) == assigns([steady_cb], 12), calls
+print("ok", keras.backend.backend())
+"""
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_per_keras_backend(SCRIPT, backends=("jax", "torch"))
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_device_mode_equals_host_mode_through_skips_a_rollback_and_two_fits(runs, backend):
+    code, out, err = runs[backend]
+    assert code == 0 and f"ok {backend}" in out, err[-3000:]
