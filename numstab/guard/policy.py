@@ -13,6 +13,7 @@ host-side actions (restoring, writing snapshots, logging) live in ``numstab.guar
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from numstab.backends._base import Backend
@@ -77,6 +78,22 @@ class Decision(NamedTuple):
         except Exception:  # tracers (jit, tf.function) cannot be read
             fields = ", ".join(f"{k}={x!r}" for k, x in zip(self._fields, self, strict=True))
             return f"Decision({fields})"
+
+
+def flatten_state(state: GuardState) -> list[Array]:
+    """The state's arrays in field order, each window's three in its own."""
+    return [x for leaf in state for x in (leaf if isinstance(leaf, tuple) else (leaf,))]
+
+
+def unflatten_state(like: GuardState, flat: Iterable[Array]) -> GuardState:
+    """``flatten_state``'s inverse: a state shaped as ``like`` holding ``flat``'s arrays."""
+    it = iter(flat)
+    return GuardState(
+        *(
+            type(leaf)(*(next(it) for _ in leaf)) if isinstance(leaf, tuple) else next(it)
+            for leaf in like
+        )
+    )
 
 
 def init_state(guard: TrainingGuard, be: Backend, like: Array | None = None) -> GuardState:

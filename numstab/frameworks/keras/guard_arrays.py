@@ -102,14 +102,7 @@ class ArrayGuardCallback(DeferredGuardCallback):
 
             self._fn = jax.jit(run, donate_argnums=(1,))
         else:
-            import torch
-
-            def run(values: list, undo: list, state: policy.GuardState) -> tuple:
-                with torch.no_grad():
-                    kept, state, row = device_step(*args, values, undo, state, *at)
-                return kept, kept, state, row  # the variables copy the kept values in
-
-            self._fn = run
+            self._fn = _torch_check(self.guard, self._be, at)
 
     def _device_check(self, i: int) -> None:
         state = self._training_state()
@@ -120,6 +113,8 @@ class ArrayGuardCallback(DeferredGuardCallback):
         )
         kept, self._shadow, self._gstate, row = self._fn(values, self._shadow, self._gstate)
         self._rows.append(row)
+        if kept is None:  # torch: the check wrote the kept values into the variables
+            return
         if state is not None:  # Keras' next train step is handed the kept values
             self._kept_for_next_step = (values, kept)
             return
@@ -200,13 +195,52 @@ class ArrayGuardCallback(DeferredGuardCallback):
         return keras.tree.map_structure(ops.convert_to_numpy, self._gstate)
 
     def _set_device_state(self, state: policy.GuardState) -> None:
-        self._gstate = keras.tree.map_structure(lambda x: self._be.asarray(np.asarray(x)), state)
+        # copies: torch's check updates these tensors in place, and torch.as_tensor would
+        # share the host state's memory (the runner's, its snapshots')
+        self._gstate = keras.tree.map_structure(lambda x: self._be.asarray(np.array(x)), state)
 
     def _keep_as_undo(self) -> None:
         self._shadow = _copy(self._state_vars + self._metric_vars)
 
     def _keep_metrics_as_undo(self) -> None:
         self._shadow[len(self._state_vars) :] = _copy(self._metric_vars)
+
+
+def _torch_check(guard: Any, be: Backend, at: tuple[list[int], list[int]]) -> Any:
+    """The check on Keras' torch backend: one call, compiled by inductor per set of shapes
+    (``guard_compiled.compiled_or_eager``: eager where torch cannot compile), that writes
+    the kept values into the variables' tensors and the undo copy (Keras' own assign is a
+    ``copy_`` into them) and the next guard state into its tensors; returns
+    ``(None, undo, state, row)``, the arguments updated in place."""
+    import torch
+
+    from numstab.frameworks.torch.guard_compiled import compiled_or_eager, write_back
+
+    fns: dict[tuple, Any] = {}  # by the arguments' shapes, dtypes and devices
+
+    def run(values: list, undo: list, state: policy.GuardState) -> tuple:
+        n, flat = len(values), policy.flatten_state(state)
+
+        def check(*args: torch.Tensor) -> torch.Tensor:
+            values, undo = list(args[:n]), list(args[n : 2 * n])
+            new_state = policy.unflatten_state(state, args[2 * n :])
+            kept, new_state, row = device_step(guard, be, values, undo, new_state, *at)
+            write_back(values, kept)
+            write_back(undo, kept)
+            write_back(list(args[2 * n :]), policy.flatten_state(new_state))
+            return row
+
+        args = [*values, *undo, *flat]
+        shapes = (n, *((t.shape, t.dtype, t.device) for t in args))
+        if shapes not in fns:
+            constants = (guard.loss_spikes, guard.grad_norm_spikes, guard.rollback_window)
+            key = ("keras_check", *constants, guard.rollback_after, guard.snapshot_every)
+            fns[shapes] = compiled_or_eager((*key, tuple(map(tuple, at))), check, args)
+        with torch.no_grad():
+            row = fns[shapes](*args)
+        return None, undo, state, row
+
+    return run
 
 
 _STATE_KEYS = (

@@ -77,9 +77,8 @@ class DevicePolicy:
         self.guard = guard
         self.be = load_backend("torch")
         like = torch.zeros((), device=device)
-        self.leaves = list(policy.init_state(guard, self.be, like))
+        self.leaves = policy.init_state(guard, self.be, like)
         self.rows = torch.zeros(capacity, len(ROW_COLUMNS), device=device)
-        self._state_def = policy.GuardState(*([None] * len(self.leaves)))
         self._state_flat = self._flat()  # the same tensors for life: loads copy into them
         key = (
             "decide",
@@ -97,26 +96,18 @@ class DevicePolicy:
         self._with_norms: dict[Any, Callable[..., Any] | None] = {}
 
     def _flat(self) -> list[torch.Tensor]:
-        return [t for leaf in self.leaves for t in (leaf if isinstance(leaf, tuple) else (leaf,))]
+        return policy.flatten_state(self.leaves)
 
     def _step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pure over its arguments (flat state, ``[loss, norm]``, rows): decide, write the
         row at ``step % k`` and the next state in place; ``(apply, 1 - apply as float)``."""
         *flat, x, rows = args
-        it = iter(flat)
-        leaves = [
-            type(leaf)(*(next(it) for _ in leaf)) if isinstance(leaf, tuple) else next(it)
-            for leaf in self.leaves
-        ]
-        state = policy.GuardState(*leaves)
+        state = policy.unflatten_state(self.leaves, flat)
         d, new = policy.decide(self.guard, self.be, state, x[0], x[1])
         row = torch.stack([getattr(d, c).to(torch.float32) for c in ROW_COLUMNS])
         slot = torch.remainder(state.step, rows.shape[0]).reshape(1).to(torch.int64)
         rows.index_copy_(0, slot, row.reshape(1, -1))
-        new_flat = [t for leaf in new for t in (leaf if isinstance(leaf, tuple) else (leaf,))]
-        for old, now in zip(flat, new_flat, strict=True):
-            if now is not old:
-                old.copy_(now)
+        write_back(flat, policy.flatten_state(new))
         return d.apply, (~d.apply).to(torch.float32)
 
     def _step_norms(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -168,20 +159,27 @@ class DevicePolicy:
             word = bits[at : at + t.numel()].view(np.float32 if t.is_floating_point() else np.int32)
             host.append(word.reshape(tuple(t.shape)).copy())
             at += t.numel()
-        it = iter(host)
-        return policy.GuardState(
-            *(
-                type(leaf)(*(next(it) for _ in leaf)) if isinstance(leaf, tuple) else next(it)
-                for leaf in self.leaves
-            )
-        )
+        return policy.unflatten_state(self.leaves, host)
 
     def load(self, state: policy.GuardState, step: int) -> None:
         """Set the device state to a (NumPy) ``GuardState``, its step counter to ``step``."""
         state = state._replace(step=np.int32(step))
-        src = [x for leaf in state for x in (leaf if isinstance(leaf, tuple) else (leaf,))]
-        for dst, value in zip(self._flat(), src, strict=True):
+        for dst, value in zip(self._flat(), policy.flatten_state(state), strict=True):
             dst.copy_(torch.as_tensor(np.asarray(value)).reshape(dst.shape))
+
+
+def write_back(old: list[torch.Tensor], new: list[torch.Tensor]) -> None:
+    """``old[i].copy_(new[i])`` where ``new[i]`` is another tensor: a state updated in place."""
+    for was, now in zip(old, new, strict=True):
+        if now is not was:
+            was.copy_(now)
+
+
+def compiled_or_eager(key: Any, fn: Callable[..., Any], example: list[torch.Tensor]) -> Callable:
+    """``fn`` compiled for tensors like ``example`` (cached under ``key`` and their shapes,
+    strides, dtypes and devices; see ``_compiled``), or ``fn`` itself where that failed."""
+    compiled = _compiled((key, _signature(example)), fn, example)
+    return compiled if compiled is not None else fn
 
 
 # -- the undo of a bad step --------------------------------------------------------------------
