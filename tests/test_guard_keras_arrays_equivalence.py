@@ -120,6 +120,7 @@ if keras.backend.backend() == "jax":
             Variable.assign = assign
         return calls[0]
     steady_cb = ns.TrainingGuard(host_every=1000).keras_callback()
+    assigns([steady_cb], 12)  # traced: tracing the train step calls assign (stateless)
     assert assigns([], STEPS) == assigns([], 12)
     assert assigns([steady_cb], STEPS) == assigns([steady_cb], 12), calls
 print("ok", keras.backend.backend())

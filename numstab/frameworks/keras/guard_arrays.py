@@ -105,7 +105,10 @@ class ArrayGuardCallback(DeferredGuardCallback):
             self._fn = _torch_check(self.guard, self._be, at)
 
     def _device_check(self, i: int) -> None:
-        state = self._training_state()
+        state = self._training_state()  # None: Keras holds its state in the variables
+        if state is not None and self._fused is not None and i + 1 < self.guard.host_every:
+            self._armed = True  # Keras' next train step checks first (no read follows)
+            return
         values = (
             [v.value for v in self._state_vars + self._metric_vars]
             if state is None
@@ -148,26 +151,70 @@ class ArrayGuardCallback(DeferredGuardCallback):
         return None if getattr(model, "_jax_state_synced", True) else state
 
     def _hand_on(self) -> None:
-        """From now until the end of ``fit``, Keras' train step takes the kept values of the
-        last check: ``model.train_function`` is wrapped so that its state argument has them
-        in place of the values the check read. Keras' fit loop passes each step's state on to
-        the next without the variables; the alternative, assigning every variable and making
-        Keras read them all back, is Python work per variable and batch on the host."""
+        """From now until the end of ``fit``, ``model.train_function`` is wrapped: Keras' next
+        train step takes the kept values of the last check in place of the values the check
+        read (Keras' fit loop passes each step's state on to the next without the variables;
+        assigning every variable and making Keras read them all back is Python work per
+        variable and batch on the host). Where Keras runs one jitted step per call, the
+        check itself runs inside that step (:meth:`_fused_step`), except where a read
+        follows it."""
         model = self._model
-        self._kept_for_next_step = None
+        if getattr(self, "_armed", False):  # a fit cut short before its step: no row came
+            self._pending -= 1
+        self._kept_for_next_step, self._armed = None, False
         self._handing_on = self._jax_at is not None and model.train_function is not None
+        self._fused = self._fused_step() if self._handing_on else None
         if self._handing_on and model.train_function != self._train_with_kept_values:
             self._train_function = model.train_function  # (else still ours: a fit cut short)
             model.train_function = self._train_with_kept_values
+
+    def _fused_step(self) -> Any:
+        """``(state, data, undo, guard state) -> (logs, state, undo, guard state, row)``: the
+        check of the last step, then Keras' ``train_step`` on the kept values, in one
+        ``jax.jit`` (the state and the undo copy donated): one dispatch, and the select
+        fuses into the optimizer's update. None where Keras would not jit one step per
+        call (``steps_per_execution``, ``run_eagerly``, a distribution, NNX)."""
+        model = self._model
+        if (
+            model.steps_per_execution != 1
+            or model.run_eagerly
+            or not model.jit_compile
+            or keras.distribution.distribution() is not None
+            or keras.config.is_nnx_enabled()
+        ):
+            return None
+        cached = getattr(self, "_fused_for", (None, None))
+        if cached[0] is model:
+            return cached[1]
+        import jax
+
+        guard, be, places = self.guard, self._be, self._jax_at
+        at, train_step = (self._tracker_at, self._weight_at), model.train_step
+
+        def step(state: Any, data: Any, undo: list, gstate: policy.GuardState) -> tuple:
+            values = [state[_SLOT[key]][j] for key, j in places]
+            kept, gstate, row = device_step(guard, be, values, undo, gstate, *at)
+            logs, state = train_step(_placed(state, places, kept), data)
+            return logs, state, kept, gstate, row
+
+        fused = jax.jit(step, donate_argnums=(0, 2))
+        self._fused_for = (model, fused)
+        return fused
 
     def _train_with_kept_values(self, state: Any, data: Any) -> Any:
         """``model.train_function`` while the guard is on: the kept values in ``state`` where
         it still holds the very arrays the check read (where something wrote the variables
         since, a rollback or the user, Keras read them back and they win, as when the
         check assigned the variables itself)."""
+        if self._armed:  # the check and the step in one call (Keras' iterator_step's way)
+            self._armed = False
+            out = self._fused(state, next(data), self._shadow, self._gstate)
+            logs, state, self._shadow, self._gstate, row = out
+            self._rows.append(row)
+            return logs, state
         kept, self._kept_for_next_step = self._kept_for_next_step, None
         if kept is not None:
-            state = _with_kept_values(state, self._jax_at, *kept)
+            state = _placed(state, self._jax_at, kept[1], read=kept[0])
         return self._train_function(state, data)
 
     def on_train_end(self, logs: dict | None = None) -> None:
@@ -251,11 +298,12 @@ _STATE_KEYS = (
 )
 
 
-def _with_kept_values(
-    state: Any, places: list[tuple[str, int]], read: list[Any], kept: list[Any]
+def _placed(
+    state: Any, places: list[tuple[str, int]], kept: list[Any], read: list[Any] | None = None
 ) -> tuple:
     """Keras' JAX training state (its four lists, in ``_STATE_KEYS`` order) with ``kept[i]``
-    at ``places[i]`` wherever the state still holds ``read[i]``, the array the check read."""
+    at ``places[i]``; given ``read``, only where the state still holds ``read[i]``, the
+    array the check read."""
     if not (isinstance(state, tuple | list) and len(state) == len(_STATE_KEYS)):
         raise NumstabError(
             "TrainingGuard(host_every > 1) on Keras' JAX backend expected Keras' training "
@@ -264,12 +312,14 @@ def _with_kept_values(
             "host_every=1 with this Keras."
         )
     lists = [list(x) for x in state]
-    slot = {key: i for i, key in enumerate(_STATE_KEYS)}
-    for (key, j), was, new in zip(places, read, kept, strict=True):
-        values = lists[slot[key]]
-        if values[j] is was:
-            values[j] = new
+    for i, (key, j) in enumerate(places):
+        values = lists[_SLOT[key]]
+        if read is None or values[j] is read[i]:
+            values[j] = kept[i]
     return tuple(lists)
+
+
+_SLOT = {key: i for i, key in enumerate(_STATE_KEYS)}
 
 
 def _jax_state_places(model: Any, variables: list[Any]) -> list[tuple[str, int]] | None:
