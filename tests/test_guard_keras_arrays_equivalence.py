@@ -4,7 +4,8 @@ as the per-batch host mode: the same events, history and final state over two ``
 (TensorFlow's device mode: tests/test_guard_keras_device_equivalence.py). On JAX the check
 hands the kept values to Keras' next train step by wrapping ``model.train_function`` for the
 length of a ``fit``: no variable is assigned on a steady batch, a snapshot holds its step's
-state, and the wrapper is gone after the ``fit``, also after one cut short."""
+state, the wrapper is gone after the ``fit``, also after one cut short, and a recompiled
+model (other optimizer variables) is guarded by the same callback."""
 
 from __future__ import annotations
 
@@ -83,6 +84,14 @@ model.fit(BAD, Y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[cb])
 assert model.train_function != cb._train_with_kept_values
 assert all(np.isfinite(keras.ops.convert_to_numpy(v)).all() for v in model.weights)
 assert any((keras.ops.convert_to_numpy(v) != b).any() for v, b in zip(model.weights, before))
+# recompiled with another optimizer (other variables), the same callback guards the next fit
+# and rolls back to a snapshot of the new variables (taken at that fit's start)
+model.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
+seen = len(cb.events)
+model.fit(BAD, Y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[cb])
+assert all(np.isfinite(keras.ops.convert_to_numpy(v)).all() for v in model.weights)
+assert [e["event"] for e in cb.events[seen:] if e["event"] == "rollback"] == ["rollback"]
+
 # a snapshot taken at a read holds the state of its step (the variables get the kept values
 # before the runner reads them): the weights of a plain run of that many steps
 def model_of(callbacks, steps):

@@ -133,3 +133,17 @@ def test_packed_guard_state_round_trips_on_host_and_in_tensorflow(loss_spikes):
         for a, b in zip(tf.nest.flatten(tuple(back)), tf.nest.flatten(tuple(state)), strict=True):
             assert np.asarray(a).dtype == b.dtype and np.shape(a) == b.shape
             np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_recompiled_model_is_guarded_and_rolls_back_to_its_own_variables():
+    """After ``compile`` with another optimizer (other variables), the same callback guards
+    the next ``fit``: its device copies are made again, and the snapshots of the old
+    variables give way to one of the new, which a rollback restores."""
+    model, cb = _run(3)
+    model.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse", jit_compile=False)
+    seen = len(cb.events)
+    model.fit(BAD, Y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[cb])
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    new = [(e["event"], e["step"]) for e in cb.events[seen:] if e["event"] != "lr_factor"]
+    assert ("rollback", 3 * STEPS + 17) in new, new
+    assert ("skip", 3 * STEPS + 5) in new, new

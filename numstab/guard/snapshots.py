@@ -62,6 +62,9 @@ class SnapshotRing:
     def steps(self) -> list[int]:
         return [s.step for s in self._ring]
 
+    def clear(self) -> None:
+        self._ring.clear()
+
 
 # -- tree <-> arrays + JSON ----------------------------------------------------------------------
 

@@ -71,11 +71,16 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         self._host = load_backend("numpy")
         if self._host_undo_copy:
             self._shadow = _copy(self._state_vars + self._metric_vars)
+        layout = [(getattr(v, "path", v.name), tuple(v.shape)) for v in self._state_vars]
         if self.runner is None:  # a second fit() call keeps the history and snapshots
             self.state = self.guard.init_state(self._host)
             names = [getattr(w, "path", w.name) for w in self._weights]
             self.runner = GuardRunner(self.guard, self, self._host, names)
             self.runner.snapshot(0, self.state)
+        elif layout != self._variables_layout:  # recompiled: the snapshots do not fit these
+            self.runner.ring.clear()
+            self.runner.snapshot(int(self.state.step), self.state)
+        self._variables_layout = layout
         if self._host_undo_copy:
             self._prev_totals = self._read_tracker()
 

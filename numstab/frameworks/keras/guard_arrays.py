@@ -89,10 +89,10 @@ class ArrayGuardCallback(DeferredGuardCallback):
         self._rows: list[Any] = getattr(self, "_rows", [])
         self._jax_at = _jax_state_places(self.model, self._state_vars + self._metric_vars)
         self._hand_on()
-        if getattr(self, "_fn", None) is not None:  # a later fit(): compiled already
-            return
-        args = (self.guard, self._be)
         at = (self._tracker_at, self._weight_at)
+        if getattr(self, "_fn_for", None) == at:  # a later fit() of the same variables
+            return
+        self._fn_for, args = at, (self.guard, self._be)
         if backend == "jax":
             import jax
 
@@ -183,13 +183,13 @@ class ArrayGuardCallback(DeferredGuardCallback):
             or keras.config.is_nnx_enabled()
         ):
             return None
-        cached = getattr(self, "_fused_for", (None, None))
-        if cached[0] is model:
-            return cached[1]
-        import jax
-
         guard, be, places = self.guard, self._be, self._jax_at
         at, train_step = (self._tracker_at, self._weight_at), model.train_step
+        key = (model, train_step, *map(tuple, (places, *at)))  # a recompile moves them
+        cached = getattr(self, "_fused_for", (None, None))
+        if cached[0] == key:
+            return cached[1]
+        import jax
 
         def step(state: Any, data: Any, undo: list, gstate: policy.GuardState) -> tuple:
             values = [state[_SLOT[key]][j] for key, j in places]
@@ -198,7 +198,7 @@ class ArrayGuardCallback(DeferredGuardCallback):
             return logs, state, kept, gstate, row
 
         fused = jax.jit(step, donate_argnums=(0, 2))
-        self._fused_for = (model, fused)
+        self._fused_for = (key, fused)
         return fused
 
     def _train_with_kept_values(self, state: Any, data: Any) -> Any:

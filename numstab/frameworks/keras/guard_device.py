@@ -30,9 +30,10 @@ class DeviceGuardCallback(DeferredGuardCallback):
 
     def _start_device(self) -> None:
         everything = self._state_vars + self._metric_vars
-        if getattr(self, "_fn", None) is not None:  # a later fit(): the same variables
+        if getattr(self, "_fn_for", None) == [id(v) for v in everything]:  # a later fit()
             self._keep_as_undo()
             return
+        self._fn_for = [id(v) for v in everything]  # (a recompile: other variables)
         self._shadow_vars = [tf.Variable(v.value, trainable=False) for v in everything]
         self._layout = _Layout(self.state)
         self._packed = {  # the guard state: one vector per dtype (2 variables, not 11)
