@@ -26,7 +26,10 @@ steady step stays on the device, the host reads every k steps; docs/semantics.md
   with and without ``guard.keras_callback()``. Floors (TensorFlow), in one ``tf.function``:
   the undo copy of the state and the update norms alone; and with the gate any guard that
   can undo must pay, a ``tf.cond`` on isfinite(global update norm) whose branch restores
-  the copy (each called as its concrete function, as the guard's).
+  the copy (each called as its concrete function, as the guard's). On JAX, in the guard's
+  form there (one ``jax.jit`` with Keras' train step, ``model.train_function`` wrapped):
+  the update norms, a ``where`` per variable on their global norm being finite, and the
+  undo copy. ``floor gap``: the device mode over the gated floor, per round.
 
 Snapshots every ``--snapshot-every`` good steps (default 100; memory only), so their cost is
 amortised as in a real run. No NaN is injected: this is the price of the guard on healthy
@@ -399,7 +402,7 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
 def keras_case(args: argparse.Namespace) -> list[dict]:
     """Keras 3 ``model.fit`` with and without ``guard.keras_callback()``, per batch (host mode)
     and with ``host_every`` (device mode), on the Keras backend of ``KERAS_BACKEND``
-    (TensorFlow by default; the floor rows on TensorFlow only). One round is one ``fit`` call
+    (TensorFlow by default; floor rows on TensorFlow and JAX). One round is one ``fit`` call
     over ``--steps`` batches."""
     import keras
     import numpy as np
@@ -466,12 +469,54 @@ def keras_case(args: argparse.Namespace) -> list[dict]:
         def on_train_batch_begin(self, batch, logs=None):
             self.fn()
 
+    class JaxFloor(keras.callbacks.Callback):
+        """The floor of the device mode on Keras' JAX backend, in the guard's own form (one
+        jit of the check and Keras' train step): the update norms, a gate on their global
+        norm being finite (``where`` per variable) and the undo copy, without the decision;
+        ``model.train_function`` wrapped for the length of a ``fit``, as the guard's."""
+
+        def on_train_begin(self, logs=None):
+            import jax
+            import jax.numpy as jnp
+
+            model = self.model
+            n = len(model.trainable_variables)
+            self.undo = None
+
+            def step(state, data, undo):
+                flat = [x for part in state for x in part]
+                deltas = [v - u for v, u in zip(flat[:n], undo[:n], strict=True)]
+                norms = jnp.stack([jnp.linalg.norm(d) for d in deltas])
+                ok = jnp.isfinite(jnp.linalg.norm(norms))
+                kept = [jnp.where(ok, v, u) for v, u in zip(flat, undo, strict=True)]
+                it = iter(kept)
+                logs, state = model.train_step(tuple([next(it) for _ in p] for p in state), data)
+                return logs, state, kept
+
+            if not hasattr(self, "fused"):  # compiled once, as the guard's
+                self.fused = jax.jit(step, donate_argnums=(0, 2))
+            self.original = model.train_function
+
+            def train_function(state, iterator):
+                if self.undo is None:  # the first step of the fit: the copy starts after it
+                    logs, state = self.original(state, iterator)
+                    self.undo = [jnp.copy(x) for part in state for x in part]
+                    return logs, state
+                logs, state, self.undo = self.fused(state, next(iterator), self.undo)
+                return logs, state
+
+            model.train_function = train_function
+
+        def on_train_end(self, logs=None):
+            self.model.train_function = self.original
+
     def loop(host_every=None, floor=None):
         keras.utils.set_random_seed(0)
         layers = [keras.layers.Dense(args.width, activation="tanh") for _ in range(args.layers)]
         model = keras.Sequential([keras.Input((32,)), *layers, keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-        callbacks = [] if floor is None else [Floor(gate=floor == "gate")]
+        make_floor = JaxFloor if backend == "jax" else lambda: Floor(gate=floor == "gate")
+        callbacks = [] if floor is None else [make_floor()]
         run_guard = None
         if host_every is not None:
             guard = TrainingGuard(snapshot_every=args.snapshot_every, host_every=host_every)
@@ -500,6 +545,8 @@ def keras_case(args: argparse.Namespace) -> list[dict]:
     if backend == "tensorflow":
         loops["floor"] = loop(floor="copy")
         loops["floor_gate"] = loop(floor="gate")
+    elif backend == "jax":  # the guard's form there: the gate inside Keras' step
+        loops["floor_gate"] = loop(floor="gate")
     for fn in loops.values():
         fn(args.steps)
     for other in loops:
@@ -512,7 +559,10 @@ def keras_case(args: argparse.Namespace) -> list[dict]:
         (name, f"device (host_every={args.host_every})", "plain", "device"),
         (name, "floor: undo copy + update norms alone", "plain", "floor"),
         (name, "floor: undo copy + norms + gate", "plain", "floor_gate"),
-    ][: len(loops) - 1]
+        # the device mode against its floor, round by round: what the decision adds
+        (name, "floor gap: device / gated floor", "floor_gate", "device"),
+    ]
+    pairs = [p for p in pairs if p[2] in loops and p[3] in loops]
     rows = _measure(backend, loops, pairs, args, lambda: None)
     runners = {  # fit() flushes the guard at its end
         name: (run.guard.runner, run.taken[0] * args.steps)
