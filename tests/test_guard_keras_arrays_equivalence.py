@@ -19,41 +19,12 @@ SCRIPT = r"""
 import numpy as np, keras, numstab as ns
 from numstab.frameworks.keras.guard_arrays import ArrayGuardCallback
 
-BATCH, STEPS = 16, 36
-rng = np.random.default_rng(3)
-X = rng.standard_normal((STEPS * BATCH, 8)).astype("float32")
-Y = (X @ rng.standard_normal((8, 1))).astype("float32")
-BAD = X.copy()
-BAD[5 * BATCH, 0] = np.nan  # step 5: a lone skip
-BAD[15 * BATCH : 18 * BATCH, 1] = np.nan  # steps 15-17: three skips, a rollback at step 17
-BAD[35 * BATCH, 2] = np.nan  # the epoch's last step
-SPIKY = Y.copy()
-SPIKY[30 * BATCH : 31 * BATCH] *= 1e3  # step 36 + 30 of the second fit: a loss spike
+from tests.guard_keras_runs import BAD, BATCH, STEPS, X, Y, events, model_for, run
 
-def run(host_every):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
-    )
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
-    guard = ns.TrainingGuard(snapshot_every=1000, rollback_after=3, rollback_window=4,
-                             host_every=host_every,
-                             loss_spikes=ns.SpikeDetector(window=8, sigma=4.0, warmup=4))
-    cb = guard.keras_callback()
-    logs = []
-    for x, y, epochs in ((BAD, Y, 1), (X, SPIKY, 2)):
-        h = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
-                      callbacks=[cb])
-        logs.append(h.history)
-        assert model.train_function != getattr(cb, "_train_with_kept_values", None)
-    return model, cb, logs
-
-def events(cb):
-    return [(e["event"], e["step"], tuple(e.get("reasons", ()))) for e in cb.events
-            if e["event"] in ("skip", "rollback", "snapshot")]
-
-host_model, host_cb, host_logs = run(1)
-model, cb, logs = run(3)
+host_model, host_cb = run(1)
+model, cb = run(3)
+host_logs, logs = host_cb.logs, cb.logs
+assert model.train_function != cb._train_with_kept_values  # gone with the fit
 assert isinstance(cb, ArrayGuardCallback), type(cb)
 want = events(host_cb)
 assert ("rollback", 17, ()) in want and ("skip", STEPS + 30, ("loss_spike",)) in want, want
@@ -95,11 +66,7 @@ assert [e["event"] for e in cb.events[seen:] if e["event"] == "rollback"] == ["r
 # a snapshot taken at a read holds the state of its step (the variables get the kept values
 # before the runner reads them): the weights of a plain run of that many steps
 def model_of(callbacks, steps):
-    keras.utils.set_random_seed(0)
-    m = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
-    )
-    m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    m = model_for()
     m.fit(X[: steps * BATCH], Y[: steps * BATCH], batch_size=BATCH, shuffle=False, verbose=0,
           callbacks=callbacks)
     return m

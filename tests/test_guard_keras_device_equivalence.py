@@ -20,50 +20,15 @@ if keras.backend.backend() != "tensorflow":
 
 import numstab as ns  # noqa: E402
 from numstab.frameworks.keras.guard_device import DeviceGuardCallback  # noqa: E402
-
-BATCH, STEPS = 16, 36  # an epoch: 36 steps, a multiple of every host_every below
-_rng = np.random.default_rng(3)
-X = _rng.standard_normal((STEPS * BATCH, 8)).astype("float32")
-Y = (X @ _rng.standard_normal((8, 1))).astype("float32")
-BAD = X.copy()
-BAD[5 * BATCH, 0] = np.nan  # step 5: a lone skip
-BAD[15 * BATCH : 18 * BATCH, 1] = np.nan  # steps 15-17: three skips, a rollback at step 17
-BAD[35 * BATCH, 2] = np.nan  # step 35, the epoch's last: Keras' epoch logs are NaN until mended
-SPIKY = Y.copy()
-SPIKY[30 * BATCH : 31 * BATCH] *= 1e3  # step 36 + 30 = 66 (second fit): a loss spike
+from tests.guard_keras_runs import BAD, BATCH, STEPS, Y, events  # noqa: E402
+from tests.guard_keras_runs import run as _guarded_run  # noqa: E402
 
 
 def _run(host_every: int):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)]
-    )
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=False)
-    guard = ns.TrainingGuard(
-        snapshot_every=1000,
-        rollback_after=3,
-        rollback_window=4,
-        host_every=host_every,
-        loss_spikes=ns.SpikeDetector(window=8, sigma=4.0, warmup=4),
-    )
-    cb = guard.keras_callback()
-    logs = []
-    # the second fit() keeps the callback's device state (undo copy, slot, guard state)
-    for x, y, epochs in ((BAD, Y, 1), (X, SPIKY, 2)):
-        h = model.fit(
-            x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0, callbacks=[cb]
-        )
-        logs.append(h.history)
-    cb.logs = logs
-    return model, cb
+    return _guarded_run(host_every, jit_compile=False)
 
 
-def _events(cb):
-    return [
-        (e["event"], e["step"], tuple(e.get("reasons", ())))
-        for e in cb.events
-        if e["event"] in ("skip", "rollback", "snapshot")
-    ]
+_events = events
 
 
 @pytest.mark.parametrize("host_every", [3, 6])
