@@ -77,7 +77,7 @@ class DevicePolicy:
         self.guard = guard
         self.be = load_backend("torch")
         like = torch.zeros((), device=device)
-        self.leaves = policy.init_state(guard, self.be, like)
+        self.state_now = policy.init_state(guard, self.be, like)  # its tensors, updated in place
         self.rows = torch.zeros(capacity, len(ROW_COLUMNS), device=device)
         self._state_flat = self._flat()  # the same tensors for life: loads copy into them
         key = (
@@ -96,13 +96,13 @@ class DevicePolicy:
         self._with_norms: dict[Any, Callable[..., Any] | None] = {}
 
     def _flat(self) -> list[torch.Tensor]:
-        return policy.flatten_state(self.leaves)
+        return policy.flatten_state(self.state_now)
 
     def _step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pure over its arguments (flat state, ``[loss, norm]``, rows): decide, write the
         row at ``step % k`` and the next state in place; ``(apply, 1 - apply as float)``."""
         *flat, x, rows = args
-        state = policy.unflatten_state(self.leaves, flat)
+        state = policy.unflatten_state(self.state_now, flat)
         d, new = policy.decide(self.guard, self.be, state, x[0], x[1])
         row = torch.stack([getattr(d, c).to(torch.float32) for c in ROW_COLUMNS])
         slot = torch.remainder(state.step, rows.shape[0]).reshape(1).to(torch.int64)
@@ -159,7 +159,7 @@ class DevicePolicy:
             word = bits[at : at + t.numel()].view(np.float32 if t.is_floating_point() else np.int32)
             host.append(word.reshape(tuple(t.shape)).copy())
             at += t.numel()
-        return policy.unflatten_state(self.leaves, host)
+        return policy.unflatten_state(self.state_now, host)
 
     def load(self, state: policy.GuardState, step: int) -> None:
         """Set the device state to a (NumPy) ``GuardState``, its step counter to ``step``."""
