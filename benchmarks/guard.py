@@ -29,7 +29,9 @@ steady step stays on the device, the host reads every k steps; docs/semantics.md
   the copy (each called as its concrete function, as the guard's). On JAX, in the guard's
   form there (one ``jax.jit`` with Keras' train step, ``model.train_function`` wrapped):
   the update norms, a ``where`` per variable on their global norm being finite, and the
-  undo copy. ``floor gap``: the device mode over the gated floor, per round.
+  undo copy; on torch, the same as one inductor-compiled call at each batch's start,
+  writing in place, as the guard's. ``floor gap``: the device mode over the gated floor,
+  per round.
 
 Snapshots every ``--snapshot-every`` good steps (default 100; memory only), so their cost is
 amortised as in a real run. No NaN is injected: this is the price of the guard on healthy
@@ -402,7 +404,7 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
 def keras_case(args: argparse.Namespace) -> list[dict]:
     """Keras 3 ``model.fit`` with and without ``guard.keras_callback()``, per batch (host mode)
     and with ``host_every`` (device mode), on the Keras backend of ``KERAS_BACKEND``
-    (TensorFlow by default; floor rows on TensorFlow and JAX). One round is one ``fit`` call
+    (TensorFlow by default; floor rows on each). One round is one ``fit`` call
     over ``--steps`` batches."""
     import keras
     import numpy as np
@@ -510,12 +512,54 @@ def keras_case(args: argparse.Namespace) -> list[dict]:
         def on_train_end(self, logs=None):
             self.model.train_function = self.original
 
+    class TorchFloor(keras.callbacks.Callback):
+        """The floor of the device mode on Keras' torch backend, in the guard's own form (one
+        inductor-compiled call at each batch's start, in place): the update norms, a gate
+        on their global norm being finite (``where`` per variable) and the undo copy,
+        without the decision."""
+
+        def on_train_begin(self, logs=None):
+            import torch
+
+            from numstab.frameworks.torch.guard_compiled import compiled_or_eager
+
+            model = self.model
+            state = list(model.weights) + list(model.optimizer.variables)
+            state += list(model.metrics_variables)
+            n = len(model.trainable_variables)
+            self.values = [v.value for v in state]
+            self.undo = [t.clone() for t in self.values]
+            k = len(self.values)
+
+            def gate(*args):
+                values, undo = args[:k], args[k:]
+                norms = torch.stack([torch.linalg.vector_norm(v - u) for v, u in
+                                     zip(values[:n], undo[:n], strict=True)])  # fmt: skip
+                ok = torch.isfinite(torch.linalg.vector_norm(norms))
+                for v, u in zip(values, undo, strict=True):
+                    kept = torch.where(ok, v, u)
+                    v.copy_(kept)
+                    u.copy_(kept)
+
+            with torch.no_grad():
+                self.fn = compiled_or_eager("keras_floor", gate, [*self.values, *self.undo])
+            self.started = False
+
+        def on_train_batch_begin(self, batch, logs=None):
+            import torch
+
+            if self.started:  # the check of the step before, as the guard's
+                with torch.no_grad():
+                    self.fn(*self.values, *self.undo)
+            self.started = True
+
     def loop(host_every=None, floor=None):
         keras.utils.set_random_seed(0)
         layers = [keras.layers.Dense(args.width, activation="tanh") for _ in range(args.layers)]
         model = keras.Sequential([keras.Input((32,)), *layers, keras.layers.Dense(1)])
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-        make_floor = JaxFloor if backend == "jax" else lambda: Floor(gate=floor == "gate")
+        floors = {"jax": JaxFloor, "torch": TorchFloor}
+        make_floor = floors.get(backend, lambda: Floor(gate=floor == "gate"))
         callbacks = [] if floor is None else [make_floor()]
         run_guard = None
         if host_every is not None:
@@ -545,7 +589,7 @@ def keras_case(args: argparse.Namespace) -> list[dict]:
     if backend == "tensorflow":
         loops["floor"] = loop(floor="copy")
         loops["floor_gate"] = loop(floor="gate")
-    elif backend == "jax":  # the guard's form there: the gate inside Keras' step
+    else:  # the guard's form there: JAX, inside Keras' step; torch, one compiled call
         loops["floor_gate"] = loop(floor="gate")
     for fn in loops.values():
         fn(args.steps)
