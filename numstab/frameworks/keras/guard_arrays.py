@@ -180,7 +180,7 @@ class ArrayGuardCallback(DeferredGuardCallback):
             or model.run_eagerly
             or not model.jit_compile
             or keras.distribution.distribution() is not None
-            or keras.config.is_nnx_enabled()
+            or getattr(keras.config, "is_nnx_enabled", lambda: False)()  # (absent in older Keras 3)
         ):
             return None
         guard, be, places = self.guard, self._be, self._jax_at
