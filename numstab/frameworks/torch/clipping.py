@@ -44,7 +44,7 @@ def clip_grad_norm_(
             f"Expected foreach a bool or None. Received: foreach={foreach!r}"
         )
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = _grads_by_device_dtype(params)
+    grads = grads_by_device_dtype(params)
     norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")
     if error_if_nonfinite and not torch.isfinite(norm):
         raise NonFiniteError(
@@ -71,21 +71,27 @@ def norm_type_of(norm_type: Any) -> float:
 
 def dense_grads(optimizer: torch.optim.Optimizer) -> dict[tuple, list[torch.Tensor]]:
     """The optimizer's gradients by (device, dtype); sparse ones raise."""
-    return _grads_by_device_dtype(p for group in optimizer.param_groups for p in group["params"])
+    return grads_by_device_dtype(p for group in optimizer.param_groups for p in group["params"])
 
 
-def _grads_by_device_dtype(params: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
-    """The parameters' gradients (None skipped) by (device, dtype); sparse ones raise."""
+def grads_by_device_dtype(
+    params: Iterable[torch.Tensor], sparse: list[torch.Tensor] | None = None
+) -> dict[tuple, list[torch.Tensor]]:
+    """The parameters' gradients (None skipped) by (device, dtype); a sparse one raises, or,
+    given ``sparse``, its parameter goes there."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for param in params:
         grad = param.grad
         if grad is None:
             continue
         if grad.is_sparse:
-            raise InvalidArgumentError(
-                "Expected dense gradients to clip. Received: a sparse gradient."
-            )
-        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+            if sparse is None:
+                raise InvalidArgumentError(
+                    "Expected dense gradients to clip. Received: a sparse gradient."
+                )
+            sparse.append(param)
+        else:
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
     return groups
 
 

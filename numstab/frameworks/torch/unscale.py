@@ -9,6 +9,7 @@ import torch
 
 from numstab import _validate as v
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.torch.clipping import grads_by_device_dtype
 
 UNSCALE_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16})
 UNSCALE_DTYPES_FP16 = UNSCALE_DTYPES | {torch.float16}
@@ -57,19 +58,12 @@ def check_and_unscale(
 def _grouped(optimizer: torch.optim.Optimizer, allowed: frozenset) -> tuple[dict, list]:
     """(dense gradients by (device, dtype), parameters with a sparse gradient); raises on a
     gradient of a dtype not ``allowed`` before anything changes."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    sparse = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
-                continue
-            if grad.dtype not in allowed:
-                _raise_bad_grad(optimizer, allowed)
-            if grad.is_sparse:
-                sparse.append(param)
-            else:
-                groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    sparse: list[torch.Tensor] = []
+    params = (p for group in optimizer.param_groups for p in group["params"])
+    groups = grads_by_device_dtype(params, sparse)
+    dtypes = {dtype for _, dtype in groups} | {p.grad.dtype for p in sparse}
+    if not dtypes <= allowed:
+        _raise_bad_grad(optimizer, allowed)
     return groups, sparse
 
 
