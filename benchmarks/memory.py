@@ -186,14 +186,17 @@ def _torch_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32"):
             return fused_linear_cross_entropy(h, w, y, chunk_size=chunk)
         return ns.cross_entropy(h @ w.T, y)
 
+    def chunk_softmax():  # one chunk of float32 logits turned into its softmax in place
+        logits = torch.mm(h[:chunk], w.T).float()
+        logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+        return logits.div_(logits.sum(-1, keepdim=True))
+
     def floor_step():
-        # what any chunked path holds at least: both gradients, one chunk of float32 logits
-        # turned into its softmax in place, that chunk's products written into them
+        # what any chunked path holds at least: both gradients, one chunk's softmax, that
+        # chunk's products written into them
         with torch.no_grad():
             dh, dw = torch.zeros_like(h), torch.zeros_like(w)
-            logits = torch.mm(h[:chunk], w.T).float()
-            logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-            logits.div_(logits.sum(-1, keepdim=True))
+            logits = chunk_softmax()
             dh[:chunk] = torch.mm(logits.to(dt), w)
             dw.addmm_(logits.T.to(dt), h[:chunk])
         return logits.sum(), dh, dw
@@ -205,9 +208,7 @@ def _torch_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32"):
         with torch.no_grad():
             dh = torch.zeros_like(h)
             dw32 = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-            logits = torch.mm(h[:chunk], w.T).float()
-            logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-            logits.div_(logits.sum(-1, keepdim=True))
+            logits = chunk_softmax()
             p = logits.to(dt)
             dh[:chunk] = torch.mm(p, w)
             if gpu:  # one tensor-core GEMM into float32, as the fused path's
