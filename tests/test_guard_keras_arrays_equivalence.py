@@ -5,7 +5,8 @@ as the per-batch host mode: the same events, history and final state over two ``
 hands the kept values to Keras' next train step by wrapping ``model.train_function`` for the
 length of a ``fit``: no variable is assigned on a steady batch, a snapshot holds its step's
 state, the wrapper is gone after the ``fit``, also after one cut short, and a recompiled
-model (other optimizer variables) is guarded by the same callback."""
+model (other optimizer variables) is guarded by the same callback. On torch the check reads
+each variable's tensor, and ``.value`` where that casts."""
 
 from __future__ import annotations
 
@@ -99,6 +100,16 @@ if keras.backend.backend() == "jax":
     assigns([steady_cb], 12)  # traced: tracing the train step calls assign (stateless)
     assert assigns([], STEPS) == assigns([], 12)
     assert assigns([steady_cb], STEPS) == assigns([steady_cb], 12), calls
+# on torch the check reads each variable's tensor (not ``.value``, which checks scopes per
+# variable): the very tensors ``.value`` gives outside an autocast scope, ``.value`` inside
+if keras.backend.backend() == "torch":
+    from keras.src.backend.common.variables import AutocastScope
+    from numstab.frameworks.keras.guard_arrays import _value_reader
+    variables = list(model.weights)
+    assert all(a is v.value for a, v in zip(_value_reader(variables)(), variables, strict=True))
+    with AutocastScope("float16"):  # .value casts here: the reader must ask .value
+        cast = _value_reader(variables)()
+    assert {str(t.dtype) for t in cast} == {"torch.float16"}, {str(t.dtype) for t in cast}
 print("ok", keras.backend.backend())
 """
 

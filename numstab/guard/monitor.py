@@ -20,15 +20,20 @@ from numstab.backends._base import Backend, native_op
 Array = Any
 
 
-def layer_norms(be: Backend, leaves: list[Array]) -> tuple[Array, Array]:
-    """``(per-leaf 2-norms as a vector, global 2-norm)``; empty leaves have norm 0."""
+def layer_norms(be: Backend, leaves: list[Array], *, compiled: bool = False) -> tuple[Array, Array]:
+    """``(per-leaf 2-norms as a vector, global 2-norm)``; empty leaves have norm 0.
+
+    ``compiled``: the caller's graph is compiled (inductor), where the per-leaf composite
+    fuses with the ops that made the leaves, while the multi-tensor kernel is an opaque call
+    on leaves materialised for it (on Keras' torch guard check: 187 -> 118 us a batch)."""
     dtype = "float64" if any(be.dtype_name(x) == "float64" for x in leaves) else "float32"
     if not leaves:
         zero = be.asarray(0.0, dtype=dtype)
         return be.stack([zero])[:0], zero
     with be.float_errors_ignored():
         # DTensor gradients (FSDP2) give partial norms: one collective makes them global
-        norms = be.replicated(native_op(be, "leaf_norms")(leaves, 2.0, dtype))
+        leaf_norms = be.leaf_norms if compiled else native_op(be, "leaf_norms")
+        norms = be.replicated(leaf_norms(leaves, 2.0, dtype))
         return norms, global_from_leaf_norms(be, norms)
 
 
