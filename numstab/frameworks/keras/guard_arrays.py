@@ -88,7 +88,8 @@ class ArrayGuardCallback(DeferredGuardCallback):
         # GuardCallback.on_train_begin made the undo copy (self._shadow) of these variables
         backend = keras.backend.backend()
         self._be = load_backend(backend)
-        self._set_device_state(self.state)
+        if getattr(self, "_gstate", None) is None:  # (a later fit: in step with the host's)
+            self._set_device_state(self.state)
         self._rows: list[Any] = getattr(self, "_rows", [])
         variables = self._state_vars + self._metric_vars
         self._jax_at = _jax_state_places(self.model, variables)
@@ -237,6 +238,10 @@ class ArrayGuardCallback(DeferredGuardCallback):
 
     def _read_rows(self, n: int) -> Any:
         rows, self._rows = self._rows[-n:], []
+        if keras.backend.backend() == "jax":  # one dispatch for the n rows
+            from numstab.frameworks.jax.guard import stack_trees
+
+            return np.asarray(stack_trees(rows), np.float32)
         return np.asarray(ops.convert_to_numpy(ops.stack(rows)), np.float32)
 
     def _device_state(self) -> policy.GuardState:
