@@ -103,3 +103,24 @@ def test_rollback_restores_weights_and_optimizer_and_lowers_the_lr():
     events = [(e["event"], e["step"]) for e in cb.events if e["event"] != "snapshot"]
     assert events == [("skip", 20), ("skip", 21), ("skip", 22), ("rollback", 22)]
     assert float(model.optimizer.learning_rate) == pytest.approx(0.025)
+
+
+def test_a_snapshot_of_other_variables_is_refused_by_name(tmp_path):
+    """After ``compile`` with another optimizer, a disk snapshot of the old variables cannot
+    be loaded into the new ones: a typed error names the first variable that does not fit;
+    the snapshot taken for the new variables loads."""
+    from numstab.errors import InvalidArgumentError
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=False)
+    cb = TrainingGuard(snapshot_dir=tmp_path).keras_callback()
+    model.fit(X, Y, batch_size=BATCH, verbose=0, callbacks=[cb])
+    old = cb.runner.disk.steps()[-1]
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", jit_compile=False)
+    model.fit(X, Y, batch_size=BATCH, verbose=0, callbacks=[cb])
+    with pytest.raises(InvalidArgumentError, match="snapshot") as err:
+        cb.runner.load_from_disk(old)
+    assert repr(model.optimizer.variables[0].path) in str(err.value), err.value
+    step, _ = cb.runner.load_from_disk()
+    assert step > old

@@ -36,6 +36,7 @@ import numpy as np
 from keras import ops
 
 from numstab.backends import load_backend
+from numstab.errors import InvalidArgumentError
 from numstab.guard import policy
 from numstab.guard.runner import GuardRunner, RunnerResults
 
@@ -164,7 +165,21 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         }
 
     def from_host(self, tree: dict[str, Any]) -> list[Any]:
-        return [tree[getattr(v, "path", v.name)] for v in self._state_vars]
+        """The saved values of this model's variables, by path; a snapshot of other variables
+        (saved before a ``compile`` with another optimizer) raises, naming the first one."""
+        values = []
+        for v in self._state_vars:
+            name = getattr(v, "path", v.name)
+            saved = tree.get(name)
+            if saved is None or np.shape(saved) != tuple(v.shape):
+                got = "no value" if saved is None else f"shape {np.shape(saved)}"
+                raise InvalidArgumentError(
+                    "Expected a snapshot of the variables being trained (a snapshot saved "
+                    "before a compile with other variables does not fit them). Received: "
+                    f"{got} for {name!r}, whose shape is {tuple(v.shape)}"
+                )
+            values.append(saved)
+        return values
 
 
 def _copy(variables: list[Any]) -> list[Any]:
