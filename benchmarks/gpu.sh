@@ -12,6 +12,10 @@
 # and, only when GPU_STEPS names it (not in "all": the run would pass 10 minutes):
 #   chunks: memory.py --device gpu --backends torch at --chunk-size 1024 and 4096, beside
 #     the default 2048 of the memory step: is the 1 GiB chunk budget the right one (120 s each)
+#   guard_keras: benchmarks/guard.py --quick --backends keras with KERAS_BACKEND=jax, then
+#     torch (no --device: Keras puts both on the GPU itself), where keras imports: the wheels of keras 3.15.1 and
+#     its dependencies, for a machine without them, are `pip download`-ed into the ignored
+#     .whl/ (install: pip install --no-deps --target DIR .whl/*.whl)         (90 s each)
 # Usage: [GPU_STEPS=memory,guard_torch,...] bash benchmarks/gpu.sh [OUT_DIR]
 #   (GPU_STEPS: the steps to run, default all; OUT_DIR: default bench-results/gpu-<date>,
 #   gitignored)
@@ -71,6 +75,16 @@ if [[ ",${GPU_STEPS:-}," == *",chunks,"* ]]; then
     step "chunks_$rows" 120 python benchmarks/memory.py --device gpu --backends torch \
       --chunk-size "$rows" --json "$OUT/chunks_$rows.json"
   done
+fi
+if [[ ",${GPU_STEPS:-}," == *",guard_keras,"* ]]; then
+  if python -c "import keras" 2>/dev/null; then
+    for kb in jax torch; do
+      KERAS_BACKEND=$kb step "guard_keras_$kb" 90 python benchmarks/guard.py --quick \
+        --backends keras --json "$OUT/guard_keras_$kb.json"
+    done
+  else
+    echo "guard_keras: skipped (keras does not import)"
+  fi
 fi
 echo "gpu.sh: exit $status; results in $OUT"
 exit "$status"
