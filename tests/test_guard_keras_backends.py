@@ -113,14 +113,16 @@ assert events(cb) == events(host_cb), (events(cb), events(host_cb))
 assert at[14] == at[13] == at[10] and at[15] > at[14], at  # read at batch 15 only
 
 # steady batches: no host read beyond Keras' own (the reads of 32 more batches: start and end
-# cancel out); the per-batch host mode reads (each batch's loss, update norms), so the
-# counter can fail
+# cancel out); the per-batch host mode reads once a batch (the tracker and the update norms
+# in one transfer; it made 4 reads a batch before host_ops.py), plus, on JAX and torch,
+# Keras' own conversion of the batch's logs, which a callback with on_train_batch_end makes
+# synchronous, and the tracker's two values at the start of each of the 2 more epochs
 def steady(guard):
     return fit(guard, (x, y), epochs=3)[3] - fit(guard, (x, y), epochs=1)[3]
 
 plain, host = steady(None), steady(ns.TrainingGuard())
 device = steady(ns.TrainingGuard(host_every=100))
-assert device == plain and host >= plain + 32, (plain, device, host)
+assert device == plain and plain + 32 <= host <= plain + 2 * 32 + 2 * 2, (plain, device, host)
 print("ok", backend, "reads of 32 batches: plain", plain, "host_every=100", device, "host", host)
 """
 

@@ -20,9 +20,10 @@ Per batch, with one host transfer:
 Rollbacks restore the snapshot's weights and optimizer variables, then multiply the
 optimizer's learning rate by the LR factor (a ``LearningRateSchedule`` cannot be rescaled:
 the rollback is logged with ``"lr_factor_applied": false``). With ``steps_per_execution > 1``
-the callback sees, and undoes, whole executions. Backend-neutral (``keras.ops`` only): on
-the TensorFlow, JAX and torch backends. On JAX, Keras keeps the training state off the
-variables between steps; the callback syncs it back each batch (``model.jax_state_sync()``).
+the callback sees, and undoes, whole executions. On the TensorFlow, JAX and torch backends;
+the per-batch copy and read are one backend call each (``host_ops.py``). On JAX, Keras
+keeps the training state off the variables between steps; the callback syncs it back each
+batch (``model.jax_state_sync()``).
 With ``TrainingGuard(host_every=k)``, k > 1: ``guard_deferred.py`` (TensorFlow:
 ``guard_device.py``; JAX, torch: ``guard_arrays.py``).
 """
@@ -37,6 +38,7 @@ from keras import ops
 
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.keras import host_ops
 from numstab.guard import policy
 from numstab.guard.runner import GuardRunner, RunnerResults
 
@@ -71,7 +73,8 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         self._tracker = list(tracker.variables) if tracker is not None else []
         self._host = load_backend("numpy")
         if self._host_undo_copy:
-            self._shadow = _copy(self._state_vars + self._metric_vars)
+            self._make_host_ops()
+            self._shadow = self._copy_state()
         layout = [(getattr(v, "path", v.name), tuple(v.shape)) for v in self._state_vars]
         if self.runner is None:  # a second fit() call keeps the history and snapshots
             self.state = self.guard.init_state(self._host)
@@ -88,7 +91,7 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         # Keras reset the metrics: the undo copy must hold the reset values
         n = len(self._state_vars)
-        self._shadow[n:] = _copy(self._metric_vars)
+        self._shadow[n:] = self._copy_metrics()
         self._prev_totals = self._read_tracker()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
@@ -100,23 +103,19 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         if runner.consume_skip_batch(steps_seen):
             self._undo()
             return
-        n = len(self._weights)
-        deltas = [
-            ops.sqrt(ops.sum(ops.square(ops.cast(w.value, "float32") - ops.cast(s, "float32"))))
-            for w, s in zip(self._weights, self._shadow[:n], strict=True)
-        ]
-        totals = [ops.cast(t.value, "float32") for t in self._tracker]
-        host = ops.convert_to_numpy(ops.stack([*totals, *deltas])) if deltas or totals else None
-        loss = self._batch_loss(host[: len(totals)] if host is not None else [], logs)
-        layers = np.asarray(host[len(totals) :], np.float32) if host is not None else None
+        n, k = len(self._weights), len(self._tracker)
+        host = self._read_updates(self._shadow[:n]) if n or k else None  # one transfer
+        totals = host[:k] if host is not None else []
+        loss = self._batch_loss(totals, logs)
+        layers = host[k:] if host is not None else None
         norm = np.float32(np.sqrt(np.sum(np.square(layers, dtype=np.float64)))) if n else None
         decision, self.state = policy.decide(self.guard, self._host, self.state, loss, norm)
         d = {k: (x.item() if hasattr(x, "item") else x) for k, x in decision._asdict().items()}
         for key in ("apply", "rollback", "snapshot"):
             d[key] = bool(d[key])
         if d["apply"]:
-            self._shadow = _copy(self._state_vars + self._metric_vars)
-            self._prev_totals = self._read_tracker()
+            self._shadow = self._copy_state()
+            self._prev_totals = [float(t) for t in totals]  # the tracker's values now
         else:
             self._undo()
         rollbacks = runner.rollbacks
@@ -124,9 +123,21 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
             d, self.state, layers if self.guard.track_layers else None, self._host
         )
         if runner.rollbacks != rollbacks:  # restored: the new state is the one to undo to
-            self._shadow = _copy(self._state_vars + self._metric_vars)
+            self._shadow = self._copy_state()
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _make_host_ops(self) -> None:
+        """The per-batch copy and read as one backend call each (``host_ops.py``), made
+        again only for other variables (a recompile)."""
+        everything = self._state_vars + self._metric_vars
+        key = [id(v) for v in everything + self._tracker]
+        if getattr(self, "_host_ops_for", None) == key:
+            return
+        self._host_ops_for = key
+        self._copy_state = host_ops.copier(everything)
+        self._copy_metrics = host_ops.copier(self._metric_vars)
+        self._read_updates = host_ops.update_reader(self._weights, self._tracker)
+
     def _read_tracker(self) -> list[float]:
         return [float(ops.convert_to_numpy(t.value)) for t in self._tracker]
 
@@ -180,14 +191,3 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
                 )
             values.append(saved)
         return values
-
-
-def _copy(variables: list[Any]) -> list[Any]:
-    """The variables' values in new buffers; on JAX in one compiled call (34 eager copies of
-    a 4x256 MLP with Adam: 1.3 ms on CPU, one call 0.27 ms)."""
-    values = [v.value for v in variables]
-    if keras.backend.backend() == "jax":
-        from numstab.frameworks.jax.guard import copy_tree
-
-        return copy_tree(values)
-    return [ops.copy(x) for x in values]

@@ -29,7 +29,7 @@ from keras import ops
 from numstab.backends import load_backend
 from numstab.backends._base import Backend
 from numstab.errors import NumstabError
-from numstab.frameworks.keras.guard import GuardCallback, _copy
+from numstab.frameworks.keras.guard import GuardCallback
 from numstab.frameworks.keras.guard_deferred import FIELDS, DeferredGuardCallback
 from numstab.guard import policy
 from numstab.guard.monitor import layer_norms
@@ -253,10 +253,10 @@ class ArrayGuardCallback(DeferredGuardCallback):
         self._gstate = keras.tree.map_structure(lambda x: self._be.asarray(np.array(x)), state)
 
     def _keep_as_undo(self) -> None:
-        self._shadow = _copy(self._state_vars + self._metric_vars)
+        self._shadow = self._copy_state()
 
     def _keep_metrics_as_undo(self) -> None:
-        self._shadow[len(self._state_vars) :] = _copy(self._metric_vars)
+        self._shadow[len(self._state_vars) :] = self._copy_metrics()
 
 
 def _value_reader(variables: list[Any]) -> Callable[[], list[Any]]:
