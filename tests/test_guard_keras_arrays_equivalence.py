@@ -100,6 +100,11 @@ if keras.backend.backend() == "jax":
     assigns([steady_cb], 12)  # traced: tracing the train step calls assign (stateless)
     assert assigns([], STEPS) == assigns([], 12)
     assert assigns([steady_cb], STEPS) == assigns([steady_cb], 12), calls
+    # the per-batch host mode too reads Keras' training state, not the variables, on a
+    # steady batch (it synced and so assigned all 34 every batch before)
+    host_steady = ns.TrainingGuard(snapshot_every=10**6).keras_callback()
+    assigns([host_steady], 12)
+    assert assigns([host_steady], STEPS) == assigns([host_steady], 12), calls
 # on torch the check reads each variable's tensor (not ``.value``, which checks scopes per
 # variable): the very tensors ``.value`` gives outside an autocast scope, ``.value`` inside
 if keras.backend.backend() == "torch":

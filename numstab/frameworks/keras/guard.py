@@ -22,8 +22,9 @@ optimizer's learning rate by the LR factor (a ``LearningRateSchedule`` cannot be
 the rollback is logged with ``"lr_factor_applied": false``). With ``steps_per_execution > 1``
 the callback sees, and undoes, whole executions. On the TensorFlow, JAX and torch backends;
 the per-batch copy and read are one backend call each (``host_ops.py``). On JAX, Keras
-keeps the training state off the variables between steps; the callback syncs it back each
-batch (``model.jax_state_sync()``).
+keeps the training state off the variables between steps; a steady batch reads that state,
+and the callback syncs it back (``model.jax_state_sync()``) only before it undoes, snapshots
+or restores.
 With ``TrainingGuard(host_every=k)``, k > 1: ``guard_deferred.py`` (TensorFlow:
 ``guard_device.py``; JAX, torch: ``guard_arrays.py``).
 """
@@ -95,16 +96,24 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         self._prev_totals = self._read_tracker()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        # Keras on JAX trains on a copy of the state and purges the variables meanwhile:
-        # write it back so that the callback reads, and undoes, the real values
-        getattr(self.model, "jax_state_sync", lambda: None)()
+        # Keras on JAX trains on a copy of the state and purges the variables meanwhile: a
+        # steady batch reads that copy (``_jax_now``); the variables get it (a sync) before
+        # anything reads or writes them (an undo, a snapshot, a rollback)
+        values = self._jax_now()
         runner = self.runner
         steps_seen = int(self.state.step)
         if runner.consume_skip_batch(steps_seen):
+            self._to_variables()
             self._undo()
             return
         n, k = len(self._weights), len(self._tracker)
-        host = self._read_updates(self._shadow[:n]) if n or k else None  # one transfer
+        now = None
+        if values is not None:
+            now = (
+                [values[j] for j in self._weight_at_host],
+                [values[j] for j in self._tracker_at_host],
+            )
+        host = self._read_updates(self._shadow[:n], now) if n or k else None  # one transfer
         totals = host[:k] if host is not None else []
         loss = self._batch_loss(totals, logs)
         layers = host[k:] if host is not None else None
@@ -114,9 +123,10 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         for key in ("apply", "rollback", "snapshot"):
             d[key] = bool(d[key])
         if d["apply"]:
-            self._shadow = self._copy_state()
+            self._shadow = self._copy_state(values)
             self._prev_totals = [float(t) for t in totals]  # the tracker's values now
         else:
+            self._to_variables()
             self._undo()
         rollbacks = runner.rollbacks
         self.state = runner.after_step(
@@ -137,6 +147,28 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         self._copy_state = host_ops.copier(everything)
         self._copy_metrics = host_ops.copier(self._metric_vars)
         self._read_updates = host_ops.update_reader(self._weights, self._tracker)
+        self._jax_places = host_ops.jax_state_places(self._model, everything)
+        where = {id(v): i for i, v in enumerate(everything)}
+        self._weight_at_host = [where[id(w)] for w in self._weights]
+        self._tracker_at_host = [where.get(id(t)) for t in self._tracker]
+        if None in self._tracker_at_host:  # a tracker outside the metrics: read the variables
+            self._jax_places = None
+
+    def _jax_now(self) -> list[Any] | None:
+        """Keras on JAX between its steps: the values of every variable (``_state_vars``
+        then ``_metric_vars``) in the training state it keeps off the variables; else None
+        (the variables hold them: synced)."""
+        model = self._model  # (Callback.model would sync)
+        state = getattr(model, "_jax_state", None)
+        if self._jax_places is None or not state or getattr(model, "_jax_state_synced", True):
+            self._to_variables()
+            return None
+        return [state[key][j] for key, j in self._jax_places]
+
+    def _to_variables(self) -> None:
+        """Keras on JAX: write its training state back to the variables (once; Keras takes
+        it from them again at its next step)."""
+        getattr(self._model, "jax_state_sync", lambda: None)()
 
     def _read_tracker(self) -> list[float]:
         return [float(ops.convert_to_numpy(t.value)) for t in self._tracker]
@@ -157,9 +189,11 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
 
     # -- the Adapter protocol of GuardRunner -------------------------------------------------------
     def capture(self) -> list[Any]:
+        self._to_variables()
         return [ops.convert_to_numpy(v.value).copy() for v in self._state_vars]
 
     def restore(self, payload: list[Any]) -> None:
+        self._to_variables()  # (the metrics' values stay Keras')
         for var, value in zip(self._state_vars, payload, strict=True):
             var.assign(value)
 

@@ -31,6 +31,7 @@ from numstab.backends._base import Backend
 from numstab.errors import NumstabError
 from numstab.frameworks.keras.guard import GuardCallback
 from numstab.frameworks.keras.guard_deferred import FIELDS, DeferredGuardCallback
+from numstab.frameworks.keras.host_ops import jax_state_places
 from numstab.guard import policy
 from numstab.guard.monitor import layer_norms
 
@@ -92,7 +93,7 @@ class ArrayGuardCallback(DeferredGuardCallback):
             self._set_device_state(self.state)
         self._rows: list[Any] = getattr(self, "_rows", [])
         variables = self._state_vars + self._metric_vars
-        self._jax_at = _jax_state_places(self.model, variables)
+        self._jax_at = jax_state_places(self.model, variables)
         self._values = _value_reader(variables)
         self._hand_on()
         at = (self._tracker_at, self._weight_at)
@@ -345,19 +346,3 @@ def _placed(
 
 
 _SLOT = {key: i for i, key in enumerate(_STATE_KEYS)}
-
-
-def _jax_state_places(model: Any, variables: list[Any]) -> list[tuple[str, int]] | None:
-    """Where each variable sits in Keras' JAX training state (``model._jax_state``, whose
-    lists follow these four variable lists), or None off JAX or where one is missing."""
-    if keras.backend.backend() != "jax" or not hasattr(model, "jax_state_sync"):
-        return None
-    lists = {
-        "trainable_variables": model.trainable_variables,
-        "non_trainable_variables": model.non_trainable_variables,
-        "optimizer_variables": model.optimizer.variables,
-        "metrics_variables": model.metrics_variables,
-    }
-    where = {id(v): (key, j) for key, vs in lists.items() for j, v in enumerate(vs)}
-    places = [where.get(id(v)) for v in variables]
-    return None if None in places else places

@@ -27,14 +27,15 @@ from numstab.backends import load_backend
 from numstab.guard.monitor import layer_norms
 
 
-def copier(variables: list[Any]) -> Callable[[], list[Any]]:
+def copier(variables: list[Any]) -> Callable[..., list[Any]]:
     """A function returning the variables' current values in new buffers (safe to keep while
-    Keras updates, or on JAX donates, the variables)."""
+    Keras updates, or on JAX donates, the variables); on JAX it may be given the values (from
+    Keras' training state) in place of reading the variables."""
     backend = keras.backend.backend()
     if backend == "jax":
         from numstab.frameworks.jax.guard import copy_tree
 
-        return lambda: copy_tree([v.value for v in variables])
+        return lambda values=None: copy_tree(values or [v.value for v in variables])
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -42,14 +43,14 @@ def copier(variables: list[Any]) -> Callable[[], list[Any]]:
             return [tf.identity(v.value) for v in variables]
 
         fn = tf.function(reads, autograph=False).get_concrete_function()
-        return lambda: list(fn()) if variables else []
-    return lambda: [ops.copy(v.value) for v in variables]
+        return lambda values=None: list(fn()) if variables else []
+    return lambda values=None: [ops.copy(v.value) for v in variables]
 
 
-def update_reader(weights: list[Any], tracker: list[Any]) -> Callable[[list[Any]], np.ndarray]:
+def update_reader(weights: list[Any], tracker: list[Any]) -> Callable[..., np.ndarray]:
     """A function of the weights' undo copy: the tracker's values (its ``total`` and
     ``count``) and the 2-norm of each weight's update ``w - w'``, as one float32 NumPy vector
-    read in one transfer."""
+    read in one transfer. On JAX it may be given ``(weights' values, tracker's values)``."""
     backend = keras.backend.backend()
     be = load_backend(backend)
 
@@ -58,13 +59,13 @@ def update_reader(weights: list[Any], tracker: list[Any]) -> Callable[[list[Any]
 
     if backend == "jax":
         jitted = _jax_totals_and_norms(be)
-        return lambda undo: np.asarray(jitted(*current(), undo), np.float32)
+        return lambda undo, now=None: np.asarray(jitted(*(now or current()), undo), np.float32)
     if backend == "tensorflow":
         import tensorflow as tf
 
         graph = tf.function(lambda undo: _totals_and_norms(be, *current(), undo), autograph=False)
-        return lambda undo: np.asarray(graph(undo).numpy(), np.float32)
-    return lambda undo: np.asarray(
+        return lambda undo, now=None: np.asarray(graph(undo).numpy(), np.float32)
+    return lambda undo, now=None: np.asarray(
         ops.convert_to_numpy(_totals_and_norms(be, *current(), undo)), np.float32
     )
 
@@ -80,3 +81,19 @@ def _jax_totals_and_norms(be: Any) -> Callable[..., Any]:
     import jax
 
     return jax.jit(functools.partial(_totals_and_norms, be))
+
+
+def jax_state_places(model: Any, variables: list[Any]) -> list[tuple[str, int]] | None:
+    """Where each variable sits in Keras' JAX training state (``model._jax_state``, whose
+    lists follow these four variable lists), or None off JAX or where one is missing."""
+    if keras.backend.backend() != "jax" or not hasattr(model, "jax_state_sync"):
+        return None
+    lists = {
+        "trainable_variables": model.trainable_variables,
+        "non_trainable_variables": model.non_trainable_variables,
+        "optimizer_variables": model.optimizer.variables,
+        "metrics_variables": model.metrics_variables,
+    }
+    where = {id(v): (key, j) for key, vs in lists.items() for j, v in enumerate(vs)}
+    places = [where.get(id(v)) for v in variables]
+    return None if None in places else places
