@@ -73,6 +73,17 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         tracker = getattr(model, "_loss_tracker", None)
         self._tracker = list(tracker.variables) if tracker is not None else []
         self._host = load_backend("numpy")
+        everything = self._state_vars + self._metric_vars
+        where = {id(v): i for i, v in enumerate(everything)}  # positions in `everything`
+        self._weight_at = [where[id(w)] for w in self._weights]
+        self._tracker_at = [where.get(id(t)) for t in self._tracker]  # None: not a metric
+        # where Keras on JAX keeps each of them between steps (None: off JAX, or a tracker
+        # outside the metrics, which only the variables hold)
+        self._jax_at = (
+            host_ops.jax_state_places(self._model, everything)
+            if None not in self._tracker_at
+            else None
+        )
         if self._host_undo_copy:
             self._make_host_ops()
             self._shadow = self._copy_state()
@@ -110,8 +121,8 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         now = None
         if values is not None:
             now = (
-                [values[j] for j in self._weight_at_host],
-                [values[j] for j in self._tracker_at_host],
+                [values[j] for j in self._weight_at],
+                [values[j] for j in self._tracker_at],
             )
         host = self._read_updates(self._shadow[:n], now) if n or k else None  # one transfer
         totals = host[:k] if host is not None else []
@@ -147,23 +158,24 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         self._copy_state = host_ops.copier(everything)
         self._copy_metrics = host_ops.copier(self._metric_vars)
         self._read_updates = host_ops.update_reader(self._weights, self._tracker)
-        self._jax_places = host_ops.jax_state_places(self._model, everything)
-        where = {id(v): i for i, v in enumerate(everything)}
-        self._weight_at_host = [where[id(w)] for w in self._weights]
-        self._tracker_at_host = [where.get(id(t)) for t in self._tracker]
-        if None in self._tracker_at_host:  # a tracker outside the metrics: read the variables
-            self._jax_places = None
+
+    def _unsynced_jax_state(self) -> dict | None:
+        """Keras on JAX during ``fit``: the training state it keeps off the variables
+        (``model._jax_state``) where it has not written it back to them; else None."""
+        model = self._model  # (Callback.model would write it back first)
+        state = getattr(model, "_jax_state", None)
+        if self._jax_at is None or not state or getattr(model, "_jax_state_synced", True):
+            return None
+        return state
 
     def _jax_now(self) -> list[Any] | None:
-        """Keras on JAX between its steps: the values of every variable (``_state_vars``
-        then ``_metric_vars``) in the training state it keeps off the variables; else None
-        (the variables hold them: synced)."""
-        model = self._model  # (Callback.model would sync)
-        state = getattr(model, "_jax_state", None)
-        if self._jax_places is None or not state or getattr(model, "_jax_state_synced", True):
+        """The values of every variable (``_state_vars`` then ``_metric_vars``) in Keras'
+        unsynced JAX training state; else None, the variables synced (they hold them)."""
+        state = self._unsynced_jax_state()
+        if state is None:
             self._to_variables()
             return None
-        return [state[key][j] for key, j in self._jax_places]
+        return [state[key][j] for key, j in self._jax_at]
 
     def _to_variables(self) -> None:
         """Keras on JAX: write its training state back to the variables (once; Keras takes

@@ -31,7 +31,6 @@ from numstab.backends._base import Backend
 from numstab.errors import NumstabError
 from numstab.frameworks.keras.guard import GuardCallback
 from numstab.frameworks.keras.guard_deferred import FIELDS, DeferredGuardCallback
-from numstab.frameworks.keras.host_ops import jax_state_places
 from numstab.guard import policy
 from numstab.guard.monitor import layer_norms
 
@@ -92,9 +91,7 @@ class ArrayGuardCallback(DeferredGuardCallback):
         if getattr(self, "_gstate", None) is None:  # (a later fit: in step with the host's)
             self._set_device_state(self.state)
         self._rows: list[Any] = getattr(self, "_rows", [])
-        variables = self._state_vars + self._metric_vars
-        self._jax_at = jax_state_places(self.model, variables)
-        self._values = _value_reader(variables)
+        self._values = _value_reader(self._state_vars + self._metric_vars)
         self._hand_on()
         at = (self._tracker_at, self._weight_at)
         if getattr(self, "_fn_for", None) == at:  # a later fit() of the same variables
@@ -140,18 +137,14 @@ class ArrayGuardCallback(DeferredGuardCallback):
         super().flush()
 
     # -- Keras on JAX: its training state, read and handed on without the variables ----------
-    def _sync(self) -> None:
-        if self._jax_at is None:
-            super()._sync()
+    def _to_variables(self) -> None:
+        if self._jax_at is None:  # (on JAX the check reads and hands on Keras' state)
+            super()._to_variables()
 
     def _training_state(self) -> dict | None:
-        """On JAX during ``fit``, the state Keras trains on (``model._jax_state``) where it
+        """On JAX while the kept values are handed on, the state Keras trains on where it
         has not been written back to the variables; else None (the variables hold it)."""
-        model = self._model  # Callback.model would write the state to the variables first
-        state = getattr(model, "_jax_state", None)
-        if not self._handing_on or not state:
-            return None
-        return None if getattr(model, "_jax_state_synced", True) else state
+        return self._unsynced_jax_state() if self._handing_on else None
 
     def _hand_on(self) -> None:
         """From now until the end of ``fit``, ``model.train_function`` is wrapped: Keras' next
@@ -233,7 +226,7 @@ class ArrayGuardCallback(DeferredGuardCallback):
             self._model._jax_state_synced = True
 
     def _undo(self) -> None:
-        super()._sync()
+        super()._to_variables()
         super()._undo()
         self._synced()
 

@@ -43,10 +43,6 @@ class DeferredGuardCallback(GuardCallback):
         self._pending = getattr(self, "_pending", 0)
         self._stepped = False
         self._results: dict | None = None
-        everything = self._state_vars + self._metric_vars
-        where = {id(v): i for i, v in enumerate(everything)}
-        self._tracker_at = [where.get(id(t)) for t in self._tracker]
-        self._weight_at = [where[id(w)] for w in self._weights]
         if len(self._tracker_at) != 2 or None in self._tracker_at:
             raise InvalidArgumentError(
                 "Expected a model compiled with a loss (its loss tracker gives each batch's "
@@ -99,12 +95,8 @@ class DeferredGuardCallback(GuardCallback):
                 self._results = self.model.get_metrics_result()
         self._stepped = False
 
-    def _sync(self) -> None:
-        """Keras on JAX trains on a copy of the state: write it back to the variables."""
-        getattr(self.model, "jax_state_sync", lambda: None)()
-
     def _check(self) -> None:
-        self._sync()
+        self._to_variables()
         steps_seen = int(self.state.step) + self._pending
         if self.runner.consume_skip_batch(steps_seen):
             self._undo()
