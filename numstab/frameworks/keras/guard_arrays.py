@@ -11,9 +11,9 @@ Keras' training state where Keras keeps it between steps, and hands the kept val
 Keras' next train step (``model.train_function`` wrapped for the length of a ``fit``), so a
 steady batch assigns no variable; the variables get them before the runner reads or writes
 them (every k steps) and where Keras holds its state in them (the epoch's end). On torch it
-runs as eager torch ops under ``no_grad`` (asynchronous on a GPU) and the variables copy the
-kept values in. Neither reads the host: each step's row stays on the device until the k-step
-read stacks them.
+is one call compiled by inductor (:func:`_torch_check`; asynchronous on a GPU) that writes
+the kept values into the variables' tensors. Neither reads the host: each step's row stays
+on the device until the k-step read stacks them.
 """
 
 from __future__ import annotations
