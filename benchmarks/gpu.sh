@@ -6,7 +6,7 @@
 #     gpu (the AMP stability runs, torch and jax, both stacks)             (limits 150 s each)
 #   memory: benchmarks/memory.py --device gpu, issue 20's shape, 32k x 4096 x 128k, bf16 (120 s)
 #   guard_jax, guard_torch: benchmarks/guard.py --device gpu --quick: step time and host
-#     syncs per step (torch: CUDA's own count)                                 (50 s, 110 s)
+#     syncs per step (torch: CUDA's own count; jax: both forms of the guard state) (70 s, 110 s)
 #   loss_scaling: benchmarks/loss_scaling_torch.py --device cuda: GradScaler parity (40 s)
 #   overhead: benchmarks/overhead.py --device gpu --quick: against native calls      (60 s)
 # and, only when GPU_STEPS names it (not in "all": the run would pass 10 minutes):
@@ -63,7 +63,7 @@ if want conformance; then
 fi
 want memory && step memory 120 python benchmarks/memory.py --device gpu --backends torch,jax \
   --json "$OUT/memory.json"
-want guard_jax && step guard_jax 50 python benchmarks/guard.py --device gpu --quick \
+want guard_jax && step guard_jax 70 python benchmarks/guard.py --device gpu --quick \
   --backends jax --json "$OUT/guard_jax.json"
 want guard_torch && step guard_torch 110 python benchmarks/guard.py --device gpu --quick \
   --backends torch --json "$OUT/guard_torch.json"

@@ -21,7 +21,11 @@ steady step stays on the device, the host reads every k steps; docs/semantics.md
   params and optimizer state only where the global norm is finite (``norms + skip
   select``: a ``where`` per leaf, so every leaf's update waits for a reduction over all the
   gradients, as in any guard that can skip a step; the device mode's floor). The row
-  ``floor gap`` is the device mode over the ``norms + skip select`` floor, per round.
+  ``floor gap`` is the device mode over the ``norms + skip select`` floor, per round. The
+  device mode keeps the guard state in the form ``OptaxGuard.init`` picks for the device
+  (packed in two arrays on a GPU, 11 arrays on a CPU), and runs once more in the other form
+  (its own rows). Then the compiled programs' kernels are counted (``benchmarks/_hlo.py``;
+  ``benchmarks/xla_gpu_kernels.py`` counts them for a GPU without one).
 * keras: ``model.fit`` (TensorFlow backend; another with ``KERAS_BACKEND=jax`` or ``torch``)
   with and without ``guard.keras_callback()``. Floors (TensorFlow), in one ``tf.function``:
   the undo copy of the state and the update norms alone; and with the gate any guard that
@@ -72,6 +76,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _host_reads
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -255,19 +260,19 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def jax_case(args: argparse.Namespace) -> list[dict]:
+def jax_programs(args: argparse.Namespace, device) -> types.SimpleNamespace:
+    """The JAX case's model, batches (on ``device``) and jitted steps: ``plain_step``,
+    ``guard_step`` (static guard) and ``norms_step`` (static skip: the floors); shared with
+    ``benchmarks/xla_gpu_kernels.py``, which compiles them for a GPU it does not have."""
     import functools
 
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from _hlo import entry_ops, summary
 
     from numstab.frameworks.jax.guard import guarded_step
-    from numstab.guard import TrainingGuard
 
-    device = jax.devices(args.device)[0]  # committed inputs: every jit runs there
     keys = jax.random.split(jax.random.PRNGKey(0), args.layers + 1)
     sizes = [32] + [args.width] * args.layers + [1]
     params0 = jax.device_put(
@@ -313,6 +318,33 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
         pick = functools.partial(jnp.where, ok)
         return jax.tree.map(pick, new_params, params), jax.tree.map(pick, new_opt, opt_state), total
 
+    return types.SimpleNamespace(
+        params0=params0,
+        batches=batches,
+        tx=tx,
+        plain_step=plain_step,
+        guard_step=guard_step,
+        norms_step=norms_step,
+    )
+
+
+def jax_case(args: argparse.Namespace) -> list[dict]:
+    import jax
+    import numpy as np
+    from _hlo import entry_ops, summary
+
+    from numstab.frameworks.jax.guard_state import on_accelerator
+    from numstab.guard import TrainingGuard
+
+    device = jax.devices(args.device)[0]  # committed inputs: every jit runs there
+    programs = jax_programs(args, device)
+    params0, batches, tx = programs.params0, programs.batches, programs.tx
+    plain_step, guard_step, norms_step = (
+        programs.plain_step,
+        programs.guard_step,
+        programs.norms_step,
+    )
+
     # name -> [params, opt_state, (guard state,) steps taken]: every loop sees the same batches
     state = {k: [params0, tx.init(params0), 0] for k in ("plain", "floor", "floor_skip")}
 
@@ -337,11 +369,12 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
 
     guards, training_guards = {}, {}
 
-    def guarded_loop(name, host_every):
+    def guarded_loop(name, host_every, packed=None):
         guard = TrainingGuard(snapshot_every=args.snapshot_every, host_every=host_every)
         training_guards[name] = guard
         og = guards[name] = guard.for_optax()
-        state[name] = [params0, tx.init(params0), og.init(params0, tx.init(params0)), 0]
+        gstate = og.init(params0, tx.init(params0), packed=packed)
+        state[name] = [params0, tx.init(params0), gstate, 0]
 
         def run(n, tick=None):
             p, o, g, start = state[name]
@@ -354,17 +387,22 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
 
         return run
 
+    # the guard state in the form OptaxGuard.init picks for this device (packed on a GPU),
+    # and in the other form, measured beside it (guard_state.py)
+    packed = on_accelerator(params0)
+    forms = {True: "packed state", False: "11-array state"}
     loops = {
         "plain": plain,
         "host": guarded_loop("host", 1),
         "device": guarded_loop("device", args.host_every),
+        "device_other": guarded_loop("device_other", args.host_every, packed=not packed),
         "floor": floor_loop("floor", False),
         "floor_skip": floor_loop("floor_skip", True),
     }
     for name, fn in loops.items():
         fn(20)
         progress(f"jax {name}: first 20 steps (compiles included)")
-    for name in ("host", "device", "floor", "floor_skip"):
+    for name in ("host", "device", "device_other", "floor", "floor_skip"):
         for a, b in zip(*(jax.tree.leaves(state[k][0]) for k in ("plain", name)), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -373,11 +411,13 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
 
     pairs = [
         ("jax", "host", "plain", "host"),
-        ("jax", f"device (host_every={args.host_every})", "plain", "device"),
+        ("jax", f"device (host_every={args.host_every}, {forms[packed]})", "plain", "device"),
+        ("jax", f"device, {forms[not packed]} (not the default here)", "plain", "device_other"),
         ("jax", "floor: gradient norms alone", "plain", "floor"),
         ("jax", "floor: norms + skip select", "plain", "floor_skip"),
         # the device mode against its own floor, round by round: what the guard adds
         ("jax", "floor gap: device / skip floor", "floor_skip", "device"),
+        ("jax", f"floor gap: device, {forms[not packed]}", "floor_skip", "device_other"),
     ]
     rows = _measure("jax", loops, pairs, args, sync)
     runners = {}
@@ -388,10 +428,14 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
     healthy("jax", runners, rows, pairs)  # a skipped step: the same work (a select)
     x, y = batches[0]
     p, o, g, _ = state["device"]
+    other = state["device_other"][2]
     programs = {
         "plain": plain_step.lower(p, o, x, y),
         "floor: norms + skip select": norms_step.lower(True, p, o, x, y),
-        "device mode": guard_step.lower(training_guards["device"], p, o, g, x, y),
+        f"device mode, {forms[packed]}": guard_step.lower(training_guards["device"], p, o, g, x, y),
+        f"device mode, {forms[not packed]}": guard_step.lower(
+            training_guards["device"], p, o, other, x, y
+        ),
     }
     ops = {name: entry_ops(lowered.compile().as_text()) for name, lowered in programs.items()}
     for name, counts in ops.items():  # on a GPU each one is a kernel launch (benchmarks/_hlo)

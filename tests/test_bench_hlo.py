@@ -52,3 +52,21 @@ def test_entry_ops_of_a_compiled_program():
     counts = entry_ops(text)
     assert counts["fusion"] == entry.count(" fusion(") >= 1
     assert not {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"} & set(counts)
+
+
+def test_xla_gpu_kernels_counts_every_program_and_packing_saves_launches():
+    """benchmarks/xla_gpu_kernels.py on XLA:CPU (the GPU target needs JAX's CUDA plugin): the
+    guard state packed in 2 arrays leaves the guarded step with fewer launches than the
+    11-array state (one kernel per output buffer at least), and the floor is not above it."""
+    pytest.importorskip("optax")
+    import argparse
+
+    from xla_gpu_kernels import kernel_counts
+
+    args = argparse.Namespace(
+        platform="cpu", width=16, layers=2, batch=8, snapshot_every=10, host_every=10
+    )
+    kernels = {name: sum(ops.values()) for name, ops in kernel_counts(args).items()}
+    packed, plain = kernels["guarded step, packed state"], kernels["guarded step, 11-array state"]
+    assert kernels["plain step"] < kernels["floor: norms + skip select"] <= packed < plain
+    assert kernels["policy.decide alone"] > 0

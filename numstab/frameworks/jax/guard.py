@@ -1,7 +1,7 @@
 """The training guard in a functional optax loop: the decision inside ``jit``, actions outside.
 
     og = TrainingGuard(snapshot_every=100).for_optax()
-    gstate = og.init(params, opt_state)          # a GuardState pytree; first snapshot
+    gstate = og.init(params, opt_state)          # the guard state (a pytree); first snapshot
 
     @jax.jit
     def train_step(params, opt_state, gstate, batch):
@@ -30,8 +30,10 @@ steps, in one stacked transfer; ``flush`` does it at the end (docs/semantics.md 
 
 The decision leaves the jitted step packed (:class:`PackedDecision`: 3 arrays, not 10),
 since every leaf out of a jitted call costs host dispatch time, and ``after_step`` keeps or
-reads 3 buffers per step. (Packing the guard state the same way made XLA:CPU's step about
-0.25 ms slower on a 4x256 MLP, for about 20 leaves saved: it stays a ``GuardState``.)
+reads 3 buffers per step. The guard state is a ``policy.GuardState`` (11 arrays) for
+parameters on a CPU, and a ``PackedGuardState`` (2 arrays, ``numstab.frameworks.jax.
+guard_state``) for parameters on an accelerator, where it saves a step 16 kernel launches;
+``init(..., packed=...)`` chooses. Every function here takes either form and keeps it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ import optax
 
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.jax.guard_state import (
+    GuardStateLike,
+    PackedGuardState,
+    like,
+    on_accelerator,
+    unpacked,
+)
 from numstab.guard import policy
 from numstab.guard.deferred import ROW_COLUMNS, decisions_from_rows
 from numstab.guard.runner import GuardRunner
@@ -63,8 +72,12 @@ class OptaxGuard:
         self._current: tuple[Any, Any] | None = None
         self._pending: list[PackedDecision] = []
 
-    def init(self, params: Any, opt_state: Any) -> policy.GuardState:
-        """The initial guard state (a pytree of jax arrays); takes the first snapshot."""
+    def init(self, params: Any, opt_state: Any, packed: bool | None = None) -> GuardStateLike:
+        """The initial guard state (a pytree of jax arrays); takes the first snapshot.
+
+        ``packed``: the state as a ``PackedGuardState`` (2 arrays) rather than a
+        ``policy.GuardState`` (11); default: packed when ``params`` live on an accelerator.
+        """
         names = [
             jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)
         ]
@@ -72,12 +85,13 @@ class OptaxGuard:
         self.runner = GuardRunner(self.guard, self, self._jax, names)
         self._current = (params, opt_state)
         self.runner.snapshot(0, state)
-        return state
+        self._packed = on_accelerator(params) if packed is None else bool(packed)
+        return PackedGuardState.pack(state) if self._packed else state
 
     # -- traced --------------------------------------------------------------------------------
     def check(
-        self, gstate: policy.GuardState, loss: jax.Array, grads: Any
-    ) -> tuple[PackedDecision, policy.GuardState]:
+        self, gstate: GuardStateLike, loss: jax.Array, grads: Any
+    ) -> tuple[PackedDecision, GuardStateLike]:
         """The decision on this step and the next guard state (pure; jit-friendly)."""
         return check(self.guard, gstate, loss, grads)
 
@@ -86,10 +100,10 @@ class OptaxGuard:
         tx: optax.GradientTransformation,
         params: Any,
         opt_state: Any,
-        gstate: policy.GuardState,
+        gstate: GuardStateLike,
         loss: jax.Array,
         grads: Any,
-    ) -> tuple[Any, Any, policy.GuardState, PackedDecision]:
+    ) -> tuple[Any, Any, GuardStateLike, PackedDecision]:
         """``check``, then the optimizer step, kept only if it is good (a select)."""
         return guarded_step(self.guard, tx, params, opt_state, gstate, loss, grads)
 
@@ -100,8 +114,8 @@ class OptaxGuard:
         return runner.consume_skip_batch(self._steps_seen)
 
     def after_step(
-        self, decision: PackedDecision, params: Any, opt_state: Any, gstate: policy.GuardState
-    ) -> tuple[Any, Any, policy.GuardState]:
+        self, decision: PackedDecision, params: Any, opt_state: Any, gstate: GuardStateLike
+    ) -> tuple[Any, Any, GuardStateLike]:
         """Act on the decision: log, snapshot, roll back. Returns (params, opt_state,
         gstate), restored from the last good snapshot after a rollback."""
         runner = self._require()
@@ -115,13 +129,15 @@ class OptaxGuard:
         host, layers = _host_decision(jax.device_get(decision), ())  # one transfer
         self._current = (params, opt_state)
         self._steps_seen = host["step"] + 1
-        gstate = runner.after_step(host, gstate, layers, load_backend("numpy"))
+        acts = host["rollback"] or host["snapshot"]  # the only uses of the state
+        state = unpacked(gstate) if acts else None
+        state = runner.after_step(host, state, layers, load_backend("numpy"))  # type: ignore[arg-type]
         params, opt_state = self._current
-        return params, opt_state, gstate
+        return params, opt_state, like(gstate, state) if host["rollback"] else gstate
 
     def flush(
-        self, params: Any, opt_state: Any, gstate: policy.GuardState
-    ) -> tuple[Any, Any, policy.GuardState]:
+        self, params: Any, opt_state: Any, gstate: GuardStateLike
+    ) -> tuple[Any, Any, GuardStateLike]:
         """``host_every`` > 1: read the decisions kept since the last read (one stacked
         transfer) and act on them, oldest first: history, log, the first rollback among them,
         a snapshot that fell due (taken now). Returns (params, opt_state, gstate), restored
@@ -136,10 +152,11 @@ class OptaxGuard:
         layers = None if pairs[0][1] is None else [layer for _, layer in pairs]
         self._steps_seen = decisions[-1]["step"] + 1
         self._current = (params, opt_state)
-        host = load_backend("numpy")
-        rolled = runner.after_steps(decisions, layers, host, lambda: gstate, self._steps_seen)
+        rolled = runner.after_steps(
+            decisions, layers, load_backend("numpy"), lambda: unpacked(gstate), self._steps_seen
+        )
         params, opt_state = self._current
-        return params, opt_state, gstate if rolled is None else rolled
+        return params, opt_state, gstate if rolled is None else like(gstate, rolled)
 
     @property
     def history(self) -> Any:
@@ -151,15 +168,16 @@ class OptaxGuard:
 
     def load_snapshot(
         self, params: Any, opt_state: Any, step: int | None = None
-    ) -> tuple[Any, Any, policy.GuardState]:
+    ) -> tuple[Any, Any, GuardStateLike]:
         """Restore from the newest (or ``step``) snapshot file; ``params`` and ``opt_state``
-        give the tree structure. Returns (params, opt_state, gstate)."""
+        give the tree structure. Returns (params, opt_state, gstate), gstate in the form
+        ``init`` chose."""
         runner = self._require()
         self._current = (params, opt_state)
         step, gstate = runner.load_from_disk(step)
         self._steps_seen = step
         self._pending = []
-        return (*self._current, gstate)
+        return (*self._current, PackedGuardState.pack(gstate) if self._packed else gstate)
 
     def _require(self) -> GuardRunner:
         if self.runner is None:
@@ -167,6 +185,7 @@ class OptaxGuard:
         return self.runner
 
     _steps_seen = 0
+    _packed = False
 
     # -- the Adapter protocol of GuardRunner -------------------------------------------------------
     def capture(self) -> tuple[Any, Any]:
@@ -272,16 +291,16 @@ class PackedDecision:
 
 
 def check(
-    guard: TrainingGuard, gstate: policy.GuardState, loss: jax.Array, grads: Any
-) -> tuple[PackedDecision, policy.GuardState]:
+    guard: TrainingGuard, gstate: GuardStateLike, loss: jax.Array, grads: Any
+) -> tuple[PackedDecision, GuardStateLike]:
     """Per-leaf and global gradient norms, then the decision of ``numstab.guard.policy``
-    (packed)."""
-    decision, gstate = _check(guard, gstate, loss, grads)
-    return PackedDecision.pack(decision), gstate
+    (packed); the next state in the form of ``gstate``."""
+    decision, state = _check(guard, gstate, loss, grads)
+    return PackedDecision.pack(decision), like(gstate, state)
 
 
 def _check(
-    guard: TrainingGuard, gstate: policy.GuardState, loss: jax.Array, grads: Any
+    guard: TrainingGuard, gstate: GuardStateLike, loss: jax.Array, grads: Any
 ) -> tuple[policy.Decision, policy.GuardState]:
     leaves = jax.tree.leaves(grads)
     for i, leaf in enumerate(leaves):
@@ -296,10 +315,10 @@ def _check(
         )
     be = load_backend("jax")
     norms, total = layer_norms(be, leaves)
-    decision, gstate = policy.decide(guard, be, gstate, loss, total)
+    decision, state = policy.decide(guard, be, unpacked(gstate), loss, total)
     if guard.track_layers:
         decision = decision._replace(layer_norms=norms)
-    return decision, gstate
+    return decision, state
 
 
 def guarded_step(
@@ -307,16 +326,17 @@ def guarded_step(
     tx: optax.GradientTransformation,
     params: Any,
     opt_state: Any,
-    gstate: policy.GuardState,
+    gstate: GuardStateLike,
     loss: jax.Array,
     grads: Any,
-) -> tuple[Any, Any, policy.GuardState, PackedDecision]:
+) -> tuple[Any, Any, GuardStateLike, PackedDecision]:
     """``check``, then ``tx.update`` (updates times ``gstate.lr_factor``) and
     ``optax.apply_updates``, kept only when the step is good; otherwise params and opt_state
-    are returned as they were. Returns (params, opt_state, gstate, decision)."""
-    decision, gstate = _check(guard, gstate, loss, grads)
+    are returned as they were. Returns (params, opt_state, gstate, decision), gstate in the
+    form it came in."""
+    decision, state = _check(guard, gstate, loss, grads)
     updates, new_opt = tx.update(grads, opt_state, params)
-    factor = gstate.lr_factor
+    factor = state.lr_factor
     updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
     new_params = optax.apply_updates(params, updates)
 
@@ -330,4 +350,4 @@ def guarded_step(
     # before it (lax.optimization_barrier) then selecting measured no faster on XLA:CPU.
     params = jax.tree.map(pick, new_params, params)
     opt_state = jax.tree.map(pick, new_opt, opt_state)
-    return params, opt_state, gstate, PackedDecision.pack(decision)
+    return params, opt_state, like(gstate, state), PackedDecision.pack(decision)
