@@ -57,6 +57,11 @@ How
   algorithm at the fused path's chunk size: both gradients allocated (hidden's and weight's),
   one chunk of float32 logits, its softmax, and its products written into the gradients.
   Every chunked implementation holds at least that; measured the same way, in the same run.
+  JAX's floors are two chunks through a ``fori_loop`` that carries both gradients: XLA
+  reorders a lone chunk's work so that the gradients and the chunk are never alive together
+  (and it takes ``dhidden``'s norm from the chunk's rows alone), planning less than any
+  loop can hold. Their logits are the GEMM's output in the inputs' dtype, widened inside the
+  softmax's fusions, as in the fused path (and the unfused one).
   For 16-bit inputs a second floor (``floor_f32``) sums ``dweight`` in float32 beside the
   chunk and casts it at the end: what a chunked path whose ``dweight`` matches the unfused
   GEMM's one rounding holds at least (the fused path does that). Printed under the table as
@@ -250,52 +255,69 @@ def _float32_norm(t, rows: int = 1024) -> float:
     return float(total.sqrt())
 
 
-def _jax_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32"):
+def jax_program(variant: str, chunk: int | None):
+    """The JAX run's step, jitted: ``(hidden, weight, labels) -> (loss, |dhidden|,
+    |dweight|)`` for ``variant`` (unfused, fused, floor, floor_f32); shared with
+    ``benchmarks/xla_gpu_memory.py``, which plans it for a GPU it does not have."""
     import jax
     import jax.numpy as jnp
 
     import numstab as ns
     from numstab.fused_cross_entropy import fused_linear_cross_entropy
 
-    device = jax.devices("gpu" if gpu else "cpu")[0]
-    h, w = (jax.device_put(jnp.asarray(a, dtype), device) for a in (hidden, weight))
-    y = jax.device_put(jnp.asarray(labels), device)
-
-    def loss_fn(h, w):
+    def loss_fn(h, w, y):
         if variant == "fused":
             return fused_linear_cross_entropy(h, w, y, chunk_size=chunk)
         return ns.cross_entropy(h @ w.T, y)
 
-    def floor_fn(h, w):  # both gradients and one chunk of float32 logits (see _torch_step)
-        p = jax.nn.softmax(jnp.matmul(h[:chunk], w.T, preferred_element_type=jnp.float32))
-        dh = jnp.zeros_like(h).at[:chunk].set((p.astype(h.dtype) @ w).astype(h.dtype))
-        dw = jnp.matmul(p.T.astype(h.dtype), h[:chunk]).astype(w.dtype)
-        return p.sum(), (dh, dw)
+    def chunk_loop(h, w, dw_dtype):
+        """Two chunks through a loop carrying both gradients (dweight summed in
+        ``dw_dtype``): what any chunk loop holds at once. Straight-line, XLA reordered one
+        chunk's work so that dhidden, dweight and the chunk were never all alive (and took
+        dhidden's norm from the chunk's rows), planning less than a loop can hold. The
+        logits are the GEMM's output in the inputs' dtype, as in the fused path (and the
+        unfused one), widened to float32 inside the softmax's fusions."""
 
-    def floor_f32_sum_fn(h, w):  # dweight summed in float32, then cast (see _torch_step)
-        x = jnp.matmul(h[:chunk], w.T, preferred_element_type=jnp.float32)
-        # the gradients' buffers live beside the chunk, as in a chunk loop
-        zeros = jnp.zeros_like(h), jnp.zeros(w.shape, jnp.float32)
-        x, dh, dw32 = jax.lax.optimization_barrier((x, *zeros))
-        p = jax.nn.softmax(x)
-        dh = dh.at[:chunk].set((p.astype(h.dtype) @ w).astype(h.dtype))
-        dw32 = dw32 + jnp.matmul(p.T.astype(h.dtype), h[:chunk], preferred_element_type=jnp.float32)
-        # the float32 sum exists (else XLA folds the cast into the GEMM)
-        dw32 = jax.lax.optimization_barrier(dw32)
-        return p.sum(), (dh, dw32.astype(w.dtype))
+        size = min(chunk, h.shape[0])
+
+        def body(i, carry):
+            dh, dw = carry
+            rows = jax.lax.dynamic_slice_in_dim(h, i * size, size)
+            # the softmax's only reader is its 16-bit cast (a loss summed from it too would
+            # keep a float32 chunk alive, which the fused path never holds)
+            g = jax.nn.softmax(jnp.matmul(rows, w.T).astype(jnp.float32)).astype(h.dtype)
+            dh = jax.lax.dynamic_update_slice_in_dim(dh, (g @ w).astype(h.dtype), i * size, 0)
+            dw = dw + jnp.matmul(g.T, rows, preferred_element_type=dw_dtype)
+            return dh, dw
+
+        start = (jnp.zeros_like(h), jnp.zeros(w.shape, dw_dtype))
+        dh, dw = jax.lax.fori_loop(0, min(2, h.shape[0] // size), body, start)
+        return jnp.float32(0), (dh, dw.astype(w.dtype))  # no loss: the norms are the outputs
 
     @jax.jit
-    def value_and_grad(h, w):  # the norms inside: eagerly, norm(dw) would square dw into a copy
+    def value_and_grad(h, w, y):  # the norms inside: eagerly, norm(dw) would square dw
         if variant in FLOORS:
-            fn = floor_fn if variant == "floor" else floor_f32_sum_fn
-            loss, (dh, dw) = fn(h, w)
+            sum_dtype = w.dtype if variant == "floor" else jnp.float32
+            loss, (dh, dw) = chunk_loop(h, w, sum_dtype)
         else:
-            loss, (dh, dw) = jax.value_and_grad(loss_fn, argnums=(0, 1))(h, w)
+            loss, (dh, dw) = jax.value_and_grad(loss_fn, argnums=(0, 1))(h, w, y)
         return (
             loss,
             jnp.linalg.norm(dh.astype(jnp.float32)),
             jnp.linalg.norm(dw.astype(jnp.float32)),
         )
+
+    return value_and_grad
+
+
+def _jax_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32"):
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices("gpu" if gpu else "cpu")[0]
+    h, w = (jax.device_put(jnp.asarray(a, dtype), device) for a in (hidden, weight))
+    y = jax.device_put(jnp.asarray(labels), device)
+    value_and_grad = jax_program(variant, chunk)
 
     program = [value_and_grad]
 
@@ -303,12 +325,12 @@ def _jax_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32"):
         """Compiled ahead of the first step, so that its memory is measured apart; returns
         the bytes XLA's buffer assignment gives one execution beyond its arguments (temp +
         outputs not aliased to them), what a GPU allocates for the step."""
-        program[0] = value_and_grad.lower(h, w).compile()
+        program[0] = value_and_grad.lower(h, w, y).compile()
         plan = program[0].memory_analysis()
         return plan.temp_size_in_bytes + plan.output_size_in_bytes - plan.alias_size_in_bytes
 
     def step():
-        return tuple(float(v) for v in program[0](h, w))
+        return tuple(float(v) for v in program[0](h, w, y))
 
     def gpu_stats(reset):
         stats = device.memory_stats()
@@ -708,7 +730,8 @@ def main(argv=None) -> int:
         "timed steps', freed memory returned to the OS before each; TensorFlow on CPU: its "
         "allocator's peak counter); floor: a run of one chunk "
         "of the fused algorithm in plain framework ops (both gradients allocated, one chunk of "
-        "float32 logits, its softmax and products), what any chunked path holds at least; "
+        "float32 logits, its softmax and products; JAX: two chunks in a loop), what any "
+        "chunked path holds at least; "
         "compile MiB: the fused run's one-off memory (jit compilation; TensorFlow: its first "
         "step's RSS over its step peak)"
     )

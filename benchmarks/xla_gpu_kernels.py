@@ -4,7 +4,7 @@ What is measured
 ----------------
 ``benchmarks/guard.py``'s JAX programs (the ``--quick`` 4x256 MLP with Adam, or the sizes
 given) lowered for a compile-only GPU device: JAX's CUDA plugin compiles for a target
-description (``gpu_device_info`` of an H200 below, from XLA's
+description (``gpu_device_info`` of an H200 in ``benchmarks/_xla_gpu.py``, from XLA's
 ``xla/backends/gpu/target_config/specs/h200.txtpb``) with no GPU and no driver present.
 Each program's entry computation is counted by ``benchmarks/_hlo.py``: on a GPU every fusion
 (GEMMs included) and copy there is one kernel launch. On a small step, launches are most of
@@ -16,11 +16,8 @@ as 11 arrays (``policy.GuardState``) and packed in 2 (``PackedGuardState``, the 
 accelerator); and ``policy.decide`` alone. Printed: kernels, and kernels over the floor's.
 Counts, not times: a GPU run of ``benchmarks/guard.py --device gpu`` times them.
 
-Needs JAX's CUDA plugin of the installed jax version (not a numstab dependency; ~180 MB),
-installed apart so that the usual environment does not look for a GPU at import:
+Needs JAX's CUDA plugin, installed apart (``benchmarks/_xla_gpu.py`` says how), then:
 
-    v=$(python -c "import jax; print(jax.__version__)")
-    pip install --no-deps --target /tmp/jax-cuda "jax-cuda12-plugin==$v" "jax-cuda12-pjrt==$v"
     JAX_PLATFORMS=cpu PYTHONPATH=/tmp/jax-cuda python benchmarks/xla_gpu_kernels.py [--json PATH]
 
 ``--platform cpu`` counts the same programs as XLA:CPU compiles them (no plugin needed).
@@ -36,47 +33,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _hlo, guard
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-# the fields of XLA's H200 spec that this jax version's GpuTargetConfigProto parses
-H200 = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
-  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-  block_dim_limit_z: 65535 memory_bandwidth: 4800000000000 l2_cache_size: 52428800
-  clock_rate_ghz: 1.98 device_memory_size: 151397597184 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 }
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-  driver_version: "12.8.0" runtime_version: "12.8.0" compile_time_toolkit_version: "12.8.0"
-  dnn_version: "9.10.0" name: "NVIDIA H200" device_vendor: "NVIDIA Corporation"
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 10 patch: 0 }
-device_description_str: "NVIDIA H200 141GB HBM3e"
-"""
-
-
-def compile_only_device(platform: str):
-    """A device to compile for: an H200 described by ``H200`` (no GPU needed), or the CPU."""
-    import jax
-
-    if platform == "cpu":
-        return jax.devices("cpu")[0]
-    from jax.experimental import topologies
-
-    try:
-        topology = topologies.get_topology_desc(
-            "h200", "cuda", target_config=H200, topology="1x1x1"
-        )
-    except Exception as e:  # no CUDA plugin: say how to get one
-        sys.exit(f"cannot compile for a GPU here ({e}); see this file's docstring")
-    return topology.devices[0]
-
 
 def kernel_counts(args: argparse.Namespace) -> dict:
     """Program name -> opcode counts of its entry computation, compiled for the device."""
     import jax
     import jax.numpy as jnp
     from _hlo import entry_ops
+    from _xla_gpu import compile_only_device
     from guard import jax_programs
 
     from numstab.backends import load_backend

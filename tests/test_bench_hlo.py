@@ -70,3 +70,24 @@ def test_xla_gpu_kernels_counts_every_program_and_packing_saves_launches():
     packed, plain = kernels["guarded step, packed state"], kernels["guarded step, 11-array state"]
     assert kernels["plain step"] < kernels["floor: norms + skip select"] <= packed < plain
     assert kernels["policy.decide alone"] > 0
+
+
+def test_memory_jax_programs_run_and_the_fused_one_matches_unfused():
+    """benchmarks/memory.py's JAX runs, which benchmarks/xla_gpu_memory.py plans for a GPU:
+    every variant compiles and runs; fused equals unfused; the loop floors produce both
+    gradients (dweight summed in bfloat16 and in float32)."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    import numpy as np
+    from memory import F32_SUM_FLOOR, jax_program
+
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((64, 16)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 16)) / 4, jnp.bfloat16)
+    y = jnp.asarray(rng.integers(0, 96, 64))
+    out = {v: jax_program(v, 16)(h, w, y) for v in ("unfused", "fused", "floor", F32_SUM_FLOOR)}
+    # bfloat16: the unfused gradients round each product, the fused ones sum in float32
+    np.testing.assert_allclose(out["fused"], out["unfused"], rtol=2e-2)
+    for floor in ("floor", F32_SUM_FLOOR):
+        loss, dh_norm, dw_norm = (float(x) for x in out[floor])
+        assert loss == 0.0 and dh_norm > 0 and dw_norm > 0
