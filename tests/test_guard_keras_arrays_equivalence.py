@@ -41,6 +41,20 @@ for key in w.keys() - {"names"}:
 for a, b in zip(model.weights + model.optimizer.variables,
                 host_model.weights + host_model.optimizer.variables, strict=True):
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
+# on JAX the guard state packed in two arrays (the default on an accelerator) decides alike
+if keras.backend.backend() == "jax":
+    from numstab.frameworks.jax.guard_state import PackedGuardState
+    ArrayGuardCallback.pack_state = True
+    try:
+        packed_model, packed_cb = run(3)
+    finally:
+        ArrayGuardCallback.pack_state = None
+    assert isinstance(packed_cb._gstate, PackedGuardState), type(packed_cb._gstate)
+    assert events(packed_cb) == want and packed_cb.logs == host_logs
+    for a, b in zip(packed_model.weights + packed_model.optimizer.variables,
+                    model.weights + model.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(a),
+                                      keras.ops.convert_to_numpy(b))
 
 # a fit cut short by an exception leaves no wrapper behind it, and the next fit trains
 class Stop(keras.callbacks.Callback):

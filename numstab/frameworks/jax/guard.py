@@ -46,13 +46,8 @@ import optax
 
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
-from numstab.frameworks.jax.guard_state import (
-    GuardStateLike,
-    PackedGuardState,
-    like,
-    on_accelerator,
-    unpacked,
-)
+from numstab.frameworks.jax.guard_state import GuardStateLike, like, on_accelerator, unpacked
+from numstab.frameworks.jax.guard_state import packed as packed_state
 from numstab.guard import policy
 from numstab.guard.deferred import ROW_COLUMNS, decisions_from_rows
 from numstab.guard.runner import GuardRunner
@@ -86,7 +81,7 @@ class OptaxGuard:
         self._current = (params, opt_state)
         self.runner.snapshot(0, state)
         self._packed = on_accelerator(params) if packed is None else bool(packed)
-        return PackedGuardState.pack(state) if self._packed else state
+        return packed_state(state) if self._packed else state
 
     # -- traced --------------------------------------------------------------------------------
     def check(
@@ -177,7 +172,7 @@ class OptaxGuard:
         step, gstate = runner.load_from_disk(step)
         self._steps_seen = step
         self._pending = []
-        return (*self._current, PackedGuardState.pack(gstate) if self._packed else gstate)
+        return (*self._current, packed_state(gstate) if self._packed else gstate)
 
     def _require(self) -> GuardRunner:
         if self.runner is None:

@@ -80,6 +80,11 @@ def unpacked(gstate: GuardStateLike) -> policy.GuardState:
     return _unpack(gstate) if isinstance(gstate, PackedGuardState) else gstate
 
 
+def packed(state: policy.GuardState) -> PackedGuardState:
+    """``state`` packed (on the host: one dispatch; traced: two concatenations)."""
+    return _pack(state)
+
+
 def like(gstate: GuardStateLike, state: policy.GuardState) -> GuardStateLike:
     """``state`` in the form of ``gstate``: packed when ``gstate`` is."""
     return _pack(state) if isinstance(gstate, PackedGuardState) else state

@@ -82,7 +82,13 @@ def device_step(
 
 
 class ArrayGuardCallback(DeferredGuardCallback):
-    """:class:`GuardCallback` whose steady batch stays on the device (Keras on JAX, torch)."""
+    """:class:`GuardCallback` whose steady batch stays on the device (Keras on JAX, torch).
+
+    On JAX the guard state is packed in two arrays (``numstab.frameworks.jax.guard_state``)
+    where it lives on an accelerator, as the optax guard's: ``pack_state`` None; True or
+    False forces it."""
+
+    pack_state: bool | None = None
 
     def _start_device(self) -> None:
         # GuardCallback.on_train_begin made the undo copy (self._shadow) of these variables
@@ -100,9 +106,12 @@ class ArrayGuardCallback(DeferredGuardCallback):
         if backend == "jax":
             import jax
 
-            def run(values: list, undo: list, state: policy.GuardState) -> tuple:
-                kept, state, row = device_step(*args, values, undo, state, *at)
-                return kept, list(kept), state, row  # two buffers each: variables, undo
+            from numstab.frameworks.jax.guard_state import like, unpacked
+
+            def run(values: list, undo: list, gstate: Any) -> tuple:
+                kept, state, row = device_step(*args, values, undo, unpacked(gstate), *at)
+                # two buffers each of the kept values: the variables', the undo copy's
+                return kept, list(kept), like(gstate, state), row
 
             self._fn = jax.jit(run, donate_argnums=(1,))
         else:
@@ -187,11 +196,13 @@ class ArrayGuardCallback(DeferredGuardCallback):
             return cached[1]
         import jax
 
-        def step(state: Any, data: Any, undo: list, gstate: policy.GuardState) -> tuple:
+        from numstab.frameworks.jax.guard_state import like, unpacked
+
+        def step(state: Any, data: Any, undo: list, gstate: Any) -> tuple:
             values = [state[_SLOT[key]][j] for key, j in places]
-            kept, gstate, row = device_step(guard, be, values, undo, gstate, *at)
+            kept, new, row = device_step(guard, be, values, undo, unpacked(gstate), *at)
             logs, state = train_step(_placed(state, places, kept), data)
-            return logs, state, kept, gstate, row
+            return logs, state, kept, like(gstate, new), row
 
         fused = jax.jit(step, donate_argnums=(0, 2))
         self._fused_for = (key, fused)
@@ -239,12 +250,23 @@ class ArrayGuardCallback(DeferredGuardCallback):
         return np.asarray(ops.convert_to_numpy(ops.stack(rows)), np.float32)
 
     def _device_state(self) -> policy.GuardState:
-        return keras.tree.map_structure(ops.convert_to_numpy, self._gstate)
+        gstate = self._gstate
+        if keras.backend.backend() == "jax":
+            from numstab.frameworks.jax.guard_state import unpacked
+
+            gstate = unpacked(gstate)
+        return keras.tree.map_structure(ops.convert_to_numpy, gstate)
 
     def _set_device_state(self, state: policy.GuardState) -> None:
         # copies: torch's check updates these tensors in place, and torch.as_tensor would
         # share the host state's memory (the runner's, its snapshots')
-        self._gstate = keras.tree.map_structure(lambda x: self._be.asarray(np.array(x)), state)
+        gstate = keras.tree.map_structure(lambda x: self._be.asarray(np.array(x)), state)
+        if keras.backend.backend() == "jax":
+            from numstab.frameworks.jax.guard_state import on_accelerator, packed
+
+            pack = on_accelerator(gstate) if self.pack_state is None else self.pack_state
+            gstate = packed(gstate) if pack else gstate
+        self._gstate = gstate
 
     def _keep_as_undo(self) -> None:
         self._shadow = self._copy_state()
