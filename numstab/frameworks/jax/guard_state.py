@@ -1,4 +1,4 @@
-"""The guard state of an optax loop in two arrays, for jitted steps on a GPU or TPU.
+"""The training guard's state on JAX in two arrays, for jitted steps on a GPU or TPU.
 
 A ``policy.GuardState`` is 11 arrays. Each is one more buffer in and out of the user's jitted
 step (host dispatch time), and XLA:GPU updates most of them in their own tiny kernel: the
@@ -13,8 +13,9 @@ in two arrays, so the next state leaves the step as two concatenations, one kern
 Compiled for an H200 (``benchmarks/xla_gpu_kernels.py``), the guarded 4x256 MLP step goes
 from 66 kernels to 50, against 49 for the bare step plus the norms and the skip select. On
 XLA:CPU the same packing made that step 7-16% slower (its kernels run concurrently on the
-cores, and the concatenations join them), so ``OptaxGuard.init`` packs only for parameters
-that live on an accelerator (docs/semantics.md §16.12). The values are the same either way.
+cores, and the concatenations join them), so the optax guard (``OptaxGuard.init``) and the
+Keras callback's device mode on JAX pack only a state that lives on an accelerator
+(docs/semantics.md §16.12). The values are the same either way.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def packed(state: policy.GuardState) -> PackedGuardState:
 
 def like(gstate: GuardStateLike, state: policy.GuardState) -> GuardStateLike:
     """``state`` in the form of ``gstate``: packed when ``gstate`` is."""
-    return _pack(state) if isinstance(gstate, PackedGuardState) else state
+    return packed(state) if isinstance(gstate, PackedGuardState) else state
 
 
 def on_accelerator(tree: Any) -> bool:
