@@ -158,6 +158,9 @@ def test_optax_bad_arguments():
     with pytest.raises(InvalidArgumentError, match="init"):
         og.skip_batch()
     params = init_params()
+    with pytest.raises(InvalidArgumentError, match=r"packed to be None or a bool.*'yes'"):
+        og.init(params, TX.init(params), packed="yes")
+    assert og.runner is None  # rejected before it started
     gstate = og.init(params, TX.init(params))
     grads = jax.tree.map(jnp.zeros_like, params)
     with pytest.raises(InvalidArgumentError, match="scalar loss"):

@@ -46,7 +46,7 @@ import optax
 
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
-from numstab.frameworks.jax.guard_state import GuardStateLike, like, on_accelerator, unpacked
+from numstab.frameworks.jax.guard_state import GuardStateLike, choose_packing, like, unpacked
 from numstab.frameworks.jax.guard_state import packed as packed_state
 from numstab.guard import policy
 from numstab.guard.deferred import ROW_COLUMNS, decisions_from_rows
@@ -73,6 +73,7 @@ class OptaxGuard:
         ``packed``: the state as a ``PackedGuardState`` (2 arrays) rather than a
         ``policy.GuardState`` (11); default: packed when ``params`` live on an accelerator.
         """
+        pack = choose_packing("packed", packed, params)  # (rejected before anything changes)
         names = [
             jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)
         ]
@@ -80,8 +81,8 @@ class OptaxGuard:
         self.runner = GuardRunner(self.guard, self, self._jax, names)
         self._current = (params, opt_state)
         self.runner.snapshot(0, state)
-        self._packed = on_accelerator(params) if packed is None else bool(packed)
-        return packed_state(state) if self._packed else state
+        self._packed = pack
+        return packed_state(state) if pack else state
 
     # -- traced --------------------------------------------------------------------------------
     def check(

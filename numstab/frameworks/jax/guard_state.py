@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from numstab.errors import InvalidArgumentError
 from numstab.guard import policy
 from numstab.guard.spikes import WindowState
 
@@ -90,6 +91,17 @@ def packed(state: policy.GuardState) -> PackedGuardState:
 def like(gstate: GuardStateLike, state: policy.GuardState) -> GuardStateLike:
     """``state`` in the form of ``gstate``: packed when ``gstate`` is."""
     return packed(state) if isinstance(gstate, PackedGuardState) else state
+
+
+def choose_packing(name: str, packed: Any, tree: Any) -> bool:
+    """Whether to pack: ``packed`` itself (a bool), else (None) :func:`on_accelerator`."""
+    if packed is None:
+        return on_accelerator(tree)
+    if not isinstance(packed, bool):
+        raise InvalidArgumentError(
+            f"Expected {name} to be None or a bool. Received: {name}={packed!r}"
+        )
+    return packed
 
 
 def on_accelerator(tree: Any) -> bool:

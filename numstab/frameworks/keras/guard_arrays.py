@@ -262,10 +262,10 @@ class ArrayGuardCallback(DeferredGuardCallback):
         # share the host state's memory (the runner's, its snapshots')
         gstate = keras.tree.map_structure(lambda x: self._be.asarray(np.array(x)), state)
         if keras.backend.backend() == "jax":
-            from numstab.frameworks.jax.guard_state import on_accelerator, packed
+            from numstab.frameworks.jax.guard_state import choose_packing, packed
 
-            pack = on_accelerator(gstate) if self.pack_state is None else self.pack_state
-            gstate = packed(gstate) if pack else gstate
+            if choose_packing("pack_state", self.pack_state, gstate):
+                gstate = packed(gstate)
         self._gstate = gstate
 
     def _keep_as_undo(self) -> None:
