@@ -14,6 +14,8 @@ Programs: the bare step; the floor any skip-capable guard pays (gradient norms +
 every leaf on a finite global norm); the guarded step (``guarded_step``) with the guard state
 as 11 arrays (``policy.GuardState``) and packed in 2 (``PackedGuardState``, the default on an
 accelerator); and ``policy.decide`` alone. Printed: kernels, and kernels over the floor's.
+``--keras``: also the Keras guard's device-mode step on Keras' JAX backend (its check and
+Keras' train step in one jit) with either form of the state.
 Counts, not times: a GPU run of ``benchmarks/guard.py --device gpu`` times them.
 
 Needs JAX's CUDA plugin, installed apart (``benchmarks/_xla_gpu.py`` says how), then:
@@ -76,6 +78,58 @@ def kernel_counts(args: argparse.Namespace) -> dict:
     return {name: entry_ops(low.compile().as_text()) for name, low in lowered.items()}
 
 
+def keras_counts(args: argparse.Namespace) -> dict:
+    """The Keras guard's device mode on Keras' JAX backend: the jitted step that runs the
+    check and Keras' train step in one (``guard_arrays.ArrayGuardCallback._fused_step``),
+    with the guard state as 11 arrays and packed, compiled for the device. Its arguments
+    are captured from a short ``fit`` on the CPU."""
+    import jax
+    import jax.numpy as jnp
+    import keras
+    import numpy as np
+    from _hlo import entry_ops
+    from _xla_gpu import compile_only_device
+
+    from numstab.guard import TrainingGuard
+
+    sharding = jax.sharding.SingleDeviceSharding(compile_only_device(args.platform))
+    x = np.random.default_rng(0).standard_normal((args.batch * 4, 32)).astype("float32")
+    counts = {}
+    for packed in (False, True):
+        keras.utils.set_random_seed(0)
+        hidden = [keras.layers.Dense(args.width, activation="tanh") for _ in range(args.layers)]
+        model = keras.Sequential([keras.Input((32,)), *hidden, keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+        cb = TrainingGuard(host_every=args.host_every).keras_callback()
+        cb.pack_state = packed
+        seen: list = []
+        capture = _first_fused_call(keras, cb, seen)
+        model.fit(x, x[:, :1], batch_size=args.batch, verbose=0, callbacks=[cb, capture])
+        if not seen:
+            sys.exit("the Keras guard ran no fused step (steps_per_execution, run_eagerly?)")
+        specs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=sharding),
+            seen[0],
+        )
+        form = "packed state" if packed else "11-array state"
+        text = cb._fused_for[1].lower(*specs).compile().as_text()
+        counts[f"keras (jax) guarded step, {form}"] = entry_ops(text)
+    return counts
+
+
+def _first_fused_call(keras, cb, seen: list):
+    """A callback, placed after the guard's, that appends the arguments of the guard's first
+    fused step to ``seen`` (the step exists once the guard's ``on_train_begin`` ran)."""
+
+    class Capture(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0 and cb._fused is not None:
+                fused = cb._fused
+                cb._fused = lambda *a: seen.append(a) or fused(*a)
+
+    return Capture()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--platform", choices=("gpu", "cpu"), default="gpu")
@@ -85,16 +139,23 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=100)
     parser.add_argument("--host-every", type=int, default=100)
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument(
+        "--keras", action="store_true", help="also the Keras guard's step on Keras' JAX backend"
+    )
     args = parser.parse_args()
     counts = kernel_counts(args)
+    if args.keras:
+        os.environ["KERAS_BACKEND"] = "jax"  # before keras is imported
+        counts.update(keras_counts(args))
     floor = sum(counts["floor: norms + skip select"].values())
     target = "an H200 (compile-only)" if args.platform == "gpu" else "XLA:CPU"
     print(f"MLP {args.layers}x{args.width}, batch {args.batch}, Adam; compiled for {target}")
     rows = []
     for name, ops in counts.items():
         kernels = sum(ops.values())
-        extra = "" if name.startswith("policy") else f"  ({kernels - floor:+d} over the floor)"
-        print(f"  {name:<30} {kernels:4d} kernels{extra}  {dict(ops.most_common())}")
+        compared = not name.startswith(("policy", "keras"))  # the floor is optax's
+        extra = f"  ({kernels - floor:+d} over the floor)" if compared else ""
+        print(f"  {name:<42} {kernels:4d} kernels{extra}  {dict(ops.most_common())}")
         rows.append({"program": name, "kernels": kernels, "ops": dict(ops), "floor": floor})
     if args.json:
         with open(args.json, "w") as f:
