@@ -429,7 +429,7 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
     x, y = batches[0]
     p, o, g, _ = state["device"]
     other = state["device_other"][2]
-    programs = {
+    lowered = {
         "plain": plain_step.lower(p, o, x, y),
         "floor: norms + skip select": norms_step.lower(True, p, o, x, y),
         f"device mode, {forms[packed]}": guard_step.lower(training_guards["device"], p, o, g, x, y),
@@ -437,7 +437,7 @@ def jax_case(args: argparse.Namespace) -> list[dict]:
             training_guards["device"], p, o, other, x, y
         ),
     }
-    ops = {name: entry_ops(lowered.compile().as_text()) for name, lowered in programs.items()}
+    ops = {name: entry_ops(program.compile().as_text()) for name, program in lowered.items()}
     for name, counts in ops.items():  # on a GPU each one is a kernel launch (benchmarks/_hlo)
         print(f"   jax compiled step, {name}: {summary(counts)}")
     for row in rows:
