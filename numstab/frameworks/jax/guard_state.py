@@ -12,11 +12,11 @@ in two arrays, so the next state leaves the step as two concatenations, one kern
 
 Compiled for an H200 (``benchmarks/xla_gpu_kernels.py``), the guarded 4x256 MLP step goes
 from 66 kernels to 50, against 49 for the bare step plus the norms and the skip select. On
-XLA:CPU the same packing made that step 1-7% slower in two runs of ``benchmarks/guard.py
---quick`` (its kernels run concurrently on the cores, and the concatenations join them),
-nothing gained, so the optax guard (``OptaxGuard.init``) and the
-Keras callback's device mode on JAX pack only a state that lives on an accelerator
-(docs/semantics.md §16.12). The values are the same either way.
+XLA:CPU the same packing made that step 1-12% slower in three runs of ``benchmarks/guard.py
+--quick`` (its kernels run concurrently on the cores, and the concatenations join them), so
+the optax guard (``OptaxGuard.init``) and the Keras callback's device mode on JAX pack only a
+state that lives on an accelerator (docs/semantics.md §16.12). The values are the same
+either way.
 """
 
 from __future__ import annotations
