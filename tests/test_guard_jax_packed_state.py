@@ -98,6 +98,14 @@ def test_pack_unpack_round_trip_is_exact_and_two_leaves():
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(a, b)
     assert unpacked(state) is state and "lr_factor" in repr(packed)
+    # the fields read as on a GuardState, and _replace keeps the form
+    assert int(packed.step) == int(state.step) == 7
+    np.testing.assert_array_equal(packed.loss_window.values, state.loss_window.values)
+    halved = packed._replace(lr_factor=jnp.float32(0.5))
+    assert isinstance(halved, PackedGuardState) and float(halved.lr_factor) == 0.5
+    np.testing.assert_array_equal(halved.bad_flags, state.bad_flags)
+    with pytest.raises(AttributeError):
+        packed.not_a_field  # noqa: B018
 
 
 @pytest.mark.parametrize("host_every", [1, 3])

@@ -71,6 +71,17 @@ class PackedGuardState:
             step=i[6 + r],
         )
 
+    def __getattr__(self, name: str) -> Any:
+        """The ``GuardState`` fields read as attributes (``gstate.lr_factor``, ``.step``):
+        slices of the two arrays, traced under jit."""
+        if name in policy.GuardState._fields:
+            return getattr(self.unpack(), name)
+        raise AttributeError(name)
+
+    def _replace(self, **fields: Any) -> PackedGuardState:
+        """``GuardState._replace``, packed again: ``gstate._replace(lr_factor=...)``."""
+        return PackedGuardState.pack(self.unpack()._replace(**fields))
+
     def __repr__(self) -> str:
         return f"PackedGuardState({self.unpack()!r})"
 
