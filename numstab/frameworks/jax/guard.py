@@ -143,9 +143,7 @@ class OptaxGuard:
         if not pending:
             return params, opt_state, gstate
         stacked = jax.device_get(stack_trees(pending))  # one dispatch, then one transfer
-        pairs = [_host_decision(stacked, i) for i in range(len(pending))]
-        decisions = [d for d, _ in pairs]
-        layers = None if pairs[0][1] is None else [layer for _, layer in pairs]
+        decisions, layers = _host_decisions(stacked, len(pending))
         self._steps_seen = decisions[-1]["step"] + 1
         self._current = (params, opt_state)
         rolled = runner.after_steps(
@@ -233,6 +231,19 @@ def _host_decision(d: PackedDecision | policy.Decision, i: int | tuple) -> tuple
     for key in ("apply", "rollback", "snapshot"):
         host[key] = bool(host[key])
     return host, (None if d.layer_norms is None else d.layer_norms[i])
+
+
+def _host_decisions(d: PackedDecision | policy.Decision, n: int) -> tuple[list[dict], Any]:
+    """The ``n`` steps of stacked decisions read as NumPy: (their host dicts, their layer
+    norms or None); a packed block becomes dicts in one pass over its rows."""
+    if not isinstance(d, PackedDecision):
+        pairs = [_host_decision(d, i) for i in range(n)]
+        layers = None if pairs[0][1] is None else [layer for _, layer in pairs]
+        return [host for host, _ in pairs], layers
+    decisions = decisions_from_rows(d.row[:, : len(ROW_COLUMNS)], 0)
+    for host, step in zip(decisions, d.step.tolist(), strict=True):
+        host["step"] = step
+    return decisions, (list(d.row[:, len(ROW_COLUMNS) :]) if d.tracked else None)
 
 
 @jax.tree_util.register_pytree_node_class
