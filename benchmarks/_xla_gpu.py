@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 # the fields of XLA's H200 spec that this jax version's GpuTargetConfigProto parses
 H200 = """
@@ -53,6 +54,18 @@ def compile_only_device(platform: str):
     except Exception as e:  # no CUDA plugin: say how to get one
         sys.exit(f"cannot compile for a GPU here ({e}); see benchmarks/_xla_gpu.py")
     return topology.devices[0]
+
+
+def abstract(tree: Any, device: Any) -> Any:
+    """``tree``'s arrays as shapes and dtypes placed on ``device``: what ``lower`` needs to
+    compile for a device that cannot hold data."""
+    import jax
+    import jax.numpy as jnp
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding), tree
+    )
 
 
 @contextlib.contextmanager

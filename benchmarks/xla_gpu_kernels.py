@@ -41,7 +41,7 @@ def kernel_counts(args: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
     from _hlo import entry_ops
-    from _xla_gpu import compile_only_device
+    from _xla_gpu import abstract, compile_only_device
     from guard import jax_programs
 
     from numstab.backends import load_backend
@@ -49,13 +49,9 @@ def kernel_counts(args: argparse.Namespace) -> dict:
     from numstab.guard import TrainingGuard, policy
 
     device = compile_only_device(args.platform)
-    sharding = jax.sharding.SingleDeviceSharding(device)
 
-    def spec(tree):  # shapes and dtypes, placed on the compile-only device
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding),
-            tree,
-        )
+    def spec(tree):
+        return abstract(tree, device)
 
     programs = jax_programs(args, jax.devices("cpu")[0])
     guard = TrainingGuard(snapshot_every=args.snapshot_every, host_every=args.host_every)
@@ -83,16 +79,14 @@ def keras_counts(args: argparse.Namespace) -> dict:
     check and Keras' train step in one (``guard_arrays.ArrayGuardCallback._fused_step``),
     with the guard state as 11 arrays and packed, compiled for the device. Its arguments
     are captured from a short ``fit`` on the CPU."""
-    import jax
-    import jax.numpy as jnp
     import keras
     import numpy as np
     from _hlo import entry_ops
-    from _xla_gpu import compile_only_device
+    from _xla_gpu import abstract, compile_only_device
 
     from numstab.guard import TrainingGuard
 
-    sharding = jax.sharding.SingleDeviceSharding(compile_only_device(args.platform))
+    device = compile_only_device(args.platform)
     x = np.random.default_rng(0).standard_normal((args.batch * 4, 32)).astype("float32")
     counts = {}
     for packed in (False, True):
@@ -107,10 +101,7 @@ def keras_counts(args: argparse.Namespace) -> dict:
         model.fit(x, x[:, :1], batch_size=args.batch, verbose=0, callbacks=[cb, capture])
         if not seen:
             sys.exit("the Keras guard ran no fused step (steps_per_execution, run_eagerly?)")
-        specs = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=sharding),
-            seen[0],
-        )
+        specs = abstract(seen[0], device)
         form = "packed state" if packed else "11-array state"
         text = cb._fused_for[1].lower(*specs).compile().as_text()
         counts[f"keras (jax) guarded step, {form}"] = entry_ops(text)
