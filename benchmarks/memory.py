@@ -57,11 +57,12 @@ How
   algorithm at the fused path's chunk size: both gradients allocated (hidden's and weight's),
   one chunk of float32 logits, its softmax, and its products written into the gradients.
   Every chunked implementation holds at least that; measured the same way, in the same run.
-  JAX's floors are two chunks through a ``fori_loop`` that carries both gradients: XLA
-  reorders a lone chunk's work so that the gradients and the chunk are never alive together
-  (and it takes ``dhidden``'s norm from the chunk's rows alone), planning less than any
-  loop can hold. Their logits are the GEMM's output in the inputs' dtype, widened inside the
-  softmax's fusions, as in the fused path (and the unfused one).
+  JAX's floors hold the gradients and the chunk together with an optimization barrier: XLA
+  reorders a lone chunk's work so that they are never alive together (and it takes
+  ``dhidden``'s norm from the chunk's rows alone), and a plain ``dweight + product`` loop
+  holds a second ``dweight``-sized buffer on XLA:CPU (``one_chunk``). Their logits are the
+  GEMM's output in the inputs' dtype, widened inside the softmax's fusions, as in the fused
+  path (and the unfused one).
   For 16-bit inputs a second floor (``floor_f32``) sums ``dweight`` in float32 beside the
   chunk and casts it at the end: what a chunked path whose ``dweight`` matches the unfused
   GEMM's one rounding holds at least (the fused path does that). Printed under the table as
@@ -270,35 +271,32 @@ def jax_program(variant: str, chunk: int | None):
             return fused_linear_cross_entropy(h, w, y, chunk_size=chunk)
         return ns.cross_entropy(h @ w.T, y)
 
-    def chunk_loop(h, w, dw_dtype):
-        """Two chunks through a loop carrying both gradients (dweight summed in
-        ``dw_dtype``): what any chunk loop holds at once. Straight-line, XLA reordered one
-        chunk's work so that dhidden, dweight and the chunk were never all alive (and took
-        dhidden's norm from the chunk's rows), planning less than a loop can hold. The
-        logits are the GEMM's output in the inputs' dtype, as in the fused path (and the
-        unfused one), widened to float32 inside the softmax's fusions."""
-
+    def one_chunk(h, w, dw_dtype):
+        """Both gradients and one chunk alive at once, what any chunk loop holds: one
+        chunk's softmax and its products written into the gradients (``dweight`` that
+        product, summed in ``dw_dtype``), held together by an optimization barrier. Without
+        it XLA reorders a lone chunk's work so that they are never all alive (and takes
+        ``dhidden``'s norm from the chunk's rows alone), planning less than a loop holds. A
+        loop carrying ``dweight`` in plain ops is no floor on XLA:CPU, which cannot add a dot
+        into its output: it holds the product beside ``dweight`` (866 MiB against the fused
+        step's 372 at 4096 x 1024 x 65536), which the fused path's blocked update does not.
+        The logits are the GEMM's output in the inputs' dtype, widened inside the softmax's
+        fusions, as in the fused path (and the unfused one)."""
         size = min(chunk, h.shape[0])
-
-        def body(i, carry):
-            dh, dw = carry
-            rows = jax.lax.dynamic_slice_in_dim(h, i * size, size)
-            # the softmax's only reader is its 16-bit cast (a loss summed from it too would
-            # keep a float32 chunk alive, which the fused path never holds)
-            g = jax.nn.softmax(jnp.matmul(rows, w.T).astype(jnp.float32)).astype(h.dtype)
-            dh = jax.lax.dynamic_update_slice_in_dim(dh, (g @ w).astype(h.dtype), i * size, 0)
-            dw = dw + jnp.matmul(g.T, rows, preferred_element_type=dw_dtype)
-            return dh, dw
-
-        start = (jnp.zeros_like(h), jnp.zeros(w.shape, dw_dtype))
-        dh, dw = jax.lax.fori_loop(0, min(2, h.shape[0] // size), body, start)
-        return jnp.float32(0), (dh, dw.astype(w.dtype))  # no loss: the norms are the outputs
+        rows = h[:size]
+        # the softmax's only reader is its 16-bit cast (a loss summed from it too would keep
+        # a float32 chunk alive, which the fused path never holds)
+        g = jax.nn.softmax(jnp.matmul(rows, w.T).astype(jnp.float32)).astype(h.dtype)
+        dh = jnp.zeros_like(h).at[:size].set((g @ w).astype(h.dtype))
+        dw = jnp.matmul(g.T, rows, preferred_element_type=dw_dtype)
+        dh, dw, g = jax.lax.optimization_barrier((dh, dw, g))
+        return g[0, 0].astype(jnp.float32), (dh, dw.astype(w.dtype))  # g read: kept alive
 
     @jax.jit
     def value_and_grad(h, w, y):  # the norms inside: eagerly, norm(dw) would square dw
         if variant in FLOORS:
             sum_dtype = w.dtype if variant == "floor" else jnp.float32
-            loss, (dh, dw) = chunk_loop(h, w, sum_dtype)
+            loss, (dh, dw) = one_chunk(h, w, sum_dtype)
         else:
             loss, (dh, dw) = jax.value_and_grad(loss_fn, argnums=(0, 1))(h, w, y)
         return (
@@ -730,8 +728,8 @@ def main(argv=None) -> int:
         "timed steps', freed memory returned to the OS before each; TensorFlow on CPU: its "
         "allocator's peak counter); floor: a run of one chunk "
         "of the fused algorithm in plain framework ops (both gradients allocated, one chunk of "
-        "float32 logits, its softmax and products; JAX: two chunks in a loop), what any "
-        "chunked path holds at least; "
+        "float32 logits, its softmax and products; JAX: held together by an optimization "
+        "barrier), what any chunked path holds at least; "
         "compile MiB: the fused run's one-off memory (jit compilation; TensorFlow: its first "
         "step's RSS over its step peak)"
     )
