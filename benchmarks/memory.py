@@ -68,16 +68,17 @@ How
   GEMM's one rounding holds at least (the fused path does that). Printed under the table as
   ``fused/that floor``; ``--json``: ``f32_sum_floor_mib``, ``ratio_f32_sum_floor``,
   ``meets_goal_f32_sum_floor`` (``ratio`` stays over the first floor).
-* Time floor (TensorFlow): a fourth run, every chunk of the fused algorithm in plain ops, one
-  chunk after the other at the same chunk size (logits, softmax gradient, ``dhidden`` rows,
-  ``dweight += g.T @ h_chunk`` into a new buffer: the work of any exact chunked path, with
-  no memory saving). Printed as its time over unfused (a chunked path's cost at that chunk;
-  over 1.10 means the goal cannot be met there) and the fused time over it.
+* Time floor (TensorFlow, torch): a fourth run, every chunk of the fused algorithm in plain
+  ops, one chunk after the other at the same chunk size (logits, softmax gradient,
+  ``dhidden`` rows, ``dweight += g.T @ h_chunk``; TensorFlow into a new buffer, torch with
+  ``addmm_``): the work of any exact chunked path, without numstab's checks. Printed
+  as its time over unfused (a chunked path's cost at that chunk; over 1.10 means the goal
+  cannot be met there) and the fused time over it.
 
 Goals (issue 20, goal 5): per framework, the fused step peak <= 1.10 x the floor's step
 peak, and fused time <= 1.10 x unfused. Numbers are printed,
 never asserted; --json rows carry ``ratio`` (fused / floor), ``goal``, ``meets_goal`` and
-the time ratio with its own goal, and for TensorFlow ``time_floor_ratio`` (floor / unfused),
+the time ratio with its own goal, and with a time floor ``time_floor_ratio`` (floor / unfused),
 ``fused_over_time_floor`` and ``time_floor_meets_goal``. ``--interleaved ROUNDS`` also times
 unfused, fused and the time floor in one process, one step of each per round in rotating
 order, and prints the median of the per-round ratios with quartiles (``interleaved`` in the
@@ -112,7 +113,7 @@ F32_SUM_FLOOR = "floor_f32"
 FLOORS = ("floor", F32_SUM_FLOOR)
 #: a time floor, where the backend has one: every chunk of the fused algorithm in plain
 #: framework ops, one after the other (see _tf_chunked_floor)
-TIME_FLOORS = {"tensorflow": "chunked"}
+TIME_FLOORS = {"tensorflow": "chunked", "torch": "chunked"}
 # issue 20, goal 5: fused per-step peak <= 1.10 x the floor measured in the same run, fused
 # time <= 1.10 x unfused
 MEMORY_GOAL, TIME_GOAL = 1.10, 1.10
@@ -228,6 +229,8 @@ def _torch_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32"):
     def step():
         if variant in FLOORS:
             loss, dh, dw = floor_step() if variant == "floor" else floor_f32_sum_step()
+        elif variant == "chunked":
+            loss, dh, dw = _torch_chunked_floor(torch, h.detach(), w.detach(), y, chunk, gpu)
         else:
             loss = loss_fn()
             dh, dw = torch.autograd.grad(loss, [h, w])
@@ -242,6 +245,31 @@ def _torch_step(variant, hidden, weight, labels, chunk, gpu, dtype="float32"):
         return torch.cuda.max_memory_allocated()
 
     return step, gpu_stats, None  # eager: nothing to compile
+
+
+def _torch_chunked_floor(torch, h, w, y, chunk, gpu):
+    """The time floor of a chunked torch path: every chunk in plain ops, no autograd, no
+    checks: the logits (on CPU ``mm(w, h_c.T).T`` made contiguous, the layout MKL runs
+    fastest and the fused path's), their softmax in place minus the one-hot, times the row
+    scale (1/D, 0 on ignored rows), the ``dhidden`` rows and ``dweight.addmm_``."""
+    counted = y != -100
+    scale = counted.float() / counted.sum().clamp(min=1)
+    labels = torch.where(counted, y, 0)
+    with torch.no_grad():
+        dh, dw = torch.empty_like(h), torch.zeros_like(w)
+        total = torch.zeros((), device=h.device)
+        for start in range(0, h.shape[0], chunk):
+            hc, yc = h[start : start + chunk], labels[start : start + chunk, None]
+            sc = scale[start : start + chunk, None]
+            x = (torch.mm(hc, w.T) if gpu else torch.mm(w, hc.T).T.contiguous()).float()
+            lse = torch.logsumexp(x, -1, keepdim=True)
+            total += ((lse - x.gather(1, yc)) * sc).sum()
+            g = x.sub_(lse).exp_()
+            g.scatter_add_(1, yc, torch.full_like(yc, -1, dtype=g.dtype)).mul_(sc)
+            g = g.to(h.dtype)
+            dh[start : start + chunk] = g @ w
+            dw.addmm_(g.T, hc)
+    return total, dh, dw
 
 
 def _float32_norm(t, rows: int = 1024) -> float:

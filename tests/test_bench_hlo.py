@@ -96,3 +96,19 @@ def test_memory_jax_programs_run_and_the_fused_one_matches_unfused():
     want = (g[0, 0], np.linalg.norm(g @ weight), np.linalg.norm(g.T @ rows))
     for floor in ("floor", F32_SUM_FLOOR):  # bfloat16: each product and the chunk rounded
         np.testing.assert_allclose([float(x) for x in out[floor]], want, rtol=3e-2)
+
+
+def test_memory_torch_time_floor_computes_the_unfused_loss_and_gradients():
+    """benchmarks/memory.py's torch time floor (every chunk in plain ops) is a floor of the
+    same computation: its loss and gradient norms equal the unfused path's, with ignored rows
+    and a short last chunk."""
+    pytest.importorskip("torch")
+    import numpy as np
+    from memory import _inputs, _torch_step
+
+    hidden, weight, labels = _inputs(300, 16, 50)
+    assert (labels == -100).any()
+    out = {
+        v: _torch_step(v, hidden, weight, labels, 64, False)[0]() for v in ("unfused", "chunked")
+    }
+    np.testing.assert_allclose(out["chunked"], out["unfused"], rtol=1e-5)
