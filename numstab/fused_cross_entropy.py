@@ -277,7 +277,7 @@ class _Plan:
         # shifted by the row max m: lse(x) - x[c] = lse(x - m) - (x[c] - m) keeps its digits
         # at any offset, and so does the gradient's exp(x - lse); z-loss needs the true lse
         shift, m = be.row_shift(x)
-        x = x - shift  # kept: the gradient's exp(x - lse) needs it too
+        x = be.shift_owned(x, shift)  # kept: the gradient's exp(x - lse) needs it too
         lse = native_op(be, "shifted_logsumexp")(x)
         rows = None
         if want_rows:

@@ -49,7 +49,7 @@ class Backend(TreeOps, abc.ABC):
     index_dtype: str = "int64"
     #: fused linear cross-entropy's default chunk: float32 logits of about this many bytes
     fused_chunk_bytes: int = 32 * 2**20
-    #: the same on a GPU: its products need about 2048 rows to run at speed (docs §11.1)
+    #: the same on a GPU: its products need about 2048 rows to run at speed (docs/performance.md §3)
     fused_chunk_bytes_gpu: int = 2**30
 
     # -- conversion and metadata ------------------------------------------------------------
@@ -329,6 +329,11 @@ class Backend(TreeOps, abc.ABC):
     def scale_owned(self, x: Array, factor: Array) -> Array:
         """``x * factor`` in ``x``'s dtype; may reuse ``x``'s memory (the caller owns it)."""
         return x * self.cast(factor, self.dtype_name(x))
+
+    def shift_owned(self, x: Array, shift: Array) -> Array:
+        """``x - shift`` (``row_shift``'s ``m``); may reuse ``x``'s memory (the caller owns it
+        and does not use ``x`` afterwards)."""
+        return x - shift
 
     def softmax_grad_owned(self, x: Array, lse: Array, scale: Array, shift: Array | None) -> Array:
         """``exp(x - lse[:, None]) * scale[:, None] - shift[:, None]`` (no shift when None), for

@@ -176,6 +176,13 @@ class TorchBackend(NamespaceBackend):
     def native_logsumexp(self, x, axis=-1, keepdims=False):
         return torch.logsumexp(x, dim=axis, keepdim=keepdims)
 
+    def native_shifted_logsumexp(self, x):
+        if x.dtype not in (torch.float32, torch.float64):  # 16-bit: logsumexp's wider sum
+            return torch.logsumexp(x, dim=-1)
+        # rows whose max is 0 (or non-finite): logsumexp's own max would be 0, so this is its
+        # result bit for bit, without its max pass and its x - max temporary
+        return torch.exp(x).sum(-1).log_()
+
     def native_log_softmax(self, x):
         return F.log_softmax(x, dim=-1)
 
@@ -314,6 +321,11 @@ class TorchBackend(NamespaceBackend):
         factor = factor.to(x.dtype)
         # in place eagerly; Dynamo cannot trace a mutation of a saved residual
         return x * factor if torch.compiler.is_compiling() else x.mul_(factor)
+
+    def shift_owned(self, x, shift):
+        if torch.compiler.is_compiling() or x.requires_grad:
+            return x - shift
+        return x.sub_(shift)
 
     def softmax_grad_owned(self, x, lse, scale, shift):
         if torch.compiler.is_compiling() or x.requires_grad:
