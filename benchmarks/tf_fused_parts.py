@@ -1,5 +1,5 @@
 """TensorFlow's fused linear cross-entropy on CPU, part by part: why its time sits over the
-1.10 goal at its memory goal (issue 20, goal 5; docs/semantics.md §11.1).
+1.10 goal at its memory goal (issue 20, goal 5; docs/performance.md §3).
 
 What is measured
 ----------------

@@ -41,7 +41,7 @@ numpy-iterator 1.27-1.33 -> 1.18-1.24 (floor 1.09-1.10: still 0.08-0.14 over it)
 numpy-images 1.21-1.24 -> 1.18-1.21 (its drop copies 12.6 MB, ~0.05 of the ratio that the
 floor never pays), torch-per-sample 1.017-1.030 -> 1.013-1.018 (floor + 0.01: met),
 torch-batched 1.083-1.110 -> 1.094 (floor 1.024-1.035: a dirty batch runs cold in the
-loop, ~150-300 us against ~80 us hot). See docs/semantics.md §17.8.
+loop, ~150-300 us against ~80 us hot). See docs/performance.md §4.
 
 Then (2026-12-04, later): builtin dtypes told by identity, ``len`` for axis 0, the small read
 inline, the batch number counted from ``batches_seen``, plain torch tensors straight to their
