@@ -459,9 +459,9 @@ def torch_rows(x, y, bad, batch, rounds, torch_batches):
 def tf_rows(x, y, bad, batch, rounds):
     import tensorflow as tf
 
-    rounds = max(rounds, TF_ROUNDS)
-
     from numstab.data import TFDataGuard
+
+    rounds = max(rounds, TF_ROUNDS)
 
     base = tf.data.Dataset.from_tensor_slices({"x": x, "y": y}).batch(batch)
     label = lambda b: b["y"]
