@@ -54,6 +54,31 @@ def test_entry_ops_of_a_compiled_program():
     assert not {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"} & set(counts)
 
 
+def test_jax_global_norm_compiles_to_optax_kernels():
+    """benchmarks/overhead.py times ``global_norm`` under ``jax.jit`` against optax's: the
+    compiled programs launch the same kernels (one reduction per leaf, then one over their
+    vector), and p = 1 and p = inf those of the same reductions written by hand; a norm of
+    per-leaf norms launched a root and a power per leaf more."""
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    import numpy as np
+
+    import numstab
+
+    jnp = jax.numpy
+    rng = np.random.default_rng(0)
+    tree = [jnp.asarray(rng.standard_normal(n, dtype=np.float32)) for n in (3, 40, 5000) * 4]
+
+    def launches(fn):
+        return entry_ops(jax.jit(fn).lower(tree).compile().as_text())
+
+    assert launches(numstab.global_norm) == launches(optax.global_norm)
+    l1 = launches(lambda t: jnp.sum(jnp.stack([jnp.sum(jnp.abs(x)) for x in t])))
+    assert launches(lambda t: numstab.global_norm(t, 1.0)) == l1
+    linf = launches(lambda t: jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in t])))
+    assert launches(lambda t: numstab.global_norm(t, float("inf"))) == linf
+
+
 def test_xla_gpu_kernels_counts_every_program_and_packing_saves_launches():
     """benchmarks/xla_gpu_kernels.py on XLA:CPU (the GPU target needs JAX's CUDA plugin): the
     guard state packed in 2 arrays leaves the guarded step with fewer launches than the

@@ -48,31 +48,40 @@ class TreeOps:
         # one ulp away from the leaf (seen with JAX 0.11 on an H200)
         return self.where((norm > bound) & (norm < math.inf), factor, 1.0)
 
-    def leaf_norms(self, leaves: list[Array], ord: float, dtype: str) -> Array:
-        """The ``ord``-norm of each (non-empty) leaf, accumulated in ``dtype``, as a vector."""
-        norms = []
+    def leaf_power_sums(self, leaves: list[Array], ord: float, dtype: str) -> Array:
+        """Each (non-empty) leaf's ``sum |g| ** p`` (``max |g|`` for p = inf), accumulated in
+        ``dtype``, as a vector: one reduction per leaf, no root."""
+        sums = []
         for leaf in leaves:
             x = self.cast(leaf, dtype)
             if ord == 2.0:
-                norms.append(self.sqrt(self.sum(x * x)))
+                sums.append(self.sum(x * x))
             elif ord == float("inf"):
-                norms.append(self.max(self.abs(x)))
+                sums.append(self.max(self.abs(x)))
             elif ord == 1.0:
-                norms.append(self.sum(self.abs(x)))
+                sums.append(self.sum(self.abs(x)))
             else:
-                norms.append(self.sum(self.abs(x) ** ord) ** (1.0 / ord))
-        return self.stack(norms)
+                sums.append(self.sum(self.abs(x) ** ord))
+        return self.stack(sums)
+
+    def power_root(self, x: Array, ord: float) -> Array:
+        """``x ** (1 / p)``: ``sqrt`` for p = 2, ``x`` itself for p = 1 and p = inf."""
+        if ord == 2.0:
+            return self.sqrt(x)
+        if ord in (1.0, float("inf")):
+            return x
+        return x ** (1.0 / ord)
+
+    def leaf_norms(self, leaves: list[Array], ord: float, dtype: str) -> Array:
+        """The ``ord``-norm of each (non-empty) leaf, accumulated in ``dtype``, as a vector."""
+        return self.power_root(self.leaf_power_sums(leaves, ord, dtype), ord)
 
     def global_norm(self, leaves: list[Array], ord: float, dtype: str) -> Array:
-        """The ``ord``-norm of the leaf norms (``leaf_norms``), a 0-d array of ``dtype``."""
-        norms = native_op(self, "leaf_norms")(leaves, ord, dtype)
-        if ord == float("inf"):
-            return self.max(norms)
-        if ord == 2.0:
-            return self.sqrt(self.sum(norms * norms))
-        if ord == 1.0:
-            return self.sum(norms)
-        return self.sum(norms**ord) ** (1.0 / ord)
+        """§7.2's formula, a 0-d array of ``dtype``: the leaves' power sums summed (their maxima
+        maxed for p = inf), then one root; optax's reductions. (A norm of the leaf norms took
+        a root and a power per leaf more: 52 more kernels than optax on XLA:CPU, 50 leaves.)"""
+        sums = self.leaf_power_sums(leaves, ord, dtype)
+        return self.max(sums) if ord == float("inf") else self.power_root(self.sum(sums), ord)
 
     def scale_leaves(
         self, leaves: list[Array], factor: Array, toward_zero: bool = False
