@@ -314,6 +314,40 @@ def test_tf_data_guard_and_graph_mode_functions():
     assert traced_eagerly and not any(traced_eagerly)  # graph mode: no py_function
 
 
+def test_tf_data_drop_nonfinite_other_axes_unbatched_fields_and_parallel_maps():
+    """``drop_nonfinite`` along ``batch_axis=1``, over a 3-d field (any non-finite entry in a
+    sample's slice drops it), an integer field, a non-batched float field (clean: nothing is
+    dropped for it; non-finite: every sample is), in a parallel map whose counters add up."""
+    tf = pytest.importorskip("tensorflow")
+    from numstab.data import TFDataGuard
+
+    rng = np.random.default_rng(3)
+    n_batches, b = 6, 16
+    x = rng.standard_normal((n_batches, 2, b, 3), dtype=np.float32)  # batch axis 1 of 2, b, 3
+    x[0, 1, 4, 2] = np.nan
+    x[3, 0, 0, 0] = np.inf
+    x[3, 1, 15, 1] = -np.inf
+    labels = np.arange(n_batches * b).reshape(n_batches, 1, b)  # batch axis 1 of 1, b
+    scale = np.ones(n_batches, np.float32)
+    scale[5] = np.nan  # the whole batch 5 goes
+    bad = ~np.isfinite(x).all(axis=(1, 3)) | ~np.isfinite(scale)[:, None]
+
+    g = TFDataGuard(batch_axis=1)
+    ds = tf.data.Dataset.from_tensor_slices({"x": x, "y": labels, "scale": scale})
+    out = list(ds.map(g.drop_nonfinite, num_parallel_calls=4, deterministic=True))
+    for k, batch in enumerate(out):
+        keep = ~bad[k]
+        np.testing.assert_array_equal(batch["x"].numpy(), x[k][:, keep])
+        np.testing.assert_array_equal(batch["y"].numpy(), labels[k][:, keep])
+        assert batch["scale"].numpy() == scale[k] or k == 5
+    assert g.stats() == {
+        "samples_seen": n_batches * b,
+        "samples_flagged": int(bad.sum()),
+        "values_replaced": 0,
+    }
+    assert int(bad.sum()) == 3 + b
+
+
 # -- fast path: host memory read in place ----------------------------------------------------
 def _spy_host_views(monkeypatch):
     """Record the arrays the fast path reads with NumPy."""

@@ -5,8 +5,8 @@
 
 - ``is_finite``: a ``Dataset.filter`` predicate for per-sample (unbatched) elements;
 - ``drop_nonfinite``: a ``Dataset.map`` function for batched elements: removes the samples
-  with a NaN/inf in any floating field from every field (``tf.boolean_mask`` along
-  ``batch_axis``; batch sizes vary);
+  with a NaN/inf in any floating field from every field (``tf.gather`` of the kept positions
+  along ``batch_axis``; batch sizes vary);
 - ``replace_nonfinite``: a ``Dataset.map`` function: NaN/inf become ``replace_value``.
 
 They keep counts only, not indices (enumerate the dataset first to keep an index field, or
@@ -23,10 +23,7 @@ from typing import Any
 import tensorflow as tf
 
 from numstab import _validate as v
-from numstab.backends import load_backend
-from numstab.data._fields import check_batch_axis, nonfinite_counts, split_batch
-
-_TF = load_backend("tensorflow")
+from numstab.data._fields import check_batch_axis, split_batch
 
 
 def _element(args: tuple) -> Any:
@@ -68,35 +65,39 @@ class TFDataGuard:
     def bad_samples(self, *element: Any) -> tf.Tensor:
         """Bool vector over the batch axis: the sample holds a NaN/inf in some floating field
         (a non-finite field without a batch axis marks every sample)."""
-        parts = split_batch(_element(element), self.batch_axis)
-        batched = [f for f in parts.fields if f.batched and f.backend is not None]
-        n = tf.shape(batched[0].value)[self.batch_axis]
-        bad = tf.zeros([n], dtype=tf.bool)
+        return self._bad(split_batch(_element(element), self.batch_axis))
+
+    def _bad(self, parts: Any) -> tf.Tensor:
+        """``bad_samples`` of a split element: per batched floating field one ``any`` of
+        ``~isfinite`` over its other axes (3 ops), or'ed together."""
+        axis = self.batch_axis
+        bad = None
         for f in parts.float_fields:
+            finite = tf.math.is_finite(f.value)
             if f.batched:
-                bad = bad | (nonfinite_counts(_TF, f.value, self.batch_axis) > 0)
+                other = [a for a in range(len(f.value.shape)) if a != axis]
+                flags = tf.reduce_any(tf.logical_not(finite), axis=other)
             else:
-                bad = bad | tf.logical_not(tf.reduce_all(tf.math.is_finite(f.value)))
-        return bad
+                flags = tf.logical_not(tf.reduce_all(finite))
+            bad = flags if bad is None else tf.logical_or(bad, flags)
+        if bad is not None and bad.shape.rank == 1:
+            return bad
+        batched = next(f for f in parts.fields if f.batched and f.backend is not None)
+        n = tf.shape(batched.value)[axis]
+        return tf.fill([n], False if bad is None else bad)
 
     def drop_nonfinite(self, *element: Any) -> Any:
-        """The batch without its non-finite samples."""
-        bad = self.bad_samples(*element)
-        keep = tf.logical_not(bad)
+        """The batch without its non-finite samples: every batched field gathered at the
+        kept positions. No ``tf.cond`` for a clean batch: its ``If`` cost more per call in
+        tf.data's executor (~12 us) than gathering a whole clean batch."""
         parts = split_batch(_element(element), self.batch_axis)
-        cut = [k for k, f in enumerate(parts.fields) if f.batched and f.backend is not None]
-        arrays = [parts.fields[k].value for k in cut]
-        axis = self.batch_axis
-        with tf.control_dependencies(self._count(bad)):
-            # a clean batch (the common case) skips the gather of tf.boolean_mask
-            kept = tf.cond(
-                tf.reduce_any(bad),
-                lambda: [tf.boolean_mask(x, keep, axis=axis) for x in arrays],
-                lambda: [tf.identity(x) for x in arrays],
-            )
+        bad = self._bad(parts)
+        kept = tf.reshape(tf.where(tf.logical_not(bad)), [-1])
         values = [f.value for f in parts.fields]
-        for k, x in zip(cut, kept, strict=True):
-            values[k] = x
+        with tf.control_dependencies(self._count(bad)):
+            for k, f in enumerate(parts.fields):
+                if f.batched and f.backend is not None:
+                    values[k] = tf.gather(f.value, kept, axis=self.batch_axis)
         return parts.rebuild(values)
 
     def replace_nonfinite(self, *element: Any) -> Any:
@@ -113,14 +114,14 @@ class TFDataGuard:
         has_batch = any(f.batched for f in parts.fields)
         counters = [self.values_replaced.assign_add(replaced)]
         if has_batch and any(f.kind == "float" for f in parts.fields):
-            counters += self._count(self.bad_samples(*element))
+            counters += self._count(self._bad(parts))
         with tf.control_dependencies(counters):
             return parts.rebuild([tf.identity(x) if tf.is_tensor(x) else x for x in values])
 
     def _count(self, bad: tf.Tensor) -> list:
         return [
-            self.samples_seen.assign_add(tf.cast(tf.size(bad), tf.int64)),
-            self.samples_flagged.assign_add(tf.reduce_sum(tf.cast(bad, tf.int64))),
+            self.samples_seen.assign_add(tf.size(bad, out_type=tf.int64)),
+            self.samples_flagged.assign_add(tf.math.count_nonzero(bad, dtype=tf.int64)),
         ]
 
 
