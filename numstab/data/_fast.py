@@ -17,37 +17,9 @@ floating leaf is not provably finite (the caller then counts at once), and None 
 meets anything else (namedtuples, dataclasses, NumPy bfloat16, mismatched batch sizes): the
 caller then takes the general path, which decides, so both paths give the same result.
 
-Measured in-pass ratios (``python benchmarks/data_firewall.py --quick --loaders numpy`` and
-``--loaders torch``, 3 interleaved runs each against the previous code, 2-core shared
-machine, load average 1.4-2.1, 2026-12-03): numpy-iterator 1.40-1.41 -> 1.32, numpy-images
-1.66-1.68 -> 1.29-1.31, torch-batched 1.12-1.13 -> 1.10, torch-per-sample 1.02 -> 1.02.
-What is left: for 256 x 32 batches ~3 us of ``isfinite`` and ~3 us of Python per clean
-batch against a ~28 us gather, and ~150 us per dirty batch (1 in 40, the general path);
-for images one summed read (~0.3 ms against a 2-2.5 ms batch) and, per dirty batch, the
-drop's copy into fresh memory (page faults: several ms in the loop, 0.5 ms warm); for torch
-``sum().item()`` (~10 us fresh from the loader) and ~6 us of walk against a ~230 us fetch.
-Then a dirty NumPy leaf's counts came from this path's own check (``_host.screen``: no
-second read) and the general path lost a few NumPy calls: per dirty 256 x 32 batch 125-128
--> 96-99 us median, dirty images 1.4-2.2 -> 1.0-1.7 ms when the drop's copy lands in warm
-memory (4.6-5.5 ms in fresh memory, unchanged); in-pass, 5 interleaved runs each, load
-average 1.4-1.7: numpy-iterator 1.31-1.33 -> 1.28-1.31, numpy-images 1.25-1.31 -> 1.24-1.30.
-
-2026-12-04 (issue 20, goal 4: floor + 0.03): a flat dict/list/tuple of NumPy arrays is read in
-one loop, every child even after a dirty one, and a dirty batch takes ``_lean``'s short way
-(no BatchReport): per dirty 256 x 32 batch ~135 -> ~35 us median in the benchmark's loop
-(~20 us hot), per clean one 3.8 -> 3.2 us against the floor's 2.2 us read. In-pass,
-``--quick``, old and new code interleaved, load average 4.3-4.6 (2 shared cores):
-numpy-iterator 1.27-1.33 -> 1.18-1.24 (floor 1.09-1.10: still 0.08-0.14 over it),
-numpy-images 1.21-1.24 -> 1.18-1.21 (its drop copies 12.6 MB, ~0.05 of the ratio that the
-floor never pays), torch-per-sample 1.017-1.030 -> 1.013-1.018 (floor + 0.01: met),
-torch-batched 1.083-1.110 -> 1.094 (floor 1.024-1.035: a dirty batch runs cold in the
-loop, ~150-300 us against ~80 us hot). See docs/performance.md §4.
-
-Then (2026-12-04, later): builtin dtypes told by identity, ``len`` for axis 0, the small read
-inline, the batch number counted from ``batches_seen``, plain torch tensors straight to their
-hook. Per clean batch, over the floor's read (timeit, min of 40, load ~4.5): 256 x 32 NumPy
-dict 1.03-1.07 -> 0.85-0.87 us (a hand-written loop for exactly this batch: ~0.5 us); torch
-tuple 2.45-2.6 -> ~2.0 us.
+What it costs, per loader, against the bare loader and its measured floors:
+``benchmarks/data_firewall.py`` and ``docs/performance.md`` §4 (the measurements that shaped
+this path are in the git history of this docstring).
 """
 
 from __future__ import annotations

@@ -11,14 +11,9 @@ vector, no BatchReport, no second pass). A drop gathers the kept samples once pe
 (NumPy ``take``, torch ``index_select``) with one index shared by every field. Anything else
 answers ``UNHANDLED`` before touching the stats, and the general path decides.
 
-Measured on a dirty 256 x 32 float32 + int64 dict batch, hot (timeit, 2-core shared machine,
-2026-12-04): general path ~135 us; this way ~20 us before the sparse form, ~10 us after,
-against ~7.6 us for the benchmark's drop floor (the read, the kept rows, two ``take``).
-Then (issue 20, 2026-12-04, later): records built in one step (``stats.new_record``), a
-cached all-true mask, one non-finite value recorded in a few lines, no per-leaf lists for an
-all-NumPy batch. Per dirty 256 x 32 dict batch, old and new code in one process, load ~4.3:
-hot (min of 21) 14.5 -> 10.5 us against the floor's 7.9; in the benchmark's loop, where a
-dirty batch runs cold (median per batch) 31.8 -> 22.7 us against 15.7.
+Per dirty 256 x 32 float32 + int64 dict batch it costs ~10 us hot against ~8 for the
+benchmark's drop floor (the read, the kept rows, two ``take``), where the general path takes
+~135 (``docs/performance.md`` §4; the steps that got it there are in this file's history).
 """
 
 from __future__ import annotations
