@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from numstab._env import EnvVar
 from numstab.backends import canonical_name
 from numstab.errors import InvalidArgumentError, UnknownBackendError
 
@@ -71,10 +72,11 @@ def use_backend(name: str) -> Iterator[str]:
 
 
 _DEFAULT_CONFIG_PATH = os.path.expanduser(DEFAULT_CONFIG)
+_BACKEND_ENV, _CONFIG_ENV = EnvVar(ENV_VAR), EnvVar(CONFIG_ENV_VAR)  # read on every call
 
 
 def _config_path() -> str:
-    return os.environ.get(CONFIG_ENV_VAR) or _DEFAULT_CONFIG_PATH
+    return _CONFIG_ENV.get() or _DEFAULT_CONFIG_PATH
 
 
 def _config_file_backend(path: str) -> str | None:
@@ -123,7 +125,7 @@ def backend_choice(explicit: str | None = None) -> BackendChoice:
         return BackendChoice(name, "use_backend() context")
     if _global_backend is not None:
         return BackendChoice(_global_backend, "set_backend()")
-    env = os.environ.get(ENV_VAR)
+    env = _BACKEND_ENV.get()
     if env:
         return _choice_from(env, f"{ENV_VAR} environment variable")
     path = _config_path()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 
 import numpy as np
@@ -47,6 +48,36 @@ def test_precedence_argument_context_global_env_config(monkeypatch, tmp_path):
     ns.set_backend("auto")
     assert ns.get_backend() == "auto"
     assert ns.backend_choice().source == "set_backend()"
+
+
+def test_environment_reads_follow_every_change_to_os_environ(monkeypatch):
+    """numstab's per-call environment reads (``numstab._env.EnvVar``) answer what
+    ``os.environ.get`` answers after every way of changing the environment in Python,
+    including values that need decoding, and through the public functions that read them."""
+    from numstab._env import EnvVar
+    from numstab.backends._native import generic_forced
+
+    var = EnvVar("NUMSTAB_TEST_VARIABLE")
+    monkeypatch.delenv(var.name, raising=False)
+    assert var.get() is None
+    for value in ("1", "", "caf\u00e9 \u2603"):
+        monkeypatch.setenv(var.name, value)
+        assert var.get() == os.environ.get(var.name) == value
+    os.environ[var.name] = "direct"
+    assert var.get() == "direct"
+    del os.environ[var.name]
+    assert var.get() is None
+
+    monkeypatch.setenv("NUMSTAB_BACKEND", "jax")
+    assert ns.backend_choice().name == "jax"
+    monkeypatch.delenv("NUMSTAB_BACKEND")
+    assert ns.backend_choice().source != "NUMSTAB_BACKEND environment variable"
+    monkeypatch.setenv("NUMSTAB_FORCE_GENERIC", "1")
+    assert generic_forced()
+    monkeypatch.setenv("NUMSTAB_FORCE_GENERIC", "0")
+    assert not generic_forced()
+    monkeypatch.delenv("NUMSTAB_FORCE_GENERIC")
+    assert not generic_forced()
 
 
 def test_use_backend_is_isolated_per_thread_and_task():

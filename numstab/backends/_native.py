@@ -3,25 +3,27 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from numstab._env import EnvVar
 
 if TYPE_CHECKING:
     from numstab.backends._base import Backend
 
 FORCE_GENERIC_ENV = "NUMSTAB_FORCE_GENERIC"
+_FORCE_GENERIC = EnvVar(FORCE_GENERIC_ENV)
 
 
 def generic_forced() -> bool:
     """True when ``NUMSTAB_FORCE_GENERIC`` asks for the generic composites."""
-    return os.environ.get(FORCE_GENERIC_ENV, "") not in ("", "0")
+    return _FORCE_GENERIC.get() not in (None, "", "0")
 
 
 def native_op(backend: Backend, name: str, allowed: bool | None = None) -> Callable[..., Any]:
     """The backend's fused ``native_<name>`` if it has one and it is allowed, else ``<name>``.
     ``allowed``: ``not generic_forced()`` when the caller already read it (an environment
-    read costs ~0.7 us, and one clipping call would make four), else None (read here)."""
+    read is a lookup, but one clipping call would make four), else None (read here)."""
     if not generic_forced() if allowed is None else allowed:
         native = getattr(backend, "native_" + name, None)
         if native is not None:
