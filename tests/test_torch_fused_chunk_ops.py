@@ -15,8 +15,9 @@ BE = load_backend("torch")
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("offset", [0.0, 1e3, -5e4])
-def test_shifted_logsumexp_is_logsumexp_bit_for_bit(dtype, offset):
-    x = torch.randn(37, 1031, generator=torch.Generator().manual_seed(0)) * 20 + offset
+@pytest.mark.parametrize("vocab", [1031, 100_003])  # 100_003: rows exp'd in blocks of 20
+def test_shifted_logsumexp_is_logsumexp_bit_for_bit(dtype, offset, vocab):
+    x = torch.randn(37, vocab, generator=torch.Generator().manual_seed(0)) * 20 + offset
     x = x.to(dtype)
     x[3] = -float("inf")  # a row of all -inf: shift 0
     x[5, 7] = float("inf")  # a row holding +inf: shift 0
@@ -40,3 +41,27 @@ def test_shift_owned_in_place_only_outside_autograd():
     y = leaf * 1.0
     out = BE.shift_owned(y, shift)
     assert out.data_ptr() != y.data_ptr() and torch.equal(out, y - shift)
+
+
+def test_shifted_logsumexp_under_autograd_keeps_its_gradient():
+    x = torch.randn(5, 9, requires_grad=True)
+    BE.native_shifted_logsumexp(x - x.detach().amax(-1, keepdim=True)).sum().backward()
+    torch.testing.assert_close(x.grad, torch.softmax(x.detach(), -1))
+
+
+@pytest.mark.parametrize("vocab", [7, 50_000])  # 50_000 at 128 rows: blocks of 16384 rows
+def test_chunk_logits_on_cpu_are_the_product(vocab):
+    """The chunk logits ``h @ w.T``, built from blocks of ``w``'s rows: every column equals
+    the product (each entry is one dot product over d; float32 rounding, d = 256, allows a
+    few ulps of its magnitude), and under autograd the gradient flows."""
+    gen = torch.Generator().manual_seed(1)
+    h, w = torch.randn(128, 256, generator=gen), torch.randn(vocab, 256, generator=gen)
+    got = BE.matmul(h, w, transpose_b=True)
+    want = (h.double() @ w.double().T).float()
+    assert got.shape == (128, vocab) and got.is_contiguous()
+    scale = (h.abs().double() @ w.abs().double().T).float()
+    assert bool(((got - want).abs() <= 256 * torch.finfo(torch.float32).eps * scale).all())
+    hg, hr = h.clone().requires_grad_(), h.clone().requires_grad_()
+    BE.matmul(hg, w, transpose_b=True).sum().backward()
+    (hr @ w.T).sum().backward()  # the same sums over the vocabulary, as torch orders them
+    torch.testing.assert_close(hg.grad, hr.grad)
