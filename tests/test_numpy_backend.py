@@ -23,3 +23,33 @@ def test_where_keeps_the_array_dtype_against_a_python_number(dtype):
     for got, want in cases:
         assert be.dtype_name(got) == dtype
         np.testing.assert_array_equal(be.to_numpy(got), want)
+
+
+def test_cast_returns_arrays_and_skips_only_casts_with_nothing_to_do():
+    """``cast`` gives an ndarray of the asked dtype for arrays, NumPy and Python scalars, and
+    bfloat16; the very array where its dtype is already the one asked (as
+    ``astype(copy=False)``), a new one otherwise (the input untouched)."""
+    be = load_backend("numpy")
+    x = np.array([1.5, -2.0], np.float32)
+    assert be.cast(x, "float32") is x
+    y = be.cast(x, "int32")
+    assert y.dtype == np.int32 and y.tolist() == [1, -2] and x.dtype == np.float32
+    swapped = x.astype(x.dtype.newbyteorder())
+    assert be.cast(swapped, "float32").dtype == np.dtype(np.float32).newbyteorder("=")
+    for value in (np.float32(2.5), 2.5, True, np.int64(3)):
+        got = be.cast(value, "float32")
+        assert type(got) is np.ndarray and got.dtype == np.float32 and got.shape == ()
+        assert got == np.float32(value)
+    assert be.dtype_name(be.cast(x, "bfloat16")) == "bfloat16"
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.bool_])
+def test_sum_is_numpys_sum(dtype):
+    """``sum`` (``np.add.reduce``) gives ``np.sum``'s value, dtype and shape."""
+    be = load_backend("numpy")
+    x = (np.arange(24).reshape(2, 3, 4) % 5).astype(dtype)
+    for axis, keepdims in [(None, False), (1, False), (-1, True), (None, True)]:
+        got, want = be.sum(x, axis=axis, keepdims=keepdims), np.sum(x, axis=axis, keepdims=keepdims)
+        assert np.asarray(got).dtype == np.asarray(want).dtype
+        np.testing.assert_array_equal(got, want)
+    assert be.sum(np.float32(2.0)) == np.float32(2.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from numstab.backends._base import numpy_dtype_name
-from numstab.backends._namespace import NamespaceBackend
+from numstab.backends._namespace import FORWARDED, NamespaceBackend
 
 
 def _dtype(name: str | None):
@@ -14,6 +14,13 @@ def _dtype(name: str | None):
 
         return ml_dtypes.bfloat16
     return name
+
+
+#: dtype name -> NumPy dtype, filled on first use (builtin dtypes are singletons, so ``is``
+#: tells a cast that has nothing to do)
+_DTYPES: dict[str, np.dtype] = {}
+_NUMBERS = (int, float)
+_ARRAYS = (np.ndarray, np.generic)
 
 
 class NumpyBackend(NamespaceBackend):
@@ -31,7 +38,12 @@ class NumpyBackend(NamespaceBackend):
         return numpy_dtype_name(np.asarray(x).dtype)
 
     def cast(self, x, dtype):
-        return np.asarray(x).astype(_dtype(dtype), copy=False)
+        # the guard's host decision casts ~25 0-d arrays a step, most already of ``dtype``
+        target = _DTYPES.get(dtype)
+        if target is None:
+            target = _DTYPES[dtype] = np.dtype(_dtype(dtype))
+        x = x if type(x) is np.ndarray else np.asarray(x)
+        return x if x.dtype is target else x.astype(target)
 
     def shape(self, x):
         return np.shape(x)
@@ -48,12 +60,15 @@ class NumpyBackend(NamespaceBackend):
     def step_toward_zero(self, x):
         return (x.view(np.int16) - np.int16(1)).view(x.dtype)
 
+    def sum(self, x, axis=None, keepdims=False):
+        return np.add.reduce(x, axis=axis, keepdims=keepdims)  # np.sum's work, less wrapping
+
     def where(self, condition, x, y):
         # a Python number takes the other side's dtype (NEP 50), which bfloat16 arrays get
         # only from ml_dtypes >= 0.7: with 0.5 the result was float64
-        if isinstance(y, int | float) and isinstance(x, np.ndarray | np.generic):
+        if isinstance(y, _NUMBERS) and isinstance(x, _ARRAYS):
             y = np.asarray(y, x.dtype)
-        elif isinstance(x, int | float) and isinstance(y, np.ndarray | np.generic):
+        elif isinstance(x, _NUMBERS) and isinstance(y, _ARRAYS):
             x = np.asarray(x, y.dtype)
         return np.where(condition, x, y)
 
@@ -72,5 +87,11 @@ class NumpyBackend(NamespaceBackend):
     def compress(self, x, keep, axis):
         return np.compress(keep, x, axis=axis)
 
+
+# NumPy's own functions as the primitives (no forwarding call: the guard's host decision
+# calls some 50 primitives a step, each a few microseconds of NumPy on 0-d arrays)
+for _name in FORWARDED:
+    if _name not in vars(NumpyBackend):
+        setattr(NumpyBackend, _name, staticmethod(getattr(np, _name)))
 
 BACKEND = NumpyBackend()
