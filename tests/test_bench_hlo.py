@@ -9,7 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from _hlo import entry_ops, summary
+from _hlo import big_ops, entry_ops, summary
 
 TEXT = """\
 HloModule jit_f
@@ -77,6 +77,37 @@ def test_jax_global_norm_compiles_to_optax_kernels():
     assert launches(lambda t: numstab.global_norm(t, 1.0)) == l1
     linf = launches(lambda t: jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in t])))
     assert launches(lambda t: numstab.global_norm(t, float("inf"))) == linf
+
+
+def test_big_ops_lists_the_launches_that_touch_a_big_buffer():
+    """A launch counts when its output or one of its operands has the size asked; the
+    trivial ops (parameters, bitcasts) never do."""
+    assert big_ops(TEXT, 64) == ["dot"]  # reads b.1, f32[8,8]
+    assert big_ops(TEXT, 8) == ["fusion", "fusion", "dot", "copy"]
+    assert big_ops(TEXT, 65) == []
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "value_and_grad"])
+def test_jax_hard_label_cross_entropy_makes_optaxs_passes_over_the_logits(grad):
+    """benchmarks/overhead.py times hard-label ``cross_entropy`` under ``jax.jit`` against
+    ``optax.softmax_cross_entropy_with_integer_labels(...).mean()``: the compiled programs
+    touch the [tokens, classes] logits (or their gradient) in the same number of launches;
+    numstab's further launches (ignore_index's count, the label checks) are on [tokens]."""
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+
+    import numstab
+
+    jnp = jax.numpy
+    logits, labels = jnp.ones((256, 2048), jnp.float32), jnp.zeros((256,), jnp.int32)
+
+    def passes(loss):
+        fn = jax.value_and_grad(loss) if grad else loss
+        return big_ops(jax.jit(fn).lower(logits, labels).compile().as_text(), logits.size)
+
+    ours = passes(numstab.cross_entropy)
+    native = passes(lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y).mean())
+    assert ours == native and len(native) >= (6 if grad else 3)
 
 
 def test_xla_gpu_kernels_counts_every_program_and_packing_saves_launches():
