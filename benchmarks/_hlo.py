@@ -26,18 +26,14 @@ _DIMS = re.compile(r"[a-z]\w*\[([\d,]*)\]")
 def entry_ops(hlo_text: str) -> Counter:
     """Opcode -> count over the ENTRY computation of ``hlo_text``, trivial ones left out."""
     counts: Counter = Counter()
-    inside = False
-    for line in hlo_text.splitlines():
-        if line.startswith("ENTRY "):
-            inside = True
-        elif inside and line.startswith("}"):
-            break
-        elif inside and (match := _INSTRUCTION.match(line)) and match[1] not in _TRIVIAL:
+    for line in _entry_lines(hlo_text):
+        if (match := _INSTRUCTION.match(line)) and match[1] not in _TRIVIAL:
             counts[match[1]] += 1
     return counts
 
 
 def _entry_lines(hlo_text: str) -> list[str]:
+    """The lines of the ENTRY computation's body."""
     lines, inside = [], False
     for line in hlo_text.splitlines():
         if line.startswith("ENTRY "):
