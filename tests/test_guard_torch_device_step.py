@@ -167,3 +167,60 @@ def test_state_on_another_device_is_undone_with_one_flag_copy(monkeypatch):
     guard_device._undo_elsewhere(torch.tensor(False), pairs)
     assert [s.item() for s in steps] == [-1.0, 0.0, 1.0, 2.0, 3.0]  # a bad one: restored
     assert len(copies) == 2  # one copy of the flag per call, for the five tensors
+
+
+def test_steady_undo_walks_the_state_only_when_it_changed(monkeypatch):
+    """Adam updates its state in place: once the undo is bound, a step checks the state's
+    layout (every dict, key and value the same objects) instead of walking it. A state
+    tensor put in its dict between steps is seen: a bad step then restores that tensor, and
+    the parameters, bit for bit."""
+    from numstab.frameworks.torch.guard_device import Skipper
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    params = list(model.parameters())
+    skipper = Skipper(opt, params)
+    walks = []
+    real = Skipper._state_entries
+    monkeypatch.setattr(Skipper, "_state_entries", lambda self: walks.append(1) or real(self))
+
+    def step(good):
+        opt.zero_grad()
+        model(torch.randn(16, 4)).square().mean().backward()
+        flag = torch.tensor(good)
+        return skipper.run(flag, (~flag).float(), None)
+
+    def snapshot():
+        state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+        return [p.detach().clone() for p in params], state
+
+    def assert_unchanged(before):
+        weights, state = before
+        for p, w, st in zip(params, weights, state, strict=True):
+            assert torch.equal(p, w)
+            assert opt.state[p].keys() == st.keys()
+            for k, v in st.items():
+                assert torch.equal(opt.state[p][k], v), k
+
+    assert step(True)  # the first step creates the state: read on the host once
+    step(True)  # binds the undo to the state's tensors
+    walks.clear()
+    for _ in range(3):
+        assert not step(True)
+    before = snapshot()
+    assert not step(False)
+    assert_unchanged(before)
+    assert walks == []  # steady steps, good or bad: no walk of the state
+
+    opt.state[params[0]]["exp_avg"] = opt.state[params[0]]["exp_avg"].clone()
+    before = snapshot()
+    assert not step(False)  # a new tensor in the state: walked, backed up, restored
+    assert_unchanged(before)
+    assert walks
+    step(True)
+    walks.clear()
+    before = snapshot()
+    assert not step(False)
+    assert_unchanged(before)
+    assert walks == []

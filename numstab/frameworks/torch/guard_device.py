@@ -127,6 +127,9 @@ class Skipper:
         self._backup: list[torch.Tensor] = []
         self._backed_up: list[torch.Tensor] = []  # the tensors the buffers were made for
         self._plan: Callable[[torch.Tensor], None] | None = None  # the undo of _backed_up
+        # after the last step the plan undid: the state's layout and its entries then
+        self._layout_then: list[Any] = []
+        self._entries_then: tuple[list, list] = ([], [])
 
     def run(
         self, apply: torch.Tensor, found_inf: torch.Tensor, step_fn: Callable[[], Any] | None
@@ -145,14 +148,25 @@ class Skipper:
 
     @torch.no_grad()
     def _undo_step(self, apply: torch.Tensor, step_fn: Callable[[], Any]) -> bool:
-        entries, others = self._state_entries()
-        tensors = self.params + [t for _, _, t in entries]
-        if not _same_objects(self._backed_up, tensors):
-            self._backup = [torch.empty_like(t) for t in tensors]  # new tensors: new buffers
-            self._backed_up, self._plan = tensors, None
+        layout = self._layout()
+        if self._plan is not None and _identical(layout, self._layout_then):
+            # the state holds what it held after the last step: its entries, backed up by
+            # the buffers the plan is bound to (one identity check, not a walk of the state)
+            (entries, others), tensors = self._entries_then, self._backed_up
+        else:
+            entries, others = self._state_entries()
+            tensors = self.params + [t for _, _, t in entries]
+            if not _same_objects(self._backed_up, tensors):
+                self._backup = [torch.empty_like(t) for t in tensors]  # new tensors: new buffers
+                self._backed_up, self._plan = tensors, None
         if tensors:
             torch._foreach_copy_(self._backup, tensors)
         step_fn()
+        after = self._layout()
+        if self._plan is not None and _identical(after, layout):
+            self._plan(apply)  # the usual step (Adam's): every state tensor updated in place
+            self._layout_then, self._entries_then = after, (entries, others)
+            return False
         new_entries, new_others = self._state_entries()
         same = len(new_entries) == len(entries) and new_others == others
         same = same and all(
@@ -163,10 +177,24 @@ class Skipper:
                 self._restore_exactly(entries, others, tensors)
             return True
         if self._plan is not None and _same_objects(tensors[len(self.params) :], new_entries):
-            self._plan(apply)  # the usual step: the same tensors, updated in place
+            self._plan(apply)  # the same tensors, updated in place (other values changed)
+            self._layout_then, self._entries_then = after, (new_entries, new_others)
             return False
         self._plan = self._undo_replaced(apply, tensors, new_entries)
+        self._layout_then, self._entries_then = after, (new_entries, new_others)
         return False
+
+    def _layout(self) -> list[Any]:
+        """Each parameter's state dict (or None), then its keys and values, in order: where
+        every one is the same object as before, so are the state's entries."""
+        state, out = self.optimizer.state, []
+        for p in self.params:
+            st = state.get(p)
+            out.append(st)
+            if st:
+                out += st.keys()
+                out += st.values()
+        return out
 
     def _undo_replaced(
         self, apply: torch.Tensor, tensors: list[torch.Tensor], new_entries: list
@@ -235,6 +263,11 @@ class Skipper:
             st.update(plain)
             if kept is not None:
                 st.update(kept[1])
+
+
+def _identical(a: list[Any], b: list[Any]) -> bool:
+    """``a[i] is b[i]`` for all i, and as many."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _same_objects(a: list[Any], b: list[Any]) -> bool:
