@@ -56,6 +56,10 @@ What is measured
    floor + 0.03 (read floor + 0.03 where there is no drop floor: tf.data-eager), both measured in
    the same run; each row prints and writes (--json) ``floor``, ``drop_floor``, ``ratio``
    (the headline), ``goal`` and ``meets_goal``. guarded - drop floor is what the guard adds.
+   A row whose pass ratio misses its goal then times the bare loader against itself, the
+   same way and as many rounds (``bare_against_itself`` and its quartiles): identical work,
+   so its spread is the noise of the comparison; where its quartiles reach past 1 +/- 0.03,
+   this run cannot tell a miss of the margin from noise (``miss_within_noise``).
 
    torch-per-sample passes only over the first ``--torch-batches`` batches (default 400,
    100 with --quick; per-sample Python is slow); every other loader passes over all 1M
@@ -283,6 +287,8 @@ def compare(
         "meets_goal": headline <= goal,
         "meets_fixed_goal": headline <= GOAL,
     }
+    if not row["meets_goal"] and not in_pass_headline:
+        row.update(noise_of(bare, rounds))
     split_text = f"in-pass ratio {split:6.3f}" if split is not None else " " * 20
     floor_text = f"floor {floor_ratio:6.3f}" if floor_ratio is not None else " " * 12
     floor_text += f"  drop floor {drop_ratio:6.3f}" if drop_ratio is not None else ""
@@ -293,7 +299,34 @@ def compare(
         f"{pass_ratio:6.3f} [{q1:.2f}, {q3:.2f}]  {split_text}  {floor_text}  "
         f"({samples['bare'] / b / 1e6:5.2f} M samples/s)  ratio {headline:.3f} {verdict}"
     )
+    if "bare_against_itself" in row:
+        q1, q3 = row["bare_against_itself_quartiles"]
+        print(
+            f"  {'':17s} bare against itself {row['bare_against_itself']:.3f} "
+            f"[{q1:.2f}, {q3:.2f}]: "
+            + (
+                "the miss is within this comparison's noise"
+                if row["miss_within_noise"]
+                else "the noise is inside the margin: a real miss"
+            )
+        )
     return row
+
+
+def noise_of(bare: Callable[[], int], rounds: int) -> dict:
+    """The bare loader timed against itself, in alternating order, ``rounds`` rounds: the
+    median same-round ratio and its quartiles, and whether they reach past 1 +/- the margin
+    (then a miss of the margin is within the noise of a comparison of identical work)."""
+    first, second = [], []
+    for r in range(rounds):
+        for times in (first, second) if r % 2 == 0 else (second, first):
+            times.append(timed(bare)[0])
+    ratio, (q1, q3) = paired(first, second)
+    return {
+        "bare_against_itself": ratio,
+        "bare_against_itself_quartiles": (q1, q3),
+        "miss_within_noise": q1 < 1 - FLOOR_MARGIN or q3 > 1 + FLOOR_MARGIN,
+    }
 
 
 def count(loader: Iterable, label_of: Callable) -> int:
