@@ -156,7 +156,7 @@ class Skipper:
         else:
             entries, others = self._state_entries()
             tensors = self.params + [t for _, _, t in entries]
-            if not _same_objects(self._backed_up, tensors):
+            if not _identical(self._backed_up, tensors):
                 self._backup = [torch.empty_like(t) for t in tensors]  # new tensors: new buffers
                 self._backed_up, self._plan = tensors, None
         if tensors:
@@ -176,7 +176,8 @@ class Skipper:
             if not bool(apply):
                 self._restore_exactly(entries, others, tensors)
             return True
-        if self._plan is not None and _same_objects(tensors[len(self.params) :], new_entries):
+        new_tensors = [t for _, _, t in new_entries]
+        if self._plan is not None and _identical(tensors[len(self.params) :], new_tensors):
             self._plan(apply)  # the same tensors, updated in place (other values changed)
             self._layout_then, self._entries_then = after, (new_entries, new_others)
             return False
@@ -268,15 +269,6 @@ class Skipper:
 def _identical(a: list[Any], b: list[Any]) -> bool:
     """``a[i] is b[i]`` for all i, and as many."""
     return len(a) == len(b) and all(map(operator.is_, a, b))
-
-
-def _same_objects(a: list[Any], b: list[Any]) -> bool:
-    """``a[i] is b[i]`` for all i (``b`` may hold ``(dict, key, tensor)`` entries)."""
-    if len(a) != len(b):
-        return False
-    if b and isinstance(b[0], tuple):
-        b = [e[2] for e in b]
-    return all(map(operator.is_, a, b))
 
 
 def _undo_elsewhere(flag: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
