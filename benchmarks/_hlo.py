@@ -16,10 +16,9 @@ import re
 from collections import Counter
 
 _TRIVIAL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast"})
-# `%name = shape opcode(`, where the shape may be a tuple `(f32[2]{0}, s32[])`
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?\S+\s+=\s+(?:\([^()]*\)|\S+)\s+([a-z][\w-]*)\(")
-# the same, with the name, the shape and the operands' names
-_NAMED = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s+=\s+(\([^()]*\)|\S+)\s+([a-z][\w-]*)\(([^)]*)\)")
+# `%name = shape opcode(`, where the shape may be a tuple `(f32[2]{0}, s32[])`: name, shape,
+# opcode; the operands follow, up to the first `)`
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s+=\s+(\([^()]*\)|\S+)\s+([a-z][\w-]*)\(")
 _DIMS = re.compile(r"[a-z]\w*\[([\d,]*)\]")
 
 
@@ -27,8 +26,8 @@ def entry_ops(hlo_text: str) -> Counter:
     """Opcode -> count over the ENTRY computation of ``hlo_text``, trivial ones left out."""
     counts: Counter = Counter()
     for line in _entry_lines(hlo_text):
-        if (match := _INSTRUCTION.match(line)) and match[1] not in _TRIVIAL:
-            counts[match[1]] += 1
+        if (match := _INSTRUCTION.match(line)) and match[3] not in _TRIVIAL:
+            counts[match[3]] += 1
     return counts
 
 
@@ -59,10 +58,11 @@ def big_ops(hlo_text: str, min_elements: int) -> list[str]:
     sizes: dict[str, int] = {}
     big = []
     for line in _entry_lines(hlo_text):
-        match = _NAMED.match(line)
+        match = _INSTRUCTION.match(line)
         if match is None:
             continue
-        name, shape, op, operands = match.groups()
+        name, shape, op = match.groups()
+        operands = line[match.end() :].split(")", 1)[0]
         sizes[name] = _elements(shape)
         if op in _TRIVIAL:
             continue
