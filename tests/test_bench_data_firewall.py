@@ -1,12 +1,13 @@
-"""benchmarks/data_firewall.py's reading of its own noise: a row that misses its goal times
-the bare loader against itself, and the miss is called noise only where that comparison of
-identical work spreads past the margin."""
+"""benchmarks/data_firewall.py's own parts: a row that misses its goal times the bare loader
+against itself, and the miss is called noise only where that comparison of identical work
+spreads past the margin; the walk floor does the drop floor's work after visiting every field."""
 
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -43,3 +44,38 @@ def test_noise_of_pairs_passes_in_alternating_order(
     q1, q3 = got["bare_against_itself_quartiles"]
     assert q1 <= got["bare_against_itself"] <= q3
     assert got["miss_within_noise"] is within_noise
+
+
+def test_walk_floor_drops_what_the_drop_floor_drops(data_firewall):
+    """``drop_walked`` (the walk floor) visits every field: a clean batch comes back as the
+    same object; a dirty one loses the samples with a NaN or inf in any float field, in
+    order, from every field, as ``drop_numpy`` does for the one field it knows."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    w = rng.normal(size=16)  # float64
+    batch = {"x": x, "w": w, "y": np.arange(16), "ok": np.ones(16, dtype=bool)}
+    assert data_firewall.drop_walked(batch) is batch
+    x[[3, 9], 1] = [np.nan, np.inf]
+    w[[9, 12]] = -np.inf
+    got = data_firewall.drop_walked(batch)
+    kept = np.setdiff1d(np.arange(16), [3, 9, 12])
+    for key, value in batch.items():
+        np.testing.assert_array_equal(got[key], value[kept])
+    only_x = {"x": x, "y": batch["y"]}
+    for key, value in data_firewall.drop_numpy(only_x).items():
+        np.testing.assert_array_equal(data_firewall.drop_walked(only_x)[key], value)
+
+
+@pytest.mark.parametrize(
+    ("field", "error"),
+    [
+        ([0.0] * 4, TypeError),  # not an array
+        (np.ones(()), TypeError),  # no batch axis: len() of a 0-d array
+        (np.zeros(3), ValueError),  # another batch size
+        (np.zeros(4, dtype=complex), TypeError),  # no route for its dtype
+        (np.zeros(4, dtype=">f4"), TypeError),  # nor for a byte-swapped one
+    ],
+)
+def test_walk_floor_refuses_what_it_does_not_route(data_firewall, field, error):
+    with pytest.raises(error):
+        data_firewall.drop_walked({"x": np.zeros((4, 2), dtype=np.float32), "f": field})
