@@ -1043,3 +1043,27 @@ def test_one_nonfinite_value_records_as_the_general_path(monkeypatch, value, kin
     for g, e in zip(leaves(out), leaves(want_out), strict=True):
         assert g.dtype == e.dtype
         np.testing.assert_array_equal(g, e)
+
+
+def test_torch_leaves_on_the_fast_path_by_dtype():
+    """torch children of a batch: floats are summed (a NaN makes the batch a suspect),
+    integers and bool hold nothing to read, a complex tensor sends the batch the general way
+    (None), and a tensor subclass (a Parameter) is walked as its base type is."""
+    torch = pytest.importorskip("torch")
+    from numstab.data import _fast
+
+    ints = [torch.zeros(8, dtype=d) for d in (torch.int64, torch.int32, torch.uint8, torch.bool)]
+    assert _fast.clean_batch_size([torch.ones(8, 2), *ints], 0) == 8
+    assert _fast.clean_batch_size({"h": torch.ones(8, dtype=torch.float16)}, 0) == 8
+    nan = torch.ones(8, 2)
+    nan[3, 1] = float("nan")
+    assert _fast.clean_batch_size([nan, *ints], 0) == _fast.SUSPECT
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        assert _fast.clean_batch_size([nan.to(dtype), *ints], 0) == _fast.SUSPECT
+    assert _fast.clean_batch_size([torch.ones(8, dtype=torch.complex64), ints[0]], 0) is None
+    parameter = torch.nn.Parameter(torch.ones(8, 2), requires_grad=False)
+    assert _fast.clean_batch_size([parameter, ints[0]], 0) == 8
+    assert _fast.clean_batch_size([torch.ones(8, 2), torch.zeros(7, dtype=torch.int64)], 0) is None
+    batch = [nan, ints[0]]
+    out = Firewall("drop").process(batch)
+    assert out[0].shape == (7, 2) and out[1].shape == (7,)

@@ -103,7 +103,13 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
                 continue
             if sums is None:
                 hooks, sums, sizes = frameworks.loaded("data", "batch_leaf"), [], []
-            _child(leaf, batch_axis, hooks, sums, sizes)
+            for leaf_type, check in hooks:  # a framework's plain tensor: straight to its hook
+                if type(leaf) is leaf_type:
+                    if not check(leaf, batch_axis, sums, sizes):
+                        return None
+                    break
+            else:  # a nested container, a tensor subclass, anything else
+                _walk(leaf, batch_axis, hooks, sums, sizes)
         if sizes:
             if size >= 0:
                 sizes.append(size)
@@ -155,17 +161,6 @@ def _host(a: np.ndarray, axis: int, sizes: list) -> None:
         return
     if kind not in "iub":
         raise _Unknown
-
-
-def _child(leaf: Any, axis: int, leaf_hooks: tuple, sums: list, sizes: list) -> None:
-    """A child that is not a batched NumPy array: a framework's plain tensor (exactly the
-    hook's type) straight to its hook, anything else through ``_walk``."""
-    for leaf_type, check in leaf_hooks:
-        if type(leaf) is leaf_type:
-            if not check(leaf, axis, sums, sizes):
-                raise _Unknown
-            return
-    _walk(leaf, axis, leaf_hooks, sums, sizes)
 
 
 def _walk(node: Any, axis: int, leaf_hooks: tuple, sums: list, sizes: list) -> None:

@@ -21,6 +21,8 @@ def in_worker() -> bool:
 
 _HOST_FLOATS = (torch.float32, torch.float64, torch.float16)
 _F32, _F64 = torch.float32, torch.float64
+#: the dtypes with nothing to read (a set lookup: each ``dtype.is_*`` is a C call)
+_EXACT = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
 
 
 def _batch_leaf(node: torch.Tensor, axis: int, sums: list, sizes: list) -> bool:
@@ -33,6 +35,8 @@ def _batch_leaf(node: torch.Tensor, axis: int, sums: list, sizes: list) -> bool:
     dtype = node.dtype  # read once: each tensor attribute is a C call
     if dtype is _F32 or dtype is _F64:
         sums.append(node.sum())
+    elif dtype in _EXACT:
+        pass
     elif dtype.is_floating_point:
         sums.append(node.sum(dtype=_F32))
     else:
