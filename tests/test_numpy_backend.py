@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import numstab as ns
 from numstab.backends import load_backend
 
 
@@ -53,3 +54,17 @@ def test_sum_is_numpys_sum(dtype):
         assert np.asarray(got).dtype == np.asarray(want).dtype
         np.testing.assert_array_equal(got, want)
     assert be.sum(np.float32(2.0)) == np.float32(2.0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "longdouble", "bfloat16"])
+def test_clip_by_value_keeps_every_numpy_float_dtype(dtype):
+    """``clip`` keeps the dtype (NumPy's own ``np.clip`` returned float32 for ml_dtypes'
+    bfloat16), NaN passes, +-inf become the bounds; a float128 leaf has no range table entry
+    and keeps its bounds as given."""
+    import ml_dtypes
+
+    kind = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    x = np.array([-5.0, 0.25, 7.0, np.inf, -np.inf, np.nan]).astype(kind)
+    [got] = ns.clip_by_value([x], -1.0, 2.0)
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(got.astype(np.float64), [-1.0, 0.25, 2.0, 2.0, -1.0, np.nan])

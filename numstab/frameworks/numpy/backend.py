@@ -83,6 +83,12 @@ class NumpyBackend(NamespaceBackend):
         x[np.arange(x.shape[0]), index] += values
         return x
 
+    def clip(self, x, low, high):
+        if x.dtype.kind == "f":  # NumPy's own floats: one pass, dtype kept
+            return np.clip(x, low, high)
+        # bfloat16 (ml_dtypes) has no clip loop: np.clip computed it in float32
+        return np.minimum(np.maximum(x, low), high)
+
     # -- data firewall --
     def compress(self, x, keep, axis):
         return np.compress(keep, x, axis=axis)
