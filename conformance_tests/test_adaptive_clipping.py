@@ -38,6 +38,8 @@ ZCLIP_CONFIGS = {
     "mean-unbounded": {"max_grad_norm": None, "clip_option": "mean"},
     "percentile-skip": {"mode": "percentile", "skip_update_on_spike": True, "max_grad_norm": 2.0},
     "scaled-0.7": {"clip_factor": 0.7, "alpha": 0.9, "warmup_steps": 0},
+    # past float32's range: a bound the float32 norm never reaches (torch and TF raised)
+    "bound-1e308": {"max_grad_norm": 1e308},
 }
 
 
@@ -53,6 +55,7 @@ def test_zclip_follows_oracle_step_by_step(target):
         ("percentile-skip", "float32"),
         ("mean-unbounded", "float32"),
         ("scaled-0.7", "float32"),
+        ("bound-1e308", "float16"),
     ],
 )
 def test_zclip_follows_oracle_eagerly(eager_target, config, dtype):
@@ -108,6 +111,25 @@ def test_agc_matches_oracle(target):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_agc_matches_oracle_eagerly(eager_target, dtype):
     _check_agc(eager_target, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_agc_eps_past_float32_clips_nothing(target, dtype):
+    """An eps past the compute dtype's range is clamped to it: every unit's limit is at least
+    0.01 x float32's largest value, so these gradients pass unclipped, as in the float64
+    oracle (torch and TF raised converting the eps)."""
+    h = target.h
+    grads_np, params_np = _agc_data()
+    grads = [h.asarray(g, dtype) for g in grads_np]
+    params = [h.asarray(p, "float32") for p in params_np]
+    out = _runner(target, lambda g, p: AGC(0.01, eps=1e308).clip(g, p))(grads, params)
+    seen = [h.numpy(g) for g in grads]
+    assert all(
+        np.array_equal(w, s)
+        for w, s in zip(oracle.agc(seen, params_np, eps=1e308), seen, strict=True)
+    )
+    for got, s in zip(out, seen, strict=True):
+        np.testing.assert_array_equal(h.numpy(got), s)
 
 
 def _check_agc(target, dtype):

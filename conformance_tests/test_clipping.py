@@ -87,6 +87,36 @@ def test_clip_by_value(target):
         np.testing.assert_array_equal(got, [-1.0, -0.5, 0.25, 2.0, 2.0, -1.0, np.nan])
 
 
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64")  # JAX, no x64
+@pytest.mark.parametrize(
+    ("low", "high"), [(-1e5, 1e5), (-3.5e38, 1e308), (1e5, 1e5), (1e308, 1e308)]
+)
+def test_clip_by_value_bounds_past_the_dtype(target, low, high):
+    """A bound past a leaf dtype's finite range (1e5 for float16 gradients) is that range's
+    end: it clamps no finite value, and +-inf become the dtype's largest finite value, on
+    every backend (torch and TensorFlow raised converting it; NumPy and JAX kept inf). A
+    bound inside the range is rounded to the dtype, once (TensorFlow rounded it through
+    float32 first), and bfloat16 leaves stay bfloat16 (NumPy's clip made them float32)."""
+    import ml_dtypes
+
+    h = target.h
+    x = np.array([-5.0, -0.5, 0.25, 7.0, 3e4, np.inf, -np.inf, np.nan])
+    dtypes = ["float16", "bfloat16", "float32", "float64"]
+    tree = [h.asarray(x, dtype) for dtype in dtypes]
+    got = h.call_leaves(lambda t: ns.clip_by_value(t, low, high), target.compiled, tree)
+    be = ns.backends.load_backend(target.name)
+    for leaf, x_in in zip(got, tree, strict=True):
+        dtype = be.dtype_name(x_in)  # JAX without x64 makes float64 float32
+        kind = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+        largest = float(ml_dtypes.finfo(kind).max)
+        lo, hi = (np.float64(min(max(b, -largest), largest)).astype(kind) for b in (low, high))
+        want = np.clip(x.astype(kind).astype(np.float64), float(lo), float(hi))
+        np.testing.assert_array_equal(np.asarray(leaf, np.float64), want, err_msg=dtype)
+    if not target.compiled:
+        kept = [be.dtype_name(x) for x in ns.clip_by_value(tree, low, high)]
+        assert kept == [be.dtype_name(x) for x in tree]
+
+
 def test_all_finite(target):
     h = target.h
     clean = _tree(h, LEAVES)

@@ -24,7 +24,7 @@ from numstab import _validate as v
 from numstab._dispatch import HOST, check_numeric_host, framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend
-from numstab.clipping import _float_leaves, _global_norm, scale_leaves
+from numstab.clipping import _float_leaves, _global_norm, in_range, scale_leaves
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, flatten_with_paths, leaves_with_paths, unflatten
 
@@ -170,6 +170,8 @@ class ZClip:
     def _masked_step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:
         n = self.buffer_size
         raw = g
+        # the norm and the statistics are float32: a larger max_grad_norm clips nothing more
+        max_norm = None if self.max_grad_norm is None else in_range(self.max_grad_norm, "float32")
         finite = be.isfinite(g)
         g = be.where(finite, g, 0.0)  # keeps NaN out of every branch; masked below
         warming = state.count < n
@@ -182,10 +184,7 @@ class ZClip:
         initialise = collect & (count >= n)
         first_mean = be.sum(buffer) / float(n)
         first_var = be.sum((buffer - first_mean) ** 2) / float(n)
-        if self.max_grad_norm is None:
-            warm_coef = g * 0.0 + 1.0
-        else:
-            warm_coef = _min(be, self.max_grad_norm / (g + 1e-6), 1.0)
+        warm_coef = g * 0.0 + 1.0 if max_norm is None else _min(be, max_norm / (g + 1e-6), 1.0)
 
         # active: threshold from the EMA statistics, clip, then update the EMA with the clip
         std = be.sqrt(state.var)
@@ -201,7 +200,7 @@ class ZClip:
                 threshold = state.mean + (self.z_thresh * std) / (z / self.z_thresh)
                 threshold = threshold * self.clip_factor
         clip = be.where(spike, threshold, g)
-        limit = clip if self.max_grad_norm is None else _min(be, clip, self.max_grad_norm)
+        limit = clip if max_norm is None else _min(be, clip, max_norm)
         active_coef = be.where(g > limit, limit / (g + 1e-6), 1.0)
         mean = self.alpha * state.mean + (1.0 - self.alpha) * clip
         var = self.alpha * state.var + (1.0 - self.alpha) * (clip - mean) ** 2
@@ -336,7 +335,8 @@ class AGC:
         compute = v.compute_dtype(dtype)
         g32, p32 = be.cast(g, compute), be.cast(p, compute)
         g_norm = _unit_norm(be, g32, axes)
-        limit = self.clip_factor * be.maximum(_unit_norm(be, p32, axes), self.eps)
+        eps = in_range(self.eps, compute)  # past the compute dtype: its largest finite value
+        limit = self.clip_factor * be.maximum(_unit_norm(be, p32, axes), eps)
         clipped = g32 * (limit / be.maximum(g_norm, 1e-6))
         out = be.where(g_norm < limit, g32, clipped)
         return out if dtype == compute else be.cast_toward_zero(out, dtype)  # never above limit

@@ -31,6 +31,17 @@ LARGEST_FINITE = {
     "float64": 1.7976931348623157e308,
 }
 
+
+def in_range(value: float, dtype: str) -> float:
+    """``value`` clamped to ``dtype``'s finite range, ``[-largest, largest]``: a Python bound
+    for arrays of that dtype. Past the range, a bound clamps no finite value of the dtype, as
+    the bound itself would not, and +-inf clamp to the largest finite value (the bound has no
+    value in the dtype: torch and TensorFlow raise converting it, NumPy and JAX make it inf).
+    A dtype outside ``LARGEST_FINITE`` (NumPy's float128) keeps ``value`` as it is."""
+    largest = LARGEST_FINITE.get(dtype)
+    return float(value) if largest is None else min(max(float(value), -largest), largest)
+
+
 #: The smallest normal value per dtype: a ``max_norm`` below it may round to 0 in the dtype.
 SMALLEST_NORMAL = {
     "float16": 6.103515625e-05,
@@ -184,7 +195,7 @@ def _coefficient(be: Backend, norm: Array, max_norm: float, fused: bool | None =
     """
     dtype = be.dtype_name(norm)
     dtype = dtype if v.is_floating(dtype) else "float32"
-    value = min(float(max_norm), LARGEST_FINITE[dtype])
+    value = in_range(max_norm, dtype)
     tiny = value < SMALLEST_NORMAL[dtype]
     return native_op(be, "clip_factor", fused)(norm, value, dtype, tiny)
 
@@ -224,7 +235,9 @@ def clip_by_value(
     tree: Tree, min_value: float, max_value: float, *, backend: str | None = None
 ) -> Tree:
     """Clamp every element to [min_value, max_value]. NaN passes through (as in every
-    framework); +-inf become the bounds."""
+    framework); +-inf become the bounds. A bound past a leaf dtype's finite range is taken
+    as that range's end (``in_range``): it clamps nothing finite, and +-inf become the
+    dtype's largest finite value."""
     low = v.check_number("min_value", min_value, low=-math.inf)
     high = v.check_number("max_value", max_value, low=-math.inf)
     if low > high:
@@ -232,4 +245,10 @@ def clip_by_value(
             f"Expected min_value <= max_value. Received: min_value={low}, max_value={high}"
         )
     be, leaves, treedef, _, _ = _float_leaves(tree, backend)
-    return unflatten(treedef, [None if x is None else be.clip(x, low, high) for x in leaves])
+    return unflatten(treedef, [None if x is None else _clip(be, x, low, high) for x in leaves])
+
+
+def _clip(be: Backend, x: Array, low: float, high: float) -> Array:
+    """One leaf clamped to the bounds, each first brought into the leaf dtype's range."""
+    dtype = be.dtype_name(x)
+    return be.clip(x, in_range(low, dtype), in_range(high, dtype))
