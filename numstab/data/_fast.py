@@ -51,20 +51,16 @@ SUSPECT = -1
 
 
 def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -> int | None:
-    """The batch size if the batch is provably all finite; ``SUSPECT`` if some floating leaf
-    is not provably finite; None for anything else ("look closer"). With ``SUSPECT``,
-    ``counted`` (if given) receives ``(array, found)`` for the NumPy arrays found dirty, when
-    they have a batch axis: where their non-finite values are (``_host.Found``), already
-    located, for the caller to reuse (the ``is`` identity tells which leaf; a TensorFlow
-    tensor read through its view is handed on as the tensor).
+    """The batch size if every floating leaf is provably finite, ``SUSPECT`` if one is not,
+    None for anything else ("look closer"). With ``SUSPECT``, ``counted`` (if given) gets
+    ``(leaf, _host.Found)`` for each batched NumPy array, or TensorFlow tensor read through
+    its NumPy view, found dirty: for the caller to reuse, by identity.
 
-    The common batch, a dict, list or tuple of NumPy arrays, is read in one loop with no call
-    but the read (``isfinite``, or ``_host.find`` for big arrays); a plain tensor child goes
-    to its framework's hook (``data.batch_leaf``) directly; any other child (a nested
-    container, a tensor subclass) goes through ``_walk``, and any other batch is walked
-    whole. In that loop a dirty array does not stop the reading: when every child is a
-    batched NumPy array or a plain tensor and the answer is ``SUSPECT``, ``counted`` holds
-    every dirty NumPy child, and the others are clean (``_lean.handle_flat`` relies on it)."""
+    The common batch, a dict, list or tuple of NumPy arrays or plain tensors, is read in one
+    loop: an array by ``isfinite`` (``_host.find`` for big ones), a tensor by its framework's
+    hook (``data.batch_leaf``), anything else through ``_walk``. A dirty array does not stop
+    the reading: ``counted`` then holds every dirty NumPy child, and the others are clean
+    (``_lean.handle_flat`` relies on it)."""
     cls = type(batch)
     if cls is dict:
         children = batch.values()
@@ -82,8 +78,7 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
                     if size >= 0:
                         return None
                     size = n
-                # the common dtypes by identity (builtin dtypes are singletons), others by kind
-                dtype = leaf.dtype
+                dtype = leaf.dtype  # common ones by identity (builtins are singletons)
                 if dtype is _F32 or dtype is _F64 or (dtype is not _I64 and dtype.kind == "f"):
                     values = leaf.size
                     if values < SUM_MIN_SIZE:  # ``find``'s small route, inline
@@ -122,9 +117,8 @@ def clean_batch_size(batch: Any, batch_axis: int, counted: list | None = None) -
             if counted is not None:
                 counted += dirty
             return SUSPECT
-        # a framework's leaves (torch's): one fused sum per field, one sync; a finite total
-        # proves finite terms (NaN/inf propagate), and an overflowing one only sends the
-        # batch the long way
+        # torch's leaves: one fused sum per field, one sync; a finite total proves finite
+        # terms (NaN/inf propagate), an overflowing one only sends the batch the long way
         if sums and not math.isfinite(sum(sums[1:], sums[0]).item()):
             return SUSPECT
     except _Suspect as suspect:
