@@ -339,7 +339,7 @@ def compare(
     floor_text += f"  drop floor {drop_ratio:6.3f}" if drop_ratio is not None else ""
     floor_text += f"  walk floor {walk_ratio:6.3f}" if walk_ratio is not None else ""
     verdict = f"{'meets' if row['meets_goal'] else 'MISSES'} goal <= {goal:.3f}"
-    if walk_ratio is not None and walk_ratio + FLOOR_MARGIN / 2 > goal:
+    if walk_ratio is not None and drop_ratio is not None and not row["meets_goal"]:
         verdict += f" (the walk floor alone is {walk_ratio - drop_ratio:+.3f} over the drop floor)"
     q1, q3 = pass_quartiles
     print(
