@@ -12,9 +12,22 @@ from typing import Any
 
 from numstab.errors import InvalidArgumentError
 
+#: the floating dtypes numstab computes in (and NumPy's wider longdouble), for messages
+FLOAT_DTYPES = "float16, bfloat16, float32 or float64"
+#: 8-bit and narrower floats (float8_e4m3fn, float8_e5m2, float6_*, float4_*): storage
+#: formats, some without inf (e4m3fn) or NaN (float6, float4), with few kernels in torch or
+#: TensorFlow. Functions that compute refuse them; those that only read finiteness take them
+#: (``numstab._narrow_floats``).
+_NARROW = ("float8_", "float6_", "float4_")  # "float64" is not narrow
+
 
 def is_floating(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat"))
+    """float16, bfloat16, float32, float64 (and wider): not the 8-bit and narrower floats."""
+    return dtype.startswith(("float", "bfloat")) and not dtype.startswith(_NARROW)
+
+
+def is_narrow_float(dtype: str) -> bool:
+    return dtype.startswith(_NARROW)
 
 
 def is_integer(dtype: str) -> bool:
@@ -66,8 +79,7 @@ def check_int(name: str, value: Any) -> int:
 def check_floating(name: str, dtype: str) -> None:
     if not is_floating(dtype):
         raise InvalidArgumentError(
-            f"Expected {name} of a floating dtype (float16, bfloat16, float32, float64). "
-            f"Received: {name}.dtype={dtype}"
+            f"Expected {name} of a floating dtype ({FLOAT_DTYPES}). Received: {name}.dtype={dtype}"
         )
 
 

@@ -321,8 +321,8 @@ class AGC:
         for name, x in (("grads", g), ("params", p)):
             if not v.is_floating(be.dtype_name(x)):
                 raise InvalidArgumentError(
-                    f"Expected floating-point {name}. Received: {name}{path} with "
-                    f"dtype={be.dtype_name(x)}"
+                    f"Expected floating-point {name} ({v.FLOAT_DTYPES}). Received: "
+                    f"{name}{path} with dtype={be.dtype_name(x)}"
                 )
         if not v.shapes_match(be.shape(g), be.shape(p)):
             raise InvalidArgumentError(

@@ -11,6 +11,7 @@ import math
 import numbers
 from typing import Any
 
+from numstab import _narrow_floats
 from numstab import _validate as v
 from numstab._dispatch import HOST, framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
@@ -52,7 +53,12 @@ SMALLEST_NORMAL = {
 
 
 def _float_leaves(
-    tree: Tree, backend: str | None, *extra: Array, name: str = "tree", fused: bool | None = None
+    tree: Tree,
+    backend: str | None,
+    *extra: Array,
+    name: str = "tree",
+    fused: bool | None = None,
+    read_narrow: bool = False,
 ) -> tuple[Backend, list, Any, list, str]:
     """(backend, all leaves, treedef, the non-None non-empty floating leaves, and their
     accumulation dtype).
@@ -61,7 +67,9 @@ def _float_leaves(
     dtype names are asked once per distinct dtype, and ``Backend.nonempty`` drops the empty
     leaves (a backend's ``native_dtypes_and_nonempty`` answers both; ``fused``: as
     ``native_op``'s ``allowed``). Raises InvalidArgumentError naming the first
-    (non-None) leaf of a non-floating dtype, counted among the non-None leaves.
+    (non-None) leaf of a non-floating dtype, counted among the non-None leaves; with
+    ``read_narrow`` (functions that only read finiteness) 8-bit floats are taken, upcast to
+    float32, and float6/float4 leaves dropped (``numstab._narrow_floats``).
     """
     leaves, treedef = flatten(tree)
     present = _present(leaves)
@@ -74,18 +82,29 @@ def _float_leaves(
         present = _present(leaves)
     dtypes, numeric = native_op(be, "dtypes_and_nonempty", fused)(present)
     if not all(map(v.is_floating, dtypes)):
-        raise _not_floating_error(be, present, name)
-    if len(numeric) != len(present):  # an empty leaf does not choose the accumulation dtype
+        if not (read_narrow and all(map(_readable, dtypes))):
+            raise _not_floating_error(be, present, name, read_narrow)
+        numeric = _narrow_floats.readable(be, numeric)
+        dtypes = be.dtype_names(numeric)
+    elif len(numeric) != len(present):  # an empty leaf does not choose the accumulation dtype
         dtypes = be.dtype_names(numeric)
     return be, leaves, treedef, numeric, _accumulation_dtype(dtypes)
 
 
-def _not_floating_error(be: Backend, present: list, name: str) -> InvalidArgumentError:
-    i, dtype = next(
-        (i, d) for i, d in enumerate(map(be.dtype_name, present)) if not v.is_floating(d)
+def _readable(dtype: str) -> bool:
+    return v.is_floating(dtype) or v.is_narrow_float(dtype)
+
+
+def _not_floating_error(
+    be: Backend, present: list, name: str, read_narrow: bool = False
+) -> InvalidArgumentError:
+    ok = _readable if read_narrow else v.is_floating
+    i, dtype = next((i, d) for i, d in enumerate(map(be.dtype_name, present)) if not ok(d))
+    kinds = (
+        v.FLOAT_DTYPES.replace(" or ", ", ") + ", or narrower" if read_narrow else v.FLOAT_DTYPES
     )
     return InvalidArgumentError(
-        f"Expected floating-point leaves in {name}. Received: leaf {i} with dtype={dtype}"
+        f"Expected floating-point leaves in {name} ({kinds}). Received: leaf {i} with dtype={dtype}"
     )
 
 
@@ -113,7 +132,7 @@ def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
     Stays on the device (no host sync); jit/tf.function/torch.compile friendly.
     """
     fused = not generic_forced()  # read once for both kernels
-    be, _, _, leaves, _ = _float_leaves(tree, backend, fused=fused)
+    be, _, _, leaves, _ = _float_leaves(tree, backend, fused=fused, read_narrow=True)
     if not leaves:
         return be.asarray(True)
     return native_op(be, "all_finite", fused)(leaves)

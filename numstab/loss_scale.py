@@ -221,8 +221,8 @@ class LossScaler:
         for i, g in enumerate(g for g in leaves if g is not None):
             if not v.is_floating(be.dtype_name(g)):
                 raise InvalidArgumentError(
-                    f"Expected floating-point gradients in grads. Received: leaf {i} with "
-                    f"dtype={be.dtype_name(g)}"
+                    f"Expected floating-point gradients in grads ({v.FLOAT_DTYPES}). "
+                    f"Received: leaf {i} with dtype={be.dtype_name(g)}"
                 )
         inv_scale = 1.0 / state.scale  # scales are powers of two in practice: exact
         unscaled = scale_leaves(be, leaves, inv_scale)

@@ -117,7 +117,8 @@ def smooth_labels(
         num_classes = shape[-1]
     else:
         raise InvalidArgumentError(
-            f"Expected integer class ids or float probabilities. Received: labels.dtype={dtype}"
+            f"Expected integer class ids or probabilities of a floating dtype "
+            f"({v.FLOAT_DTYPES}). Received: labels.dtype={dtype}"
         )
     return labels * (1.0 - alpha) + alpha / num_classes
 
@@ -198,7 +199,7 @@ def cross_entropy(
             return be.unflatten_rows(loss, x) if reduction == "none" else loss
         raise InvalidArgumentError(
             f"Expected labels of an integer dtype (class ids) or a floating dtype "
-            f"(probabilities). Received: labels.dtype={label_dtype}"
+            f"({v.FLOAT_DTYPES}: probabilities). Received: labels.dtype={label_dtype}"
         )
 
 

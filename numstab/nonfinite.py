@@ -19,6 +19,7 @@ from numstab import _validate as v
 from numstab import frameworks
 from numstab._dispatch import framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
+from numstab._narrow_floats import holds_nonfinite, readable
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError, NonFiniteError
 from numstab.tree import leaves_with_paths
@@ -83,14 +84,16 @@ def named_leaves(tree: Tree) -> list[tuple[str, Any]]:
 def find_nonfinite(tree: Tree, *, backend: str | None = None) -> list[NonFiniteRecord]:
     """One ``NonFiniteRecord`` per leaf holding NaN or +-inf, in leaf order; ``[]`` if none.
 
-    Integer, bool, empty and ``None`` leaves cannot be non-finite and are skipped. Host
+    Integer, bool, empty and ``None`` leaves cannot be non-finite and are skipped, and so are
+    float6/float4 leaves (formats without NaN or inf); float8 leaves are read upcast to
+    float32 (exact; ``numstab._narrow_floats``), their records keep their dtype. Host
     sync: one read of a per-leaf flag vector, then one read of the counts and one of the
     ranges of the offending leaves. Eager only (``InvalidArgumentError`` while tracing).
     """
     be, named = _floating_leaves(tree, backend)
     if not named:
         return []
-    bad = [named[i] for i in _nonfinite_indices(be, [x for _, x in named])]
+    bad = [named[i] for i in _nonfinite_indices(be, readable(be, [x for _, x in named]))]
     return _records(be, bad) if bad else []
 
 
@@ -137,7 +140,7 @@ def _floating_leaves(tree: Tree, backend: str | None) -> tuple[Backend, list[tup
                 f"numstab.all_finite there). Received: a traced leaf at {path or '<root>'}"
             )
         dtype = be.dtype_name(leaf)
-        if v.is_floating(dtype) and be.size(leaf, dtype) != 0:
+        if (v.is_floating(dtype) or holds_nonfinite(dtype)) and be.size(leaf, dtype) != 0:
             out.append((path, leaf))
     return be, out
 

@@ -169,7 +169,7 @@ def _flat_host(batch: Any) -> tuple[list[str], list, tree.TreeDef] | None:
 def _classify(path: str, leaf: Any, batch_axis: int) -> Field:
     if type(leaf) is np.ndarray:  # what the general branch answers, without its look-ups
         dtype = numpy_dtype_name(leaf.dtype)
-        kind = "float" if v.is_floating(dtype) else "exact"
+        kind = _kind(path, dtype)
         return Field(path, leaf, kind, load_backend("numpy"), leaf.ndim > batch_axis, dtype)
     if _is_string_list(leaf):
         return Field(path, leaf, "exact", None, batch_axis == 0, "str")
@@ -178,8 +178,21 @@ def _classify(path: str, leaf: Any, batch_axis: int) -> Field:
     be = backend_of(leaf)
     dtype = be.dtype_name(leaf)
     batched = len(be.shape(leaf)) > batch_axis
-    kind = "float" if v.is_floating(dtype) else "exact"
-    return Field(path, leaf, kind, be, batched, dtype)
+    return Field(path, leaf, _kind(path, dtype), be, batched, dtype)
+
+
+def _kind(path: str, dtype: str) -> str:
+    """ "float" (checked) or "exact" (integers, bool, complex: passed); an 8-bit float is
+    refused rather than passed unchecked."""
+    if v.is_floating(dtype):
+        return "float"
+    if v.is_narrow_float(dtype):
+        raise InvalidArgumentError(
+            f"Expected floating fields of dtype {v.FLOAT_DTYPES} (8-bit and narrower floats "
+            f"are not checked: cast them up first). Received: {path or '<batch>'} with "
+            f"dtype={dtype}"
+        )
+    return "exact"
 
 
 # -- per-sample counts: one reduction per field, written once over backend primitives ------

@@ -632,11 +632,94 @@ def _mismatch(c: Ctx) -> Any:
         return ns.logsumexp(arrays)
 
 
+def narrow_float_cases() -> Iterator[Case]:
+    """8-bit floats (§3): refused by what computes with them, read upcast by what only
+    reads finiteness."""
+    g8 = lambda c: [c.a([1.0]), c.float8([1.0, NAN])]
+    for fn_name, fn in {
+        "global_norm": lambda t: ns.global_norm(t),
+        "clip_by_global_norm": lambda t: ns.clip_by_global_norm(t, 1.0),
+        "clip_by_value": lambda t: ns.clip_by_value(t, -1.0, 1.0),
+        "adaptive_grad_clip": lambda t: ns.adaptive_grad_clip(t, t),
+    }.items():
+        arg = "grads" if fn_name == "adaptive_grad_clip" else "tree"
+        yield Case(f"{fn_name}.tree=float8_leaf", lambda c, f=fn: f(g8(c)), bad(arg))
+    yield Case(
+        "all_finite.tree=float8_leaf",
+        lambda c: ns.all_finite(g8(c)),
+        Valid(lambda r, c: not bool(c.np(r)), "float8 read upcast: its NaN is found (§3)"),
+    )
+    yield Case(
+        "find_nonfinite.tree=float8_leaf",
+        lambda c: ns.find_nonfinite(g8(c)),
+        Valid(
+            lambda r, c: (
+                [(x.path, x.nan_count, x.dtype) for x in r] == [("[1]", 1, "float8_e4m3fn")]
+            ),
+            "float8 read upcast: one record, its own dtype (§3)",
+        ),
+    )
+    x8 = lambda c: c.float8(np.linspace(-1, 1, 20).reshape(4, 5))
+    yield from [
+        Case(
+            "cross_entropy.logits=float8", lambda c: ns.cross_entropy(x8(c), _y(c)), bad("logits")
+        ),
+        Case(
+            "cross_entropy.labels=float8_probabilities",
+            lambda c: ns.cross_entropy(_x(c), c.float8(np.full((4, 5), 0.25))),
+            bad("labels"),
+        ),
+        Case("logsumexp.x=float8", lambda c: ns.logsumexp(x8(c)), bad("x")),
+        Case(
+            "smooth_labels.labels=float8",
+            lambda c: ns.smooth_labels(c.float8(np.full((4, 5), 0.25)), 0.1),
+            bad("labels"),
+        ),
+        Case(
+            "fused_linear_cross_entropy.hidden=float8",
+            lambda c: ns.fused_linear_cross_entropy(
+                c.float8(np.zeros((4, 3))), c.a(np.zeros((5, 3))), _y(c)
+            ),
+            bad("hidden"),
+        ),
+        Case(
+            "WarmupCosineSchedule.step=float8",
+            lambda c: ns.warmup_cosine_schedule(1.0, warmup_steps=1, total_steps=10)(c.float8(2.0)),
+            bad("step"),
+        ),
+        Case(
+            "data.check_batch.batch=float8_field",
+            lambda c: ns.data.check_batch({"x": c.float8(np.ones((4, 2)))}),
+            bad("['x']"),
+        ),
+    ]
+
+    def scaler_unscale(c: Ctx) -> Any:
+        s = ns.LossScaler()
+        state = s.init(backend=c.name)
+        return unchanged(lambda: state, lambda: s.unscale(g8(c), state))
+
+    def zclip_update(c: Ctx) -> Any:
+        z = ns.ZClip(warmup_steps=1)
+        _, state = z.update([c.a([1.0, 2.0])], z.init(backend=c.name))
+        return unchanged(lambda: state, lambda: z.update([c.float8([1.0, 2.0])], state))
+
+    def guard_decide(c: Ctx) -> Any:
+        g = ns.TrainingGuard()
+        state = g.init_state(c.name)
+        return unchanged(lambda: state, lambda: g.decide(state, c.float8(1.0), 1.0, c.name))
+
+    yield Case("LossScaler.unscale.grads=float8_leaf", scaler_unscale, bad("grads"))
+    yield Case("ZClip.update.grads=float8_leaf", zclip_update, bad("grads"))
+    yield Case("TrainingGuard.decide.loss=float8", guard_decide, bad("loss"))
+
+
 def all_cases() -> list[Case]:
     cases = [
         *hyperparameter_cases(),
         *array_cases(),
         *tree_cases(),
+        *narrow_float_cases(),
         *stateful_cases(),
         *more_api_cases(),
         *backend_cases(),

@@ -33,6 +33,10 @@ class Ctx:
             x = x.astype(np.int32)  # JAX without x64
         return self.be.asarray(x)
 
+    def float8(self, values: Any) -> Any:
+        """A float8_e4m3fn array of the backend (rounded from float32)."""
+        return self.be.cast(self.a(np.asarray(values, np.float32)), "float8_e4m3fn")
+
     def other(self, values: Any) -> Any:
         from numstab.backends import load_backend
 

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from numstab import _validate as v
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.jax.guard_state import GuardStateLike, choose_packing, like, unpacked
@@ -311,10 +312,11 @@ def _check(
 ) -> tuple[policy.Decision, policy.GuardState]:
     leaves = jax.tree.leaves(grads)
     for i, leaf in enumerate(leaves):
-        if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
+        dtype = jnp.asarray(leaf).dtype
+        if not v.is_floating(dtype.name):
             raise InvalidArgumentError(
-                f"Expected floating-point gradients. Received: leaf {i} with dtype="
-                f"{jnp.asarray(leaf).dtype}"
+                f"Expected floating-point gradients ({v.FLOAT_DTYPES}). Received: leaf {i} "
+                f"with dtype={dtype}"
             )
     if jnp.ndim(loss) != 0:
         raise InvalidArgumentError(

@@ -116,12 +116,13 @@ def _eqn_where(eqn: Any) -> str | None:
 
 
 def _leaf_sum(x: jax.Array) -> jax.Array:
-    """The sum in float32 (float64 stays); complex: real part plus imaginary part."""
+    """The sum in float32 (float64 stays); complex: real part plus imaginary part. 8-bit
+    floats are summed in float32 too (JAX promotes them to nothing implicitly)."""
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         s = jnp.sum(x)
         s = s.real + s.imag
     else:
-        s = jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
+        s = jnp.sum(x, dtype=jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
     return s if s.dtype == jnp.float64 else s.astype(jnp.float32)
 
 

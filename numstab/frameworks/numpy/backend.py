@@ -9,10 +9,10 @@ from numstab.backends._namespace import FORWARDED, NamespaceBackend
 
 
 def _dtype(name: str | None):
-    if name == "bfloat16":
-        import ml_dtypes  # ships with jax and tensorflow; needed only for bfloat16 arrays
+    if name is not None and not hasattr(np, name):  # bfloat16, float8_e4m3fn, ...
+        import ml_dtypes  # ships with jax and tensorflow; needed only for these arrays
 
-        return ml_dtypes.bfloat16
+        return getattr(ml_dtypes, name)
     return name
 
 

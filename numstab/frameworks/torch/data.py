@@ -21,15 +21,17 @@ def in_worker() -> bool:
 
 _HOST_FLOATS = (torch.float32, torch.float64, torch.float16)
 _F32, _F64 = torch.float32, torch.float64
-#: the dtypes with nothing to read (a set lookup: each ``dtype.is_*`` is a C call)
+#: the dtypes with nothing to read (set lookups: each ``dtype.is_*`` is a C call)
 _EXACT = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
+_HALF = frozenset((torch.float16, torch.bfloat16))
 
 
 def _batch_leaf(node: torch.Tensor, axis: int, sums: list, sizes: list) -> bool:
     """A tensor of a batch: its size along ``axis`` into ``sizes`` and, if floating, one
     fused sum (float32 or wider) into ``sums``, all read in one host sync per batch; False
-    for a complex tensor (the general path decides). Measured: a NumPy view of a CPU tensor
-    (``.numpy()`` + ``isfinite``) costs more than this sum on a freshly gathered batch."""
+    for any other dtype (complex, float8, uint16...: the general path decides). Measured: a
+    NumPy view of a CPU tensor (``.numpy()`` + ``isfinite``) costs more than this sum on a
+    freshly gathered batch."""
     if node.ndim > axis:
         sizes.append(node.shape[axis])
     dtype = node.dtype  # read once: each tensor attribute is a C call
@@ -37,10 +39,10 @@ def _batch_leaf(node: torch.Tensor, axis: int, sums: list, sizes: list) -> bool:
         sums.append(node.sum())
     elif dtype in _EXACT:
         pass
-    elif dtype.is_floating_point:
+    elif dtype in _HALF:
         sums.append(node.sum(dtype=_F32))
     else:
-        return not dtype.is_complex
+        return False
     return True
 
 

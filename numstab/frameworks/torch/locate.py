@@ -24,6 +24,7 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from numstab.backends import load_backend
+from numstab.frameworks.torch.numerics import checkable, readable
 from numstab.locate._report import LOSS, LayerCall, LocateReport, summarise
 from numstab.nonfinite import find_nonfinite
 from numstab.tree import flatten
@@ -52,12 +53,12 @@ class _Extrema:
     def slots(self, tensors: list) -> list[int]:
         out = []
         for t in tensors:
-            if t is None or not t.is_floating_point() or t.numel() == 0:
+            if not checkable(t):
                 continue
             key = (id(t), _version(t))
             slot = self.seen.get(key)
             if slot is None:
-                low, high = torch.aminmax(t.detach())
+                low, high = torch.aminmax(readable(t.detach()))
                 slot = self.seen[key] = len(self.mins)
                 self.mins.append(low)
                 self.maxs.append(high)

@@ -36,6 +36,27 @@ def _op_stack() -> list:
     return _ACTIVE
 
 
+#: 8-bit floats: no ``aminmax``/``isinf`` kernels, read upcast to float32 (exact); the
+#: packed float4 has neither NaN nor inf, nor a cast (``numstab._narrow_floats``)
+_FLOAT8 = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
+_NO_NONFINITE = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float4_"))
+
+
+def checkable(t: Any) -> bool:
+    """A non-empty floating tensor that can hold NaN or inf."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.dtype not in _NO_NONFINITE
+        and t.numel() != 0
+    )
+
+
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its float32 upcast for an 8-bit float (every value kept, NaN and inf too)."""
+    return t.float() if t.dtype in _FLOAT8 else t
+
+
 def _float_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         out = (out,)
@@ -43,10 +64,11 @@ def _float_tensors(out: Any) -> list[torch.Tensor]:
         out = tuple(out.values())
     elif not isinstance(out, (tuple, list)):
         return []
-    return [t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    return [t for t in out if checkable(t)]
 
 
 def _counts(t: torch.Tensor) -> tuple[int, int]:
+    t = readable(t)
     return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
 
 
@@ -68,11 +90,12 @@ class _CheckOps(TorchDispatchMode):
         for index, t in enumerate(_float_tensors(out)):
             if t.device.type == "meta" or t.layout != torch.strided:
                 continue
-            low, high = torch.stack(torch.aminmax(t)).tolist()  # one host read per output
+            read = readable(t)
+            low, high = torch.stack(torch.aminmax(read)).tolist()  # one host read per output
             has_nan = math.isnan(low)
             has_inf = math.isinf(low) or math.isinf(high)
             if has_nan and self.settings.inf and not self.settings.nan:
-                has_inf = bool(torch.isinf(t).any())
+                has_inf = bool(torch.isinf(read).any())
             if self.settings.bad(has_nan, has_inf):
                 raise _op_error(func, node, index, t, self.settings)
         return out
@@ -204,7 +227,7 @@ class Arm:
 
     def _param_hook(self, key: Any, module: torch.nn.Module, param: torch.Tensor) -> None:
         grad = param.grad
-        if grad is not None and grad.numel():
+        if checkable(grad):
             self._record(key, module, "backward", grad)
 
     # -- conversion --------------------------------------------------------------------------
@@ -231,14 +254,14 @@ def summary(t: torch.Tensor) -> Any:
     """One reduction whose value is finite exactly when ``t`` is (no sync): the sum for
     float32/64 (NaN and inf propagate; about twice as fast as min/max on CPU; a finite tensor
     whose sum overflows, beyond 3.4e38 in float32, reads as inf), else ``aminmax`` (a float16
-    sum would overflow at 65504)."""
-    t = t.detach()
+    sum would overflow at 65504; 8-bit floats are upcast first)."""
+    t = readable(t.detach())
     return t.sum() if t.dtype in _WIDE else torch.aminmax(t)
 
 
 def summarize(leaves: list) -> Any:
     """Per-leaf summaries on the device, for ``watch``."""
-    return [summary(t) for t in leaves if t.is_floating_point() and t.numel()]
+    return [summary(t) for t in leaves if checkable(t)]
 
 
 def read_summaries(summaries: list) -> list[tuple[bool, bool]]:
