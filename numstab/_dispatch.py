@@ -6,8 +6,10 @@ produced the arrays passed in. Results are cached per Python type.
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING, Any
 
+from numstab import _validate as v
 from numstab._config import AUTO, backend_choice, configured_backend
 from numstab.backends import load_backend
 from numstab.errors import BackendMismatchError, InvalidArgumentError, MixedBackendsError
@@ -70,6 +72,30 @@ def to_backend(be: Backend, x: Any, like: Any = None, name: str = "array") -> An
         return x
     check_numeric_host(x, name)
     return be.asarray(x, like=like)
+
+
+def scalar_array(be: Backend, name: str, x: Any, like: Any = None) -> Any:
+    """``x`` as a 0-d array of ``be``: a real number, or an array of a floating or integer
+    dtype with one element (shape ``(1,)`` or ``(1, 1)`` is reshaped). Anything else raises
+    ``InvalidArgumentError`` naming ``name``: a vector would broadcast against what it meets
+    (NumPy, JAX, TensorFlow) or raise torch's "scalar tensor expected", and a bool is no
+    number."""
+    if isinstance(x, bool) or not (isinstance(x, numbers.Real) or hasattr(x, "dtype")):
+        raise InvalidArgumentError(
+            f"Expected {name} to be a scalar number or a one-element array. Received: {name}={x!r}"
+        )
+    x = to_backend(be, x, like=like, name=name)
+    dtype, shape = be.dtype_name(x), be.shape(x)
+    if not (v.is_floating(dtype) or v.is_integer(dtype)):
+        raise InvalidArgumentError(
+            f"Expected {name} of a floating ({v.FLOAT_DTYPES}) or integer dtype. "
+            f"Received: {name}.dtype={dtype}"
+        )
+    if any(n != 1 for n in shape):
+        raise InvalidArgumentError(
+            f"Expected {name} to be a scalar (one element). Received: {name}.shape={shape}"
+        )
+    return be.reshape(x, ()) if shape else x
 
 
 _NUMERIC_KINDS = frozenset("biufc")  # bool, int, uint, float, complex

@@ -13,7 +13,7 @@ from typing import Any
 
 from numstab import _narrow_floats
 from numstab import _validate as v
-from numstab._dispatch import HOST, framework_of, resolve_backend, to_backend
+from numstab._dispatch import HOST, framework_of, resolve_backend, scalar_array, to_backend
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend
 from numstab.backends._native import generic_forced, native_op
@@ -175,7 +175,8 @@ def clip_by_global_norm(
     Leaves are exactly unchanged when ``norm <= max_norm`` (no epsilon, no 0/0 at zero
     gradients). A non-finite norm leaves every leaf untouched and is returned as is, so the
     caller (loss scaler, training guard) can skip the step. ``norm``: a norm computed
-    elsewhere (e.g. combined across devices or ranks) to use instead of this tree's own.
+    elsewhere (e.g. combined across devices or ranks) to use instead of this tree's own: a
+    number or a one-element array (returned 0-d; an integer one as float32).
     """
     max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
     norm_type = _check_norm_type(norm_type)
@@ -184,7 +185,7 @@ def clip_by_global_norm(
     if norm is None:
         norm = _global_norm(be, numeric, float(norm_type), dtype, fused)
     else:
-        norm = to_backend(be, norm, like=numeric[0] if numeric else None)
+        norm = _given_norm(be, norm, like=numeric[0] if numeric else None)
     factor = _coefficient(be, norm, max_norm, fused)
     # no None and no empty leaf: the leaves are ``numeric`` (which may carry facts to reuse)
     present = numeric if len(numeric) == len(leaves) else _present(leaves)
@@ -195,12 +196,19 @@ def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None
     """``max_norm / max(norm, max_norm)``, and 1 when ``norm`` is not finite: the factor
     clip_by_global_norm multiplies by (for in-place or cross-device clipping)."""
     max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
-    return _coefficient(resolve_backend(norm, backend=backend), norm, max_norm)
+    be = resolve_backend(norm, backend=backend)
+    return _coefficient(be, _given_norm(be, norm), max_norm)
+
+
+def _given_norm(be: Backend, norm: Any, like: Any = None) -> Array:
+    """A caller's norm as a 0-d floating array (``scalar_array``; integers as float32)."""
+    norm = scalar_array(be, "norm", norm, like)
+    return norm if v.is_floating(be.dtype_name(norm)) else be.cast(norm, "float32")
 
 
 def _coefficient(be: Backend, norm: Array, max_norm: float, fused: bool | None = None) -> Array:
-    """``max_norm / max(norm, max_norm)`` where ``norm < inf``, else exactly 1, in ``norm``'s
-    dtype (float32 for a non-float ``norm``).
+    """``max_norm / max(norm, max_norm)`` where ``norm < inf``, else exactly 1, in the 0-d
+    floating ``norm``'s dtype.
 
     ``max_norm`` becomes an array first, clamped to the dtype's largest finite value (a finite
     norm never exceeds it: nothing is clipped, where inf / inf gave NaN). The division is then
@@ -213,9 +221,8 @@ def _coefficient(be: Backend, norm: Array, max_norm: float, fused: bool | None =
     version in 4 kernels, bit for bit the same).
     """
     dtype = be.dtype_name(norm)
-    dtype = dtype if v.is_floating(dtype) else "float32"
     value = in_range(max_norm, dtype)
-    tiny = value < SMALLEST_NORMAL[dtype]
+    tiny = value < SMALLEST_NORMAL.get(dtype, 0.0)  # float128: no Python float is below it
     return native_op(be, "clip_factor", fused)(norm, value, dtype, tiny)
 
 

@@ -20,14 +20,13 @@ snapshot since), multiplies the learning rate by ``lr_factor`` and skips the nex
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 from collections.abc import Callable
 from typing import Any
 
 from numstab import _validate as v
 from numstab import frameworks
-from numstab._dispatch import to_backend
+from numstab._dispatch import scalar_array
 from numstab.backends import load_backend
 from numstab.backends._base import Backend
 from numstab.errors import InvalidArgumentError
@@ -176,20 +175,6 @@ def _backend(be: Backend | str) -> Backend:
 
 
 def _scalar(be: Backend, name: str, x: Any, like: Any) -> Any:
-    """``x`` as a 0-d float32 array of ``be``: a real number, or a numeric array with one
-    element. Anything else raises: a vector would be broadcast against the guard's state."""
-    if isinstance(x, bool) or not (isinstance(x, numbers.Real) or hasattr(x, "dtype")):
-        raise InvalidArgumentError(
-            f"Expected {name} to be a scalar number or a one-element array. Received: {name}={x!r}"
-        )
-    x = to_backend(be, x, like=like, name=name)
-    dtype, shape = be.dtype_name(x), be.shape(x)
-    if not (v.is_floating(dtype) or v.is_integer(dtype)):
-        raise InvalidArgumentError(
-            f"Expected {name} of a numeric dtype. Received: {name}.dtype={dtype}"
-        )
-    if any(n != 1 for n in shape):
-        raise InvalidArgumentError(
-            f"Expected {name} to be a scalar (one element). Received: {name}.shape={shape}"
-        )
-    return be.cast(be.reshape(x, ()), "float32")
+    """``x`` as a 0-d float32 array of ``be`` (``scalar_array``: a vector would be broadcast
+    against the guard's state)."""
+    return be.cast(scalar_array(be, name, x, like), "float32")

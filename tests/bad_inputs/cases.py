@@ -15,6 +15,7 @@ import numpy as np
 
 import numstab as ns
 from numstab import errors
+from numstab.clipping import clip_coefficient
 from tests.bad_inputs.ctx import Case, Ctx, Valid, bad, unchanged
 
 NAN, INF = float("nan"), float("inf")
@@ -364,9 +365,37 @@ def tree_cases() -> Iterator[Case]:
             "clip_by_global_norm.norm=nan",
             lambda c: ns.clip_by_global_norm(g(c), 1.0, norm=c.a(NAN)),
             Valid(
-                lambda r, c: not np.isfinite(c.np(r[1])),
-                "a non-finite norm is returned, leaves scaled by NaN (§5: check all_finite)",
+                lambda r, c: not np.isfinite(c.np(r[1])) and c.np(r[0][0]).tolist() == [3, 4],
+                "a non-finite norm is returned and every leaf left untouched (§7.3)",
             ),
+        ),
+        Case(
+            "clip_by_global_norm.norm=vector",
+            lambda c: ns.clip_by_global_norm(g(c), 1.0, norm=c.a([5.0, 5.0])),
+            bad("norm.shape"),
+        ),
+        Case(
+            "clip_by_global_norm.norm=bool",
+            lambda c: ns.clip_by_global_norm(g(c), 1.0, norm=c.a(True)),
+            bad("norm.dtype"),
+        ),
+        Case(
+            "clip_by_global_norm.norm=str",
+            lambda c: ns.clip_by_global_norm(g(c), 1.0, norm="5"),
+            bad("norm"),
+        ),
+        Case(
+            "clip_by_global_norm.norm=int_one_element",
+            lambda c: ns.clip_by_global_norm(g(c), 1.0, norm=c.a([5], "int32")),
+            Valid(
+                lambda r, c: np.allclose(c.np(r[0][0]), [0.6, 0.8]) and c.np(r[1]).shape == (),
+                "a one-element integer norm is a float32 scalar (§7.3)",
+            ),
+        ),
+        Case(
+            "clip_coefficient.norm=vector",
+            lambda c: clip_coefficient(c.a([5.0, 5.0]), 1.0),
+            bad("norm.shape"),
         ),
         Case(
             "clip_by_value.min_value=above_max",
