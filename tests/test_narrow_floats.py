@@ -161,3 +161,33 @@ def test_firewall_refuses_float8_fields_on_every_path(backend):
     batches = [{"x": _array(backend, np.ones((4, 2)), "float8_e4m3fn"), "y": np.arange(4)}]
     with pytest.raises(InvalidArgumentError, match=r"\['x'\] with dtype=float8_e4m3fn"):
         list(ns.data.protect(batches))
+
+
+def test_tensorflow_op_mode_reads_float8_outputs():
+    # TensorFlow's CheckNumericsV2 has no float8 kernel: a Keras model quantized to float8
+    # raised TensorFlow's "Value for attr 'T' of float8_e4m3fn is not in the list" there
+    tf = pytest.importorskip("tensorflow")
+    from tensorflow.python.framework import dtypes
+
+    from numstab.frameworks.tensorflow.numerics import is_enabled
+
+    with ns.check_numerics(backend="tensorflow"):
+        back = tf.cast(tf.cast(tf.constant([1.0, 3.0]), dtypes.float8_e4m3fn), tf.float32)
+    assert back.numpy().tolist() == [1.0, 3.0]
+    with pytest.raises(NonFiniteError) as caught, ns.check_numerics(backend="tensorflow"):
+        tf.cast(tf.constant([1.0, 1e6]), dtypes.float8_e5m2)  # past e5m2's 57344: inf
+    assert (caught.value.op, caught.value.nan_count, caught.value.inf_count) == ("Cast", 0, 1)
+    assert not is_enabled()  # TensorFlow's switch is off again
+
+
+def test_keras_float8_model_runs_under_op_mode():
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the TensorFlow op callback")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    for layer in model.layers:
+        layer.quantize("float8")
+    x = np.ones((2, 4), np.float32)
+    with ns.check_numerics(backend="tensorflow"):
+        y = model(x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(model(x)))

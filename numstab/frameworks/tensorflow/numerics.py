@@ -7,6 +7,7 @@
   kernel: such a function fails to compile), so numstab also sets
   ``tf.config.run_functions_eagerly(True)`` inside the context: every ``tf.function``, XLA
   or not, runs op by op and is checked, as ``torch.compile`` and ``jax.jit`` are.
+  The callback is TensorFlow's own, but for float8 outputs (``_Callback``).
 - ``mode="sentinel"``: nothing is switched on; ``watch`` records per-leaf sums (float32 or
   wider) from a ``tf.function`` without a host sync.
 """
@@ -18,8 +19,11 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.debug.lib import check_numerics_callback
+from tensorflow.python.debug.lib import check_numerics_callback as tf_callback
+from tensorflow.python.ops import array_ops
 
+from numstab import _validate as v
+from numstab._narrow_floats import holds_nonfinite
 from numstab.errors import InvalidArgumentError, NonFiniteError
 from numstab.numerics import _where
 from numstab.numerics._ops import op_error
@@ -31,7 +35,60 @@ _COUNT = re.compile(r"# of ([+-])(NaN|Inf) elements: (\d+)")
 
 def is_enabled() -> bool:
     """Whether check_numerics is on in this thread (TensorFlow keeps it per thread)."""
-    return getattr(check_numerics_callback._state, "check_numerics_callback", None) is not None
+    return getattr(tf_callback._state, "check_numerics_callback", None) is not None
+
+
+class _Callback(tf_callback.CheckNumericsCallback):
+    """TensorFlow's check-numerics op callback, except for 8-bit float outputs, which its
+    ``CheckNumericsV2`` kernel refuses (``Value for attr 'T' of float8_e4m3fn is not in the
+    list of allowed values``: a Keras model quantized to float8 failed in ``mode="op"``).
+    Executed eagerly, as every op in the context is, a float8 output is read on the host,
+    upcast to float32, and a NaN or inf in it raises TensorFlow's own error with its own
+    message; float6/float4 outputs hold neither. In a graph (tf.data) an op with such an
+    output is not instrumented."""
+
+    def callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if not any(v.is_narrow_float(out.dtype.name) for out in outputs):
+            return super().callback(op_type, inputs, attrs, outputs, op_name, graph)
+        op = op_type.encode() if isinstance(op_type, str) else op_type
+        skip = tf_callback.op_callbacks_common.OP_CALLBACK_SKIP_OPS + tf_callback.SAFE_OPS
+        if graph is not None or op in skip:
+            return None
+        for slot, out in enumerate(outputs):
+            if not out.dtype.is_floating or (op, slot) in tf_callback.IGNORE_OP_OUTPUTS:
+                continue
+            narrow = v.is_narrow_float(out.dtype.name)
+            if narrow and _finite_on_host(out):
+                continue
+            message = tf_callback.get_check_numerics_error_message(
+                slot,
+                len(outputs),
+                op_type,
+                out,
+                inputs,
+                stack_height_limit=self._stack_height_limit,
+                path_length_limit=self._path_length_limit,
+            )
+            if narrow:
+                raise tf.errors.InvalidArgumentError(
+                    None, None, f"{message} : Tensor had NaN or Inf values (float8, read upcast)"
+                )
+            array_ops.check_numerics_v2(out, message)
+        return None
+
+
+def _finite_on_host(out: tf.Tensor) -> bool:
+    """An eager 8-bit float tensor holds no NaN or inf (float6/float4 cannot)."""
+    return not holds_nonfinite(out.dtype.name) or bool(
+        np.isfinite(out.numpy().astype(np.float32)).all()
+    )
+
+
+def _enable() -> None:
+    """``tf.debugging.enable_check_numerics()`` with ``_Callback``: TensorFlow creates its
+    callback only when the thread has none."""
+    tf_callback._state.check_numerics_callback = _Callback(30, 50)  # TF's defaults
+    tf.debugging.enable_check_numerics()
 
 
 class Arm:
@@ -56,7 +113,7 @@ class Arm:
         if s.nan:
             tf.config.run_functions_eagerly(True)
         if s.nan and not was:
-            tf.debugging.enable_check_numerics()
+            _enable()
         elif not s.nan and was:
             tf.debugging.disable_check_numerics()
 
@@ -65,7 +122,7 @@ class Arm:
             return
         tf.config.run_functions_eagerly(self._eagerly)
         if self._restore and not is_enabled():
-            tf.debugging.enable_check_numerics()
+            _enable()
         elif not self._restore and is_enabled():
             tf.debugging.disable_check_numerics()
         self._restore = None
