@@ -27,6 +27,30 @@ def _fp16_matmul(x):
     return be.cast(a @ b, "float32")
 
 
+def _complex_square(x):
+    """``real((x + ix)**2)`` through a complex product: at 3e38 the product itself overflows
+    (its parts are inf - inf and inf). TensorFlow's own switch skipped complex outputs and
+    torch's dispatch mode checked floating ones only: both reported the next real op."""
+    name = resolve_backend(x).name
+    if name == "torch":
+        import torch
+
+        c = torch.complex(x, x)
+        return (c * c).real
+    if name == "jax":
+        import jax
+
+        c = jax.lax.complex(x, x)
+        return (c * c).real
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        c = tf.complex(x, x)
+        return tf.math.real(c * c)
+    c = x + 1j * x
+    return (c * c).real
+
+
 #: name -> (function of x, input, expected op kind or None, phase)
 CATALOGUE = {
     "log_of_negative": (lambda x: resolve_backend(x).log(x), [-1.0, 2.0], "log", "forward"),
@@ -37,6 +61,7 @@ CATALOGUE = {
     "inf_minus_inf": (lambda x: x - x, [INF, 1.0], None, "forward"),
     "fp16_matmul_overflow": (_fp16_matmul, [300.0, 300.0], "matmul", "forward"),
     "nan_in_input": (lambda x: x * 2.0, [NAN, 1.0], None, "forward"),
+    "complex_product_overflow": (_complex_square, [3e38, 1.0], "mul", "forward"),
     # sqrt(sum(x*x)) at 0 is 0; its gradient x / norm is 0/0 (inf * 0 on the way).
     "nan_only_in_backward": (
         lambda x: resolve_backend(x).sqrt(resolve_backend(x).sum(x * x)),
@@ -50,7 +75,7 @@ CATALOGUE = {
 def _clean(x):
     be = resolve_backend(x)
     y = be.log(x + 2.0) + be.sqrt(x * x + 1.0) + x / (x + 3.0) + be.exp(x)
-    return be.sum(y) + be.sum(_fp16_matmul(x[:2]))
+    return be.sum(y) + be.sum(_fp16_matmul(x[:2])) + be.sum(_complex_square(x))
 
 
 def _native_value_and_grad(h, fn, x, compiled):
@@ -187,6 +212,22 @@ def test_sentinel_clean_and_check_point(eager_target):
             cn.check()
         assert info.value.paths == ("bad",)
         cn.check()  # the record was cleared
+
+
+def test_sentinel_watch_reads_complex_and_mixed_float_leaves(eager_target):
+    # TensorFlow skipped complex leaves, and could not stack a float64 leaf's sum with a
+    # float32 one's (TypeError from tf.stack); JAX, torch and NumPy read both
+    h = eager_target.h
+    wide = "float32" if h.name == "jax" else "float64"  # JAX without x64
+    clean = [h.asarray(np.array([1.0]), wide), h.asarray(np.array([2.0, 3.0]), "float32")]
+    with check_numerics(mode="sentinel", backend=h.name) as cn:
+        cn.watch([*clean, h.asarray(np.array([1 + 2j]), "complex64")], "clean")
+        cn.check()
+        for part in (complex(NAN, 0.0), complex(0.0, INF)):
+            cn.watch([*clean, h.asarray(np.array([1 + 0j, part]), "complex64")], "bad")
+            with pytest.raises(NonFiniteError) as info:
+                cn.check()
+            assert info.value.paths == ("bad",)
 
 
 @contextlib.contextmanager

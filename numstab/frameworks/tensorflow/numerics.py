@@ -7,7 +7,7 @@
   kernel: such a function fails to compile), so numstab also sets
   ``tf.config.run_functions_eagerly(True)`` inside the context: every ``tf.function``, XLA
   or not, runs op by op and is checked, as ``torch.compile`` and ``jax.jit`` are.
-  The callback is TensorFlow's own, but for float8 outputs (``_Callback``).
+  The callback is TensorFlow's own, but for float8 and complex outputs (``_Callback``).
 - ``mode="sentinel"``: nothing is switched on; ``watch`` records per-leaf sums (float32 or
   wider) from a ``tf.function`` without a host sync.
 """
@@ -39,46 +39,56 @@ def is_enabled() -> bool:
 
 
 class _Callback(tf_callback.CheckNumericsCallback):
-    """TensorFlow's check-numerics op callback, except for 8-bit float outputs, which its
-    ``CheckNumericsV2`` kernel refuses (``Value for attr 'T' of float8_e4m3fn is not in the
-    list of allowed values``: a Keras model quantized to float8 failed in ``mode="op"``).
-    Executed eagerly, as every op in the context is, a float8 output is read on the host,
-    upcast to float32, and a NaN or inf in it raises TensorFlow's own error with its own
-    message; float6/float4 outputs hold neither. In a graph (tf.data) an op with such an
-    output is not instrumented."""
+    """TensorFlow's check-numerics op callback, except for the outputs its ``CheckNumericsV2``
+    kernel cannot take: 8-bit floats (``Value for attr 'T' of float8_e4m3fn is not in the
+    list of allowed values``: a Keras model quantized to float8 failed in ``mode="op"``) and
+    complex numbers (TensorFlow skipped them: a complex overflow was reported at the first
+    real op after it, where JAX and NumPy name the op itself). Executed eagerly, as every op
+    in the context is, such an output is read on the host (float8 upcast to float32; complex:
+    both parts), and a NaN or inf in it raises TensorFlow's own error with its own message;
+    float6/float4 outputs hold neither. In a graph (tf.data) an op with such an output is
+    not instrumented."""
 
     def callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        if not any(v.is_narrow_float(out.dtype.name) for out in outputs):
+        if not any(map(_read_on_host, outputs)):
             return super().callback(op_type, inputs, attrs, outputs, op_name, graph)
         op = op_type.encode() if isinstance(op_type, str) else op_type
         skip = tf_callback.op_callbacks_common.OP_CALLBACK_SKIP_OPS + tf_callback.SAFE_OPS
         if graph is not None or op in skip:
             return None
         for slot, out in enumerate(outputs):
-            if not out.dtype.is_floating or (op, slot) in tf_callback.IGNORE_OP_OUTPUTS:
+            on_host = _read_on_host(out)
+            if not (out.dtype.is_floating or on_host):
                 continue
-            narrow = v.is_narrow_float(out.dtype.name)
-            if narrow and _finite_on_host(out):
+            if (op, slot) in tf_callback.IGNORE_OP_OUTPUTS or (on_host and _finite_on_host(out)):
                 continue
-            message = tf_callback.get_check_numerics_error_message(
-                slot,
-                len(outputs),
-                op_type,
-                out,
-                inputs,
-                stack_height_limit=self._stack_height_limit,
-                path_length_limit=self._path_length_limit,
-            )
-            if narrow:
+            with np.errstate(all="ignore"):  # its NumPy counts compare complex NaN
+                message = tf_callback.get_check_numerics_error_message(
+                    slot,
+                    len(outputs),
+                    op_type,
+                    out,
+                    inputs,
+                    stack_height_limit=self._stack_height_limit,
+                    path_length_limit=self._path_length_limit,
+                )
+            if on_host:
                 raise tf.errors.InvalidArgumentError(
-                    None, None, f"{message} : Tensor had NaN or Inf values (float8, read upcast)"
+                    None, None, f"{message} : Tensor had NaN or Inf values (read on the host)"
                 )
             array_ops.check_numerics_v2(out, message)
         return None
 
 
+def _read_on_host(out: tf.Tensor) -> bool:
+    """An output ``CheckNumericsV2`` cannot check: an 8-bit float or a complex tensor."""
+    return out.dtype.is_complex or v.is_narrow_float(out.dtype.name)
+
+
 def _finite_on_host(out: tf.Tensor) -> bool:
-    """An eager 8-bit float tensor holds no NaN or inf (float6/float4 cannot)."""
+    """An eager float8 or complex tensor holds no NaN or inf (float6/float4 cannot)."""
+    if out.dtype.is_complex:
+        return bool(np.isfinite(out.numpy()).all())  # both parts
     return not holds_nonfinite(out.dtype.name) or bool(
         np.isfinite(out.numpy().astype(np.float32)).all()
     )
@@ -173,17 +183,29 @@ def _in_backprop(exc: BaseException) -> bool:
 @tf.function(reduce_retracing=True)
 def _summary(leaves: list) -> Any:
     """Per-leaf sums in float32 (float64 stays): NaN and inf propagate through a sum, one pass
-    per leaf (a finite leaf whose sum overflows reads as inf)."""
-    return tf.stack(
-        [
-            tf.reduce_sum(x) if x.dtype == tf.float64 else tf.reduce_sum(tf.cast(x, tf.float32))
-            for x in leaves
-        ]
-    )
+    per leaf (a finite leaf whose sum overflows reads as inf); complex: real part plus
+    imaginary part of the sum, as on JAX. With a float64 leaf every sum is stacked as float64
+    (exact; a float64 and a float32 sum could not be stacked)."""
+    sums = [_leaf_sum(x) for x in leaves]
+    if any(s.dtype == tf.float64 for s in sums):
+        sums = [tf.cast(s, tf.float64) for s in sums]
+    return tf.stack(sums)
+
+
+def _leaf_sum(x: tf.Tensor) -> tf.Tensor:
+    if x.dtype.is_complex:
+        s = tf.reduce_sum(x)
+        s = tf.math.real(s) + tf.math.imag(s)
+        return s if s.dtype == tf.float64 else tf.cast(s, tf.float32)
+    return tf.reduce_sum(x) if x.dtype == tf.float64 else tf.reduce_sum(tf.cast(x, tf.float32))
 
 
 def summarize(leaves: list) -> Any:
-    leaves = [x for x in leaves if x.dtype.is_floating and x.shape.num_elements() != 0]
+    leaves = [
+        x
+        for x in leaves
+        if (x.dtype.is_floating or x.dtype.is_complex) and x.shape.num_elements() != 0
+    ]
     return _summary(leaves) if leaves else None
 
 

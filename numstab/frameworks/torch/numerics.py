@@ -2,12 +2,12 @@
 
 - ``mode="op"``: ``torch.autograd.set_detect_anomaly(True, check_nan=nan)`` (native; it gives
   the forward traceback of a failing backward node) plus a ``TorchDispatchMode`` that checks
-  every floating output of every aten op, forward and backward (the autograd engine runs
+  every floating or complex output of every aten op, forward and backward (the autograd engine runs
   backward ops under the same mode), because anomaly mode alone ignores the forward pass and
   inf. ``torch.compile``d functions run eagerly inside (``set_stance("force_eager")``): a
   dispatch mode cannot see inside a compiled graph, and ``fullgraph=True`` would refuse to run.
 - ``mode="sentinel"``: a global module forward hook records one reduction (``summary``) of
-  every floating module output (no sync), and a post-accumulate-grad hook the same
+  every floating or complex module output (no sync), and a post-accumulate-grad hook the same
   for the gradient of each parameter of those modules (a NaN born in the backward pass reaches
   the parameter gradients of every layer before it, so the first such layer in backward order
   is named).
@@ -43,18 +43,22 @@ _NO_NONFINITE = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith(
 
 
 def checkable(t: Any) -> bool:
-    """A non-empty floating tensor that can hold NaN or inf."""
+    """A non-empty floating or complex tensor that can hold NaN or inf."""
     return (
         isinstance(t, torch.Tensor)
-        and t.is_floating_point()
+        and (t.is_floating_point() or t.is_complex())
         and t.dtype not in _NO_NONFINITE
         and t.numel() != 0
     )
 
 
 def readable(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or its float32 upcast for an 8-bit float (every value kept, NaN and inf too)."""
-    return t.float() if t.dtype in _FLOAT8 else t
+    """``t`` as a real floating tensor with the same non-finite values: an 8-bit float
+    upcast to float32 (every value kept), a complex one viewed as its (real, imag) pairs (a
+    complex value is finite when both parts are), any other as it is."""
+    if t.dtype in _FLOAT8:
+        return t.float()
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
 
 
 def _float_tensors(out: Any) -> list[torch.Tensor]:
@@ -68,12 +72,13 @@ def _float_tensors(out: Any) -> list[torch.Tensor]:
 
 
 def _counts(t: torch.Tensor) -> tuple[int, int]:
-    t = readable(t)
+    """Elements holding NaN, and inf (a complex element in either part)."""
+    t = t.float() if t.dtype in _FLOAT8 else t
     return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
 
 
 class _CheckOps(TorchDispatchMode):
-    """Checks every floating output of every aten op; raises at the first bad one."""
+    """Checks every floating or complex output of every aten op; raises at the first bad one."""
 
     def __init__(self, settings) -> None:
         super().__init__()
