@@ -19,7 +19,7 @@ from numstab import _validate as v
 from numstab import frameworks
 from numstab._dispatch import framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
-from numstab._narrow_floats import holds_nonfinite, readable
+from numstab._narrow_floats import holds_nonfinite
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError, NonFiniteError
 from numstab.tree import leaves_with_paths
@@ -90,10 +90,10 @@ def find_nonfinite(tree: Tree, *, backend: str | None = None) -> list[NonFiniteR
     sync: one read of a per-leaf flag vector, then one read of the counts and one of the
     ranges of the offending leaves. Eager only (``InvalidArgumentError`` while tracing).
     """
-    be, named = _floating_leaves(tree, backend)
+    be, named, reads = _floating_leaves(tree, backend)
     if not named:
         return []
-    bad = [named[i] for i in _nonfinite_indices(be, readable(be, [x for _, x in named]))]
+    bad = [named[i] for i in _nonfinite_indices(be, reads)]
     return _records(be, bad) if bad else []
 
 
@@ -122,15 +122,19 @@ def assert_finite(tree: Tree, name: str = "grads", *, backend: str | None = None
 
 
 def _framework_name(tree: Tree, backend: str | None) -> str:
-    be, _ = _floating_leaves(tree, backend)
+    be, _, _ = _floating_leaves(tree, backend)
     return be.name
 
 
-def _floating_leaves(tree: Tree, backend: str | None) -> tuple[Backend, list[tuple[str, Any]]]:
+def _floating_leaves(
+    tree: Tree, backend: str | None
+) -> tuple[Backend, list[tuple[str, Any]], list[Any]]:
+    """(backend, (path, leaf) of every non-empty leaf that can hold NaN or inf, and the
+    arrays to read for them: each leaf itself, a float8 one upcast to float32)."""
     named = [(p, x) for p, x in named_leaves(tree) if x is not None]
     be = resolve_backend(*(x for _, x in named), backend=backend)
     like = next((x for _, x in named if framework_of(x) != "host"), None)
-    out = []
+    out, reads = [], []
     for path, leaf in named:
         leaf = to_backend(be, leaf, like=like, name="tree leaves")
         if be.is_tracing(leaf):
@@ -140,9 +144,11 @@ def _floating_leaves(tree: Tree, backend: str | None) -> tuple[Backend, list[tup
                 f"numstab.all_finite there). Received: a traced leaf at {path or '<root>'}"
             )
         dtype = be.dtype_name(leaf)
-        if (v.is_floating(dtype) or holds_nonfinite(dtype)) and be.size(leaf, dtype) != 0:
+        narrow = holds_nonfinite(dtype)
+        if (v.is_floating(dtype) or narrow) and be.size(leaf, dtype) != 0:
             out.append((path, leaf))
-    return be, out
+            reads.append(be.cast(leaf, "float32") if narrow else leaf)
+    return be, out, reads
 
 
 def _nonfinite_indices(be: Backend, leaves: list) -> list[int]:
