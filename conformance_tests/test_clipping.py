@@ -117,6 +117,9 @@ def test_clip_by_value_bounds_past_the_dtype(target, low, high):
         assert kept == [be.dtype_name(x) for x in tree]
 
 
+CLEAN_F32 = np.array([0.5, -2.0])
+
+
 def test_all_finite(target):
     h = target.h
     clean = _tree(h, LEAVES)
@@ -125,6 +128,18 @@ def test_all_finite(target):
     dirty = dict(LEAVES)
     dirty["h"] = np.array([1.0, np.nan, 2.0])
     [ok] = h.call_leaves(ns.all_finite, target.compiled, _tree(h, dirty))
+    assert not ok
+
+
+@pytest.mark.parametrize("part", [complex(np.nan, 0.0), complex(0.0, -np.inf), complex(np.inf, 1)])
+def test_all_finite_reads_complex_leaves(target, part):
+    # both parts are read (before: an InvalidArgumentError, "Expected floating-point leaves")
+    h = target.h
+    clean = [h.asarray(np.array([1 - 2j, 3e38j]), "complex64"), h.asarray(CLEAN_F32, "float32")]
+    [ok] = h.call_leaves(ns.all_finite, target.compiled, clean)
+    assert ok
+    dirty = [h.asarray(np.array([1 - 2j, part]), "complex64"), clean[1]]
+    [ok] = h.call_leaves(ns.all_finite, target.compiled, dirty)
     assert not ok
 
 

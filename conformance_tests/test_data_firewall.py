@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from numstab.data import Firewall, check_batch, nonfinite_per_sample
+from numstab.data import Firewall, ZScoreFilter, check_batch, nonfinite_per_sample
 
 RNG = np.random.default_rng(11)
 N = 6
@@ -91,3 +91,47 @@ def test_clean_batches_pass_untouched_even_when_their_sum_overflows(eager_target
     big = {"x": h.asarray(np.full((N, 2), 3e38), "float32"), "y": h.asarray(LABELS)}
     assert fw.process(big) is big
     assert fw.stats.samples_seen == fw.stats.samples_passed == 2 * N and not fw.stats.records
+
+
+# -- complex fields: checked, a complex element finite when both of its parts are -----------
+Z = (RNG.normal(size=(N, 2)) + 1j * RNG.normal(size=(N, 2))).astype(np.complex64)
+Z[1, 0] = complex(np.nan, 1.0)
+Z[3, 1] = complex(2.0, -np.inf)
+Z[4, 0] = complex(np.inf, np.nan)  # one NaN element (a part is NaN), as np.isnan says
+
+
+def _complex_batch(h):
+    return {"z": h.asarray(Z, "complex64"), "y": h.asarray(LABELS)}
+
+
+def test_complex_fields_are_checked(eager_target):
+    # before, a complex field was "exact": listed in skipped, its NaN passed every policy
+    h = eager_target.h
+    report = check_batch(_complex_batch(h))
+    (field,) = report.fields
+    assert (field.path, field.dtype, report.skipped) == ("['z']", "complex64", ("['y']",))
+    assert (field.nan_count, field.inf_count) == (2, 1)
+    assert field.bad_samples == report.bad_samples == (1, 3, 4)
+    dropped = Firewall("drop").process(_complex_batch(h))
+    np.testing.assert_array_equal(h.numpy(dropped["y"]), [0, 2, 5])
+    np.testing.assert_array_equal(np.asarray(dropped["z"]), Z[[0, 2, 5]])
+    fw = Firewall("replace", replace_value=-2.0)
+    replaced = fw.process(_complex_batch(h))
+    assert "complex64" in str(replaced["z"].dtype)
+    # the whole element becomes replace_value (+0j); finite elements are untouched
+    np.testing.assert_array_equal(np.asarray(replaced["z"]), np.where(np.isfinite(Z), Z, -2.0))
+    assert fw.stats.replaced == (1, 3, 4) and fw.stats.replaced_values == 3
+    # outlier features hold both parts: an imaginary part 1e3 sigmas out is an outlier
+    normal = np.random.default_rng(5).normal(size=(2, 64, 2, 2)).astype(np.float32)
+    warm, far = (x[..., 0] + 1j * x[..., 1] for x in normal)
+    far[17, 1] = 1e3j
+    fw = Firewall("drop", outliers=ZScoreFilter(threshold=8.0, warmup=64))
+    fw.process({"z": h.asarray(warm, "complex64")})  # warm-up: learns, flags nothing
+    out = fw.process({"z": h.asarray(far, "complex64")})
+    np.testing.assert_array_equal(np.asarray(out["z"]), np.delete(far, 17, axis=0))
+
+
+def test_complex_fields_per_sample(target):
+    h = target.h
+    (got,) = h.call_leaves(nonfinite_per_sample, target.compiled, _complex_batch(h))
+    np.testing.assert_array_equal(got, (~np.isfinite(Z)).sum(axis=1))

@@ -63,6 +63,32 @@ def test_find_nonfinite_clean_and_all_nan(eager_target):
     assert "no finite values" in str(record)
 
 
+# a complex element counts once: NaN when a part is NaN, else +inf when a part is +inf, else
+# -inf; the finite range is over the parts of the finite elements (1 - 3j and 0.5j)
+NAN, INF = np.nan, np.inf
+Z = np.array([1 - 3j, complex(NAN, 1), complex(INF, NAN), complex(2, INF), -INF + 5j, 0.5j])
+Z = np.insert(Z, 5, complex(INF, -INF))
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "complex128"])
+def test_find_nonfinite_complex_leaves(eager_target, dtype):
+    # before, complex leaves were skipped: find_nonfinite returned [] and assert_finite passed
+    h = eager_target.h
+    if dtype == "complex128" and h.name == "jax":
+        pytest.skip("JAX without jax_enable_x64 has no complex128 arrays")
+    tree = {"z": h.asarray(Z, dtype), "ok": h.asarray(np.array([1j, 2.0]), dtype)}
+    (record,) = find_nonfinite(tree)
+    assert record.path == ("z" if h.name == "torch" else "['z']")
+    assert (record.nan_count, record.posinf_count, record.neginf_count) == (2, 2, 1)
+    assert (record.finite_min, record.finite_max) == (-3.0, 1.0)
+    assert (record.shape, record.dtype) == ((7,), dtype)
+    (record,) = find_nonfinite([h.asarray(np.array([complex(np.nan, np.inf)]), dtype)])
+    assert (record.nan_count, record.inf_count, record.finite_min) == (1, 0, None)
+    with pytest.raises(NonFiniteError, match=r"2 nan, 2 \+inf, 1 -inf of 7"):
+        assert_finite(tree)
+    assert_finite({"ok": tree["ok"]})
+
+
 def test_find_nonfinite_large_finite_float64(eager_target):
     if eager_target.name == "jax":
         pytest.skip("JAX without jax_enable_x64 has no float64 arrays")

@@ -17,7 +17,7 @@ FLOAT_DTYPES = "float16, bfloat16, float32 or float64"
 #: 8-bit and narrower floats (float8_e4m3fn, float8_e5m2, float6_*, float4_*): storage
 #: formats, some without inf (e4m3fn) or NaN (float6, float4), with few kernels in torch or
 #: TensorFlow. Functions that compute refuse them; those that only read finiteness take them
-#: (``numstab._narrow_floats``).
+#: (``numstab._finite_reads``).
 _NARROW = ("float8_", "float6_", "float4_")  # "float64" is not narrow
 
 
@@ -28,6 +28,10 @@ def is_floating(dtype: str) -> bool:
 
 def is_narrow_float(dtype: str) -> bool:
     return dtype.startswith(_NARROW)
+
+
+def is_complex(dtype: str) -> bool:
+    return dtype.startswith("complex")
 
 
 def is_integer(dtype: str) -> bool:

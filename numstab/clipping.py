@@ -11,7 +11,7 @@ import math
 import numbers
 from typing import Any
 
-from numstab import _narrow_floats
+from numstab import _finite_reads
 from numstab import _validate as v
 from numstab._dispatch import HOST, framework_of, resolve_backend, scalar_array, to_backend
 from numstab._layouts import dense_only
@@ -68,8 +68,8 @@ def _float_leaves(
     leaves (a backend's ``native_dtypes_and_nonempty`` answers both; ``fused``: as
     ``native_op``'s ``allowed``). Raises InvalidArgumentError naming the first
     (non-None) leaf of a non-floating dtype, counted among the non-None leaves; with
-    ``read_narrow`` (functions that only read finiteness) 8-bit floats are taken, upcast to
-    float32, and float6/float4 leaves dropped (``numstab._narrow_floats``).
+    ``read_narrow`` (functions that only read finiteness) 8-bit floats and complex leaves are
+    taken, read as ``numstab._finite_reads`` says, and float6/float4 leaves dropped.
     """
     leaves, treedef = flatten(tree)
     present = _present(leaves)
@@ -82,26 +82,24 @@ def _float_leaves(
         present = _present(leaves)
     dtypes, numeric = native_op(be, "dtypes_and_nonempty", fused)(present)
     if not all(map(v.is_floating, dtypes)):
-        if not (read_narrow and all(map(_readable, dtypes))):
+        if not (read_narrow and all(map(_finite_reads.is_readable, dtypes))):
             raise _not_floating_error(be, present, name, read_narrow)
-        numeric = _narrow_floats.readable(be, numeric)
+        numeric = _finite_reads.readable(be, numeric)
         dtypes = be.dtype_names(numeric)
     elif len(numeric) != len(present):  # an empty leaf does not choose the accumulation dtype
         dtypes = be.dtype_names(numeric)
     return be, leaves, treedef, numeric, _accumulation_dtype(dtypes)
 
 
-def _readable(dtype: str) -> bool:
-    return v.is_floating(dtype) or v.is_narrow_float(dtype)
-
-
 def _not_floating_error(
     be: Backend, present: list, name: str, read_narrow: bool = False
 ) -> InvalidArgumentError:
-    ok = _readable if read_narrow else v.is_floating
+    ok = _finite_reads.is_readable if read_narrow else v.is_floating
     i, dtype = next((i, d) for i, d in enumerate(map(be.dtype_name, present)) if not ok(d))
     kinds = (
-        v.FLOAT_DTYPES.replace(" or ", ", ") + ", or narrower" if read_narrow else v.FLOAT_DTYPES
+        v.FLOAT_DTYPES.replace(" or ", ", ") + ", narrower floats or complex"
+        if read_narrow
+        else v.FLOAT_DTYPES
     )
     return InvalidArgumentError(
         f"Expected floating-point leaves in {name} ({kinds}). Received: leaf {i} with dtype={dtype}"

@@ -18,13 +18,16 @@ from typing import Any
 from numstab import _validate as v
 from numstab import frameworks
 from numstab._dispatch import framework_of, resolve_backend, to_backend
+from numstab._finite_reads import holds_nonfinite, read_as
 from numstab._layouts import dense_only
-from numstab._narrow_floats import holds_nonfinite
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError, NonFiniteError
 from numstab.tree import leaves_with_paths
 
 Tree = Any
+
+#: dtypes whose counts and ranges are read as they are (narrower floats: in float32)
+_WIDE = ("float64", "float128")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,15 +89,17 @@ def find_nonfinite(tree: Tree, *, backend: str | None = None) -> list[NonFiniteR
 
     Integer, bool, empty and ``None`` leaves cannot be non-finite and are skipped, and so are
     float6/float4 leaves (formats without NaN or inf); float8 leaves are read upcast to
-    float32 (exact; ``numstab._narrow_floats``), their records keep their dtype. Host
+    float32 (exact; ``numstab._finite_reads``), their records keep their dtype. A complex
+    element counts once: NaN when a part is NaN, else +inf when a part is +inf, else -inf
+    when a part is -inf; its range is over the parts of the finite elements. Host
     sync: one read of a per-leaf flag vector, then one read of the counts and one of the
     ranges of the offending leaves. Eager only (``InvalidArgumentError`` while tracing).
     """
     be, named, reads = _floating_leaves(tree, backend)
     if not named:
         return []
-    bad = [named[i] for i in _nonfinite_indices(be, reads)]
-    return _records(be, bad) if bad else []
+    bad = _nonfinite_indices(be, reads)
+    return _records(be, [named[i] for i in bad], [reads[i] for i in bad]) if bad else []
 
 
 def assert_finite(tree: Tree, name: str = "grads", *, backend: str | None = None) -> None:
@@ -130,7 +135,7 @@ def _floating_leaves(
     tree: Tree, backend: str | None
 ) -> tuple[Backend, list[tuple[str, Any]], list[Any]]:
     """(backend, (path, leaf) of every non-empty leaf that can hold NaN or inf, and the
-    arrays to read for them: each leaf itself, a float8 one upcast to float32)."""
+    arrays to read for them: ``numstab._finite_reads.read_as`` of each leaf)."""
     named = [(p, x) for p, x in named_leaves(tree) if x is not None]
     be = resolve_backend(*(x for _, x in named), backend=backend)
     like = next((x for _, x in named if framework_of(x) != "host"), None)
@@ -144,10 +149,9 @@ def _floating_leaves(
                 f"numstab.all_finite there). Received: a traced leaf at {path or '<root>'}"
             )
         dtype = be.dtype_name(leaf)
-        narrow = holds_nonfinite(dtype)
-        if (v.is_floating(dtype) or narrow) and be.size(leaf, dtype) != 0:
+        if (v.is_floating(dtype) or holds_nonfinite(dtype)) and be.size(leaf, dtype) != 0:
             out.append((path, leaf))
-            reads.append(be.cast(leaf, "float32") if narrow else leaf)
+            reads.append(read_as(be, leaf, dtype))
     return be, out, reads
 
 
@@ -159,20 +163,40 @@ def _nonfinite_indices(be: Backend, leaves: list) -> list[int]:
     return [i for i, ok in enumerate(flags.reshape(-1).tolist()) if not ok]
 
 
-def _records(be: Backend, named: list[tuple[str, Any]]) -> list[NonFiniteRecord]:
+def _elements(be: Backend, leaf: Any, read: Any) -> tuple[Any, Any, Any]:
+    """(one real value per element of ``leaf`` with its class: NaN, +inf, -inf or finite;
+    the values its finite range is taken over; and their finiteness), in float32, or
+    float64 and wider where the leaf is. A complex element (``read`` is its (real, imag)
+    pairs) is NaN when a part is NaN, else +inf when a part is +inf, else -inf when a part
+    is -inf, and its range is over the parts of the finite elements."""
+    dtype = be.dtype_name(read)
+    x = read if dtype in _WIDE else be.cast(read, "float32")
+    if not v.is_complex(be.dtype_name(leaf)):
+        finite = be.isfinite(x)
+        return x, x, finite
+    inf = float("inf")
+    nan = be.count(x != x, -1, "int32") > 0
+    pos = be.count(x == inf, -1, "int32") > 0
+    neg = be.count(x == -inf, -1, "int32") > 0
+    zero = be.asarray(0.0, be.dtype_name(x), like=x)
+    classes = be.where(nan, float("nan"), be.where(pos, inf, be.where(neg, -inf, zero)))
+    finite = be.isfinite(classes)
+    return classes, x, be.reshape(finite, (*be.shape(finite), 1))
+
+
+def _records(be: Backend, named: list[tuple[str, Any]], reads: list) -> list[NonFiniteRecord]:
     counts, ranges = [], []
     inf = float("inf")
-    wide = "float64" if any(be.dtype_name(x) == "float64" for _, x in named) else "float32"
+    wide = "float64" if any(be.dtype_name(x) in _WIDE for x in reads) else "float32"
     with be.float_errors_ignored():
-        for _, leaf in named:
-            x = be.cast(leaf, "float64" if be.dtype_name(leaf) == "float64" else "float32")
-            finite = be.isfinite(x)
-            n_finite = be.count(finite, None, be.index_dtype)
-            n_pos = be.count(x == inf, None, be.index_dtype)
-            n_neg = be.count(x == -inf, None, be.index_dtype)
+        for (_, leaf), read in zip(named, reads, strict=True):
+            classes, values, finite = _elements(be, leaf, read)
+            n_finite = be.count(be.isfinite(classes), None, be.index_dtype)
+            n_pos = be.count(classes == inf, None, be.index_dtype)
+            n_neg = be.count(classes == -inf, None, be.index_dtype)
             counts.append(be.stack([n_finite, n_pos, n_neg]))
-            high = be.max(be.where(finite, x, -inf))
-            low = -be.max(be.where(finite, -x, -inf))
+            high = be.max(be.where(finite, values, -inf))
+            low = -be.max(be.where(finite, -values, -inf))
             ranges.append(be.stack([be.cast(low, wide), be.cast(high, wide)]))
         counts_h = be.to_numpy(be.stack(counts)).tolist()
         ranges_h = be.to_numpy(be.stack(ranges)).tolist()

@@ -314,6 +314,35 @@ def test_tf_data_guard_and_graph_mode_functions():
     assert traced_eagerly and not any(traced_eagerly)  # graph mode: no py_function
 
 
+def test_tf_data_guard_checks_complex_fields_in_graph_mode():
+    """TensorFlow's ``is_finite`` has no complex kernel: before, a complex field failed to
+    trace in ``TFDataGuard`` (and was passed unchecked by ``protect``)."""
+    tf = pytest.importorskip("tensorflow")
+    from numstab.data import TFDataGuard
+
+    z = np.ones((8, 3), np.complex64)
+    z[2, 1], z[5, 0] = complex(np.nan, 0.0), complex(0.0, -np.inf)
+    ds = tf.data.Dataset.from_tensor_slices({"z": z, "y": np.arange(8)})
+    g = TFDataGuard()
+    assert [int(e["y"]) for e in ds.filter(g.is_finite)] == [0, 1, 3, 4, 6, 7]
+    (batch,) = ds.batch(8).map(TFDataGuard().drop_nonfinite)
+    np.testing.assert_array_equal(batch["y"].numpy(), [0, 1, 3, 4, 6, 7])
+    g = TFDataGuard(replace_value=3.0)
+    (batch,) = ds.batch(8).map(g.replace_nonfinite)
+    np.testing.assert_array_equal(batch["z"].numpy(), np.where(np.isfinite(z), z, 3.0))
+    assert g.stats()["values_replaced"] == 2 and g.stats()["samples_flagged"] == 2
+
+
+def test_torch_loader_with_a_complex_field():
+    torch = pytest.importorskip("torch")
+    z = torch.ones(12, 2, dtype=torch.complex64)
+    z[7, 1] = complex(float("nan"), 1.0)
+    dataset = torch.utils.data.TensorDataset(z, torch.arange(12))
+    loader = protect(torch.utils.data.DataLoader(dataset, batch_size=4), "drop")
+    ids = torch.cat([y for _, y in loader])
+    assert 7 not in ids.tolist() and len(ids) == 11 and loader.stats.dropped == (7,)
+
+
 def test_tf_data_drop_nonfinite_other_axes_unbatched_fields_and_parallel_maps():
     """``drop_nonfinite`` along ``batch_axis=1``, over a 3-d field (any non-finite entry in a
     sample's slice drops it), an integer field, a non-batched float field (clean: nothing is

@@ -45,11 +45,13 @@ def _array(backend: str, values, dtype: str):
         ("float6_e2m3fn", False, True),
         ("float4_e2m1fn", False, True),
         ("int8", False, False),
+        ("complex64", False, False),
     ],
 )
 def test_dtype_names(dtype, floating, narrow):
     assert v.is_floating(dtype) is floating
     assert v.is_narrow_float(dtype) is narrow
+    assert v.is_complex(dtype) is dtype.startswith("complex")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

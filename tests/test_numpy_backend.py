@@ -68,3 +68,12 @@ def test_clip_by_value_keeps_every_numpy_float_dtype(dtype):
     [got] = ns.clip_by_value([x], -1.0, 2.0)
     assert got.dtype == x.dtype
     np.testing.assert_array_equal(got.astype(np.float64), [-1.0, 0.25, 2.0, 2.0, -1.0, np.nan])
+
+
+@pytest.mark.parametrize("dtype", ["longdouble", "clongdouble"])
+def test_find_nonfinite_reads_longdouble_in_its_own_range(dtype):
+    """A float128 (or complex256) leaf's counts and range are read in its own dtype: before,
+    it was read in float32, and a finite 1e300 beside a NaN counted as +inf."""
+    (record,) = ns.find_nonfinite([np.array([1e300, -2.0, np.nan], dtype)])
+    assert (record.nan_count, record.inf_count) == (1, 0)
+    assert (record.finite_min, record.finite_max) == (-2.0, 1e300)

@@ -142,6 +142,11 @@ class Backend(TreeOps, abc.ABC):
     def isfinite(self, x: Array) -> Array: ...
 
     @abc.abstractmethod
+    def real_view(self, x: Array) -> Array:
+        """A complex ``x`` as a real array of shape ``(*x.shape, 2)``: its (real, imaginary)
+        pairs, as ``torch.view_as_real`` (a view where the framework has one)."""
+
+    @abc.abstractmethod
     def abs(self, x: Array) -> Array: ...
 
     @abc.abstractmethod

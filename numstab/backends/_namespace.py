@@ -39,6 +39,9 @@ class NamespaceBackend(Backend):
     def any(self, x: Array) -> bool:
         return bool(self.xp.any(x))
 
+    def real_view(self, x: Array) -> Array:
+        return self.xp.stack([self.xp.real(x), self.xp.imag(x)], axis=-1)
+
     def take_rows(self, x: Array, index: Array) -> Array:
         return self.xp.take_along_axis(x, index[:, None], axis=-1)[:, 0]
 

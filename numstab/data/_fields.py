@@ -3,8 +3,8 @@
 A batch is a nest of dicts, tuples, lists, namedtuples and dataclasses (numstab.tree's rules)
 whose leaves are arrays of any framework or NumPy. One extra rule: a list or tuple holding only
 ``str``/``bytes`` (what ``torch``'s default collate makes of string fields) is one per-sample
-field, not a container. Every array leaf with a batch axis is a *batched* field; floating ones
-are checked, integer and bool ones are finite by definition.
+field, not a container. Every array leaf with a batch axis is a *batched* field; floating and
+complex ones are checked, integer and bool ones are finite by definition.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def _flatten(node: Any, path: str, paths: list, leaves: list) -> tree.TreeDef:
 
 @dataclass
 class Field:
-    """One leaf of a batch. ``kind``: ``"float"`` (checked), ``"exact"`` (integer, bool,
-    strings: finite by definition) or ``"static"`` (no batch axis: scalars, None, 0-d arrays;
-    passed through untouched; a floating one is still checked and counts against every
-    sample)."""
+    """One leaf of a batch. ``kind``: ``"float"`` (checked: floating or complex), ``"exact"``
+    (integer, bool, strings: finite by definition) or ``"static"`` (no batch axis: scalars,
+    None, 0-d arrays; passed through untouched; a floating one is still checked and counts
+    against every sample)."""
 
     path: str
     value: Any
@@ -182,9 +182,10 @@ def _classify(path: str, leaf: Any, batch_axis: int) -> Field:
 
 
 def _kind(path: str, dtype: str) -> str:
-    """ "float" (checked) or "exact" (integers, bool, complex: passed); an 8-bit float is
-    refused rather than passed unchecked."""
-    if v.is_floating(dtype):
+    """ "float" (checked: floating and complex; a complex element is finite when both of
+    its parts are) or "exact" (integers, bool: passed); an 8-bit float is refused rather
+    than passed unchecked."""
+    if v.is_floating(dtype) or v.is_complex(dtype):
         return "float"
     if v.is_narrow_float(dtype):
         raise InvalidArgumentError(
@@ -250,6 +251,16 @@ def _is_host_float(x: Any) -> bool:
     return type(x) is np.ndarray and x.dtype.kind == "f"
 
 
+def _sum(be: Backend, x: Array, dtype: str) -> Array:
+    """The sum of every value of a floating or complex ``x`` (complex: of both parts), in
+    float32, or float64 for float64 and complex128 values."""
+    if v.is_complex(dtype):
+        x = be.real_view(x)
+        dtype = be.dtype_name(x)
+    acc = "float64" if dtype == "float64" else "float32"
+    return be.sum(x if dtype == acc else be.cast(x, acc))
+
+
 def surely_finite(fields: list[Field], batch_axis: int) -> bool:
     """Eager fast path: True proves every element of every field finite.
 
@@ -267,8 +278,7 @@ def surely_finite(fields: list[Field], batch_axis: int) -> bool:
                 return False
             continue
         with be.float_errors_ignored():
-            acc = "float64" if field.dtype == "float64" else "float32"
-            total = be.sum(x if field.dtype == acc else be.cast(x, acc))
+            total = _sum(be, x, field.dtype)
             by_backend.setdefault(be.name, (be, []))[1].append(be.cast(total, "float32"))
     for be, sums in by_backend.values():
         with be.float_errors_ignored():

@@ -336,7 +336,8 @@ def _features(batch: Any, parts: Batch, spec: Features, batch_axis: int) -> np.n
         fields = [known[p] for p in spec]
     columns = []
     for f in fields:
-        x = np.moveaxis(f.backend.to_numpy(f.value), batch_axis, 0)
+        x = f.backend.real_view(f.value) if v.is_complex(f.dtype) else f.value  # both parts
+        x = np.moveaxis(f.backend.to_numpy(x), batch_axis, 0)
         columns.append(x.reshape(x.shape[0], -1).astype(np.float64))
     if not columns:
         raise InvalidArgumentError(

@@ -743,12 +743,71 @@ def narrow_float_cases() -> Iterator[Case]:
     yield Case("TrainingGuard.decide.loss=float8", guard_decide, bad("loss"))
 
 
+def complex_cases() -> Iterator[Case]:
+    """Complex values (§3): refused by what computes with them, read part by part by what
+    only reads finiteness (a complex element is finite when both parts are)."""
+    z = lambda c, values: c.a(np.asarray(values, np.complex64))
+    gz = lambda c: [c.a([1.0]), z(c, [1 + 1j, complex(0.0, NAN)])]
+    for fn_name, fn in {
+        "global_norm": lambda t: ns.global_norm(t),
+        "clip_by_global_norm": lambda t: ns.clip_by_global_norm(t, 1.0),
+        "clip_by_value": lambda t: ns.clip_by_value(t, -1.0, 1.0),
+        "adaptive_grad_clip": lambda t: ns.adaptive_grad_clip(t, t),
+    }.items():
+        arg = "grads" if fn_name == "adaptive_grad_clip" else "tree"
+        yield Case(f"{fn_name}.tree=complex_leaf", lambda c, f=fn: f(gz(c)), bad(arg))
+    yield Case(
+        "all_finite.tree=complex_leaf",
+        lambda c: ns.all_finite(gz(c)),
+        Valid(lambda r, c: not bool(c.np(r)), "both parts read: the NaN part is found (§3)"),
+    )
+    yield Case(
+        "find_nonfinite.tree=complex_leaf",
+        lambda c: ns.find_nonfinite(gz(c)),
+        Valid(
+            lambda r, c: [(x.path, x.nan_count, x.dtype) for x in r] == [("[1]", 1, "complex64")],
+            "one record: one NaN element, its own dtype (§15.1)",
+        ),
+    )
+    zx = lambda c: z(c, np.linspace(-1, 1, 20).reshape(4, 5))
+    yield from [
+        Case(
+            "cross_entropy.logits=complex", lambda c: ns.cross_entropy(zx(c), _y(c)), bad("logits")
+        ),
+        Case("logsumexp.x=complex", lambda c: ns.logsumexp(zx(c)), bad("x")),
+        Case(
+            "WarmupCosineSchedule.step=complex",
+            lambda c: ns.warmup_cosine_schedule(1.0, warmup_steps=1, total_steps=10)(z(c, 2.0)),
+            bad("step"),
+        ),
+        Case(
+            "data.check_batch.batch=complex_field",
+            lambda c: ns.data.check_batch({"z": z(c, [[1, 2], [3, complex(NAN, 0)]])}),
+            Valid(lambda r, c: r.bad_samples == (1,), "checked: sample 1 is bad (§17.1)"),
+        ),
+    ]
+
+    def scaler_unscale(c: Ctx) -> Any:
+        s = ns.LossScaler()
+        state = s.init(backend=c.name)
+        return unchanged(lambda: state, lambda: s.unscale(gz(c), state))
+
+    def guard_decide(c: Ctx) -> Any:
+        g = ns.TrainingGuard()
+        state = g.init_state(c.name)
+        return unchanged(lambda: state, lambda: g.decide(state, z(c, 1.0), 1.0, c.name))
+
+    yield Case("LossScaler.unscale.grads=complex_leaf", scaler_unscale, bad("grads"))
+    yield Case("TrainingGuard.decide.loss=complex", guard_decide, bad("loss"))
+
+
 def all_cases() -> list[Case]:
     cases = [
         *hyperparameter_cases(),
         *array_cases(),
         *tree_cases(),
         *narrow_float_cases(),
+        *complex_cases(),
         *stateful_cases(),
         *more_api_cases(),
         *backend_cases(),

@@ -32,6 +32,16 @@ _FAST_FLOATS = (tf.float32, tf.float64)
 _FAST_INDICES = (tf.int32, tf.int64)
 
 
+def is_finite(x: tf.Tensor) -> tf.Tensor:
+    """``tf.math.is_finite``, which has no complex kernel, also for complex ``x``: an
+    element is finite when both of its parts are (NumPy's rule)."""
+    if x.dtype.is_complex:
+        return tf.math.logical_and(
+            tf.math.is_finite(tf.math.real(x)), tf.math.is_finite(tf.math.imag(x))
+        )
+    return tf.math.is_finite(x)
+
+
 def _as_operand(value, like):
     """TF ops want tensors of one dtype: a Python scalar takes the dtype of ``like``. A float
     ``like`` gets it rounded once, from its own value (``tf.cast`` of a Python float went
@@ -117,7 +127,10 @@ class TensorflowBackend(Backend):
         return tf.math.log(x)
 
     def isfinite(self, x):
-        return tf.math.is_finite(x)
+        return is_finite(x)
+
+    def real_view(self, x):
+        return tf.stack([tf.math.real(x), tf.math.imag(x)], axis=-1)
 
     def abs(self, x):
         return tf.abs(x)

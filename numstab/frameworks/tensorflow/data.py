@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from numstab import _validate as v
 from numstab.data._fields import check_batch_axis, split_batch
+from numstab.frameworks.tensorflow.backend import is_finite
 
 
 def _element(args: tuple) -> Any:
@@ -52,7 +53,7 @@ class TFDataGuard:
     def is_finite(self, *element: Any) -> tf.Tensor:
         """Scalar bool: every value of every floating field of one sample is finite."""
         parts = split_batch(_element(element), batch_axis=0)
-        flags = [tf.reduce_all(tf.math.is_finite(f.value)) for f in parts.float_fields]
+        flags = [tf.reduce_all(is_finite(f.value)) for f in parts.float_fields]
         ok = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
         with tf.control_dependencies(
             [
@@ -73,7 +74,7 @@ class TFDataGuard:
         axis = self.batch_axis
         bad = None
         for f in parts.float_fields:
-            finite = tf.math.is_finite(f.value)
+            finite = is_finite(f.value)
             if f.batched:
                 other = [a for a in range(len(f.value.shape)) if a != axis]
                 flags = tf.reduce_any(tf.logical_not(finite), axis=other)
@@ -107,7 +108,7 @@ class TFDataGuard:
         for f in parts.fields:
             x = f.value
             if f.kind == "float":
-                finite = tf.math.is_finite(x)
+                finite = is_finite(x)
                 replaced += tf.reduce_sum(tf.cast(tf.logical_not(finite), tf.int64))
                 x = tf.where(finite, x, tf.cast(self.replace_value, x.dtype))
             values.append(x)

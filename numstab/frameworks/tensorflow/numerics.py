@@ -23,7 +23,7 @@ from tensorflow.python.debug.lib import check_numerics_callback as tf_callback
 from tensorflow.python.ops import array_ops
 
 from numstab import _validate as v
-from numstab._narrow_floats import holds_nonfinite
+from numstab._finite_reads import holds_nonfinite
 from numstab.errors import InvalidArgumentError, NonFiniteError
 from numstab.numerics import _where
 from numstab.numerics._ops import op_error

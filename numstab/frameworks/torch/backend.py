@@ -15,21 +15,8 @@ from numstab.backends._namespace import NamespaceBackend
 
 # str(dtype) costs ~1 us and clipping asks per leaf. Filled once here and never mutated:
 # torch.compile guards on it, so filling it lazily would recompile.
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    dt: str(dt).removeprefix("torch.")
-    for dt in (
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.uint8,
-        torch.bool,
-    )
-}
+_NAMED = "float16 bfloat16 float32 float64 int8 int16 int32 int64 uint8 bool complex64 complex128"
+_DTYPE_NAMES: dict[torch.dtype, str] = {getattr(torch, name): name for name in _NAMED.split()}
 
 
 def is_dtensor(x) -> bool:
@@ -97,6 +84,9 @@ class TorchBackend(NamespaceBackend):
 
     def cast(self, x, dtype):
         return x.to(getattr(torch, dtype))
+
+    def real_view(self, x):
+        return torch.view_as_real(x.resolve_conj())
 
     def shape(self, x):
         return tuple(x.shape)

@@ -37,7 +37,7 @@ def _op_stack() -> list:
 
 
 #: 8-bit floats: no ``aminmax``/``isinf`` kernels, read upcast to float32 (exact); the
-#: packed float4 has neither NaN nor inf, nor a cast (``numstab._narrow_floats``)
+#: packed float4 has neither NaN nor inf, nor a cast (``numstab._finite_reads``)
 _FLOAT8 = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
 _NO_NONFINITE = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float4_"))
 
