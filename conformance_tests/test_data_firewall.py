@@ -4,8 +4,10 @@ NumPy oracle; drop and replace keep the batch's framework, dtypes and the right 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from numstab.data import Firewall, ZScoreFilter, check_batch, nonfinite_per_sample
+from numstab.errors import InvalidArgumentError
 
 RNG = np.random.default_rng(11)
 N = 6
@@ -135,3 +137,28 @@ def test_complex_fields_per_sample(target):
     h = target.h
     (got,) = h.call_leaves(nonfinite_per_sample, target.compiled, _complex_batch(h))
     np.testing.assert_array_equal(got, (~np.isfinite(Z)).sum(axis=1))
+
+
+def test_replace_value_must_be_finite_in_the_field_dtype(eager_target):
+    # before, 1e5 became inf in a float16 field: the firewall put inf where NaN was
+    h = eager_target.h
+    fw = Firewall("replace", replace_value=1e5)
+    clean = {"x": h.asarray(np.ones((N, 2)), "float16")}
+    assert fw.process(clean) is clean  # nothing to replace: no error
+    x = np.ones((N, 2))
+    x[3, 1] = np.nan
+    with pytest.raises(InvalidArgumentError, match=r"replace_value finite .*\['x'\] \(float16\)"):
+        fw.process({"x": h.asarray(x, "float16"), "y": h.asarray(LABELS)})
+    assert not fw.stats.records and fw.stats.replaced_values == 0
+    out = fw.process({"x": h.asarray(x, "float32")})  # float32 holds 1e5
+    np.testing.assert_array_equal(h.numpy(out["x"])[3], [1.0, 1e5])
+
+
+def test_static_fields_count_against_every_sample(target):
+    # check_batch blamed every sample for a NaN 0-d field; nonfinite_per_sample ignored it
+    h = target.h
+    batch = {"x": h.asarray(VALUES["a"], "float32"), "t": h.asarray(np.float32(np.nan))}
+    (got,) = h.call_leaves(nonfinite_per_sample, target.compiled, batch)
+    np.testing.assert_array_equal(got, sum(_oracle(VALUES["a"])) + 1)
+    if not target.compiled:
+        assert check_batch(batch).bad_samples == tuple(range(N))

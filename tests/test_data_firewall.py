@@ -331,6 +331,10 @@ def test_tf_data_guard_checks_complex_fields_in_graph_mode():
     (batch,) = ds.batch(8).map(g.replace_nonfinite)
     np.testing.assert_array_equal(batch["z"].numpy(), np.where(np.isfinite(z), z, 3.0))
     assert g.stats()["values_replaced"] == 2 and g.stats()["samples_flagged"] == 2
+    with pytest.raises(InvalidArgumentError, match=r"replace_value finite .*\(float16\)"):
+        ds.map(lambda e: {**e, "z": tf.cast(tf.math.real(e["z"]), tf.float16)}).map(
+            TFDataGuard(replace_value=1e5).replace_nonfinite
+        )  # refused when traced: 1e5 is inf in float16
 
 
 def test_torch_loader_with_a_complex_field():

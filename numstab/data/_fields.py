@@ -196,6 +196,26 @@ def _kind(path: str, dtype: str) -> str:
     return "exact"
 
 
+def replaced(field: Field, value: float) -> Array:
+    """The value of a floating (or complex) field with every NaN/inf element set to
+    ``value`` (a complex element as a whole: ``value + 0j``); ``check_replacement`` has
+    checked that ``value`` is finite there."""
+    be, x = field.backend, field.value
+    return be.where(be.isfinite(x), x, value)
+
+
+def check_replacement(label: str, dtype: str, value: float) -> None:
+    """``InvalidArgumentError`` unless ``value`` rounded to ``dtype`` is finite: ``1e5`` in
+    float16 would put inf back where NaN/inf were replaced (a host cast of one number)."""
+    with np.errstate(over="ignore"):
+        held = load_backend("numpy").cast(np.asarray(value), dtype)
+    if not np.isfinite(held):
+        raise InvalidArgumentError(
+            f"Expected replace_value finite in the dtype of field {label} ({dtype}): it would "
+            f"replace NaN/inf with inf. Received: replace_value={value!r}"
+        )
+
+
 # -- per-sample counts: one reduction per field, written once over backend primitives ------
 def sample_counts(be: Backend, x: Array, batch_axis: int, mask: Array) -> Array:
     """Number of true entries of ``mask`` (shaped like ``x``) per sample, as int32."""

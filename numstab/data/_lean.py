@@ -24,7 +24,8 @@ import numpy as np
 
 from numstab import frameworks
 from numstab.backends import load_backend
-from numstab.data._fields import Batch, _readable, compress
+from numstab.backends._base import numpy_dtype_name
+from numstab.data._fields import Batch, _readable, compress, replaced
 from numstab.data._host import Found, find
 from numstab.data.stats import new_record
 
@@ -62,6 +63,10 @@ def handle_flat(fw: Firewall, batch: Any, counted: list) -> Any:
     for k, f in at:
         label = "<batch>" if cls is np.ndarray else f"[{k if keys is None else keys[k]!r}]"
         dirty.append((label, f))
+    fw.check_replaceable(
+        (label, numpy_dtype_name(leaves[k].dtype))
+        for (k, _), (label, _) in zip(at, dirty, strict=True)
+    )
     stats, n = fw.stats, leaves[0].shape[axis]
     first_index, number = stats.samples_seen, fw._batch_in_epoch
     stats.samples_seen += n
@@ -202,11 +207,12 @@ def handle(
     if not dirty:  # every suspect was a finite sum that overflowed
         stats.samples_passed += n
         return batch
+    fw.check_replaceable((f.label, f.dtype) for f, _ in dirty)
     flagged, bad_values = _record(fw, [(f.label, found) for f, found in dirty], first_index, number)
     if fw.policy == "replace":
         bad_ids = {id(f) for f, _ in dirty}
         values = [
-            _replaced(f, fw.replace_value) if id(f) in bad_ids else f.value for f in parts.fields
+            replaced(f, fw.replace_value) if id(f) in bad_ids else f.value for f in parts.fields
         ]
         stats.replaced_values += bad_values
         stats.samples_passed += n
@@ -288,8 +294,3 @@ def _dense_entries(found: Found) -> Any:
     bad, nan = found.counts()
     at = bad.nonzero()[0]
     return zip(at.tolist(), nan[at].tolist(), bad[at].tolist(), strict=True)
-
-
-def _replaced(field: Any, value: float) -> Any:
-    be, x = field.backend, field.value
-    return be.where(be.isfinite(x), x, value)

@@ -143,9 +143,11 @@ def _field_report(field: Field, size: int | None, batch_axis: int, clean: bool) 
 def nonfinite_per_sample(batch: Any, *, batch_axis: int = 0, backend: str | None = None) -> Array:
     """An int32 vector: the number of NaN/inf values of each sample over every floating
     field with a batch axis (``sum(~isfinite(x))`` over the other axes, one reduction per
-    field). Graph-safe: runs under jax.jit, tf.function, torch.compile and in tf.data
-    functions. Host leaves are converted to the batch's framework (docs/semantics.md §1.3);
-    integer and bool fields are skipped. Needs at least one batched field.
+    field), plus those of the floating fields without one (a 0-d array), which count
+    against every sample as in ``check_batch``. Graph-safe: runs under jax.jit,
+    tf.function, torch.compile and in tf.data functions. Host leaves are converted to the
+    batch's framework (docs/semantics.md §1.3); integer and bool fields are skipped. Needs
+    at least one batched field.
     """
     from numstab.errors import InvalidArgumentError
 
@@ -160,14 +162,18 @@ def nonfinite_per_sample(batch: Any, *, batch_axis: int = 0, backend: str | None
             f"Expected a batch with at least one array field of rank > batch_axis="
             f"{batch_axis}. Received: {len(parts.fields)} field(s), none batched"
         )
-    total = None
-    for f in batched:
-        if f.kind == "float":
-            counts = nonfinite_counts(
-                be, to_backend(be, f.value, like=like, name="batch"), batch_axis
-            )
+    total = static = None
+    for f in parts.fields:
+        if f.kind != "float" or f.backend is None:
+            continue
+        x = to_backend(be, f.value, like=like, name="batch")
+        if f.batched:
+            counts = nonfinite_counts(be, x, batch_axis)
             total = counts if total is None else total + counts
-    if total is None:  # only integer / bool fields: zeros, on the batch's device
+        else:  # no batch axis: its non-finite values count against every sample
+            count = be.count(~be.isfinite(x), None, "int32")
+            static = count if static is None else static + count
+    if total is None:  # only integer / bool batched fields: zeros, on the batch's device
         x = to_backend(be, batched[0].value, like=like, name="batch")
         total = sample_counts(be, x, batch_axis, x != x)
-    return total
+    return total if static is None else total + static

@@ -29,7 +29,9 @@ from numstab.data._fields import (
     Batch,
     backend_of,
     check_batch_axis,
+    check_replacement,
     compress,
+    replaced,
     split_batch,
     surely_finite,
 )
@@ -90,6 +92,18 @@ class Firewall:
         self.stats = FirewallStats()
         self._epoch_start = 0  # stats.batches_seen when the epoch began
         self._epoch = 0
+        self._replaceable: set[str] = set()  # dtypes replace_value is finite in
+
+    def check_replaceable(self, fields: Iterable[tuple[str, str]]) -> None:
+        """Under ``"replace"``, ``replace_value`` must be finite in the dtype of each
+        ``(label, dtype)`` field about to be replaced into (``InvalidArgumentError``
+        otherwise, before the batch's samples are recorded); each dtype is checked once."""
+        if self.policy != "replace":
+            return
+        for label, dtype in fields:
+            if dtype not in self._replaceable:
+                check_replacement(label, dtype, self.replace_value)
+                self._replaceable.add(dtype)
 
     @property
     def _batch_in_epoch(self) -> int:
@@ -152,6 +166,7 @@ class Firewall:
         if flagged.size == 0:
             stats.samples_passed += n
             return batch
+        self.check_replaceable((f.path or "<batch>", f.dtype) for f in report.bad_fields)
         self._record(report, bad, flagged, first_index, number)
         if self.quarantine_dir is not None:
             reasons = ["nonfinite" if bad[i] else "outlier" for i in flagged]
@@ -264,8 +279,7 @@ class Firewall:
         out = list(values)
         for k, field in enumerate(parts.fields):
             if field.kind == "float" and field.path in bad_paths:
-                be, x = field.backend, field.value
-                out[k] = be.where(be.isfinite(x), x, self.replace_value)
+                out[k] = replaced(field, self.replace_value)
         self.stats.replaced_values += report.nan_count + report.inf_count
         return out
 

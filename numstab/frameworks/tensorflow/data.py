@@ -23,7 +23,7 @@ from typing import Any
 import tensorflow as tf
 
 from numstab import _validate as v
-from numstab.data._fields import check_batch_axis, split_batch
+from numstab.data._fields import check_batch_axis, check_replacement, split_batch
 from numstab.frameworks.tensorflow.backend import is_finite
 
 
@@ -108,6 +108,7 @@ class TFDataGuard:
         for f in parts.fields:
             x = f.value
             if f.kind == "float":
+                check_replacement(f.label, f.dtype, self.replace_value)  # at trace time
                 finite = is_finite(x)
                 replaced += tf.reduce_sum(tf.cast(tf.logical_not(finite), tf.int64))
                 x = tf.where(finite, x, tf.cast(self.replace_value, x.dtype))
