@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 
 import numstab as ns
 from conformance_tests import oracle
-from conformance_tests.tolerances import GRADIENT
+from conformance_tests.tolerances import GRADIENT, VALUE
 
 RNG = np.random.default_rng(5)
 LEAVES = {"w": RNG.normal(0, 1, (5, 4)), "b": RNG.normal(0, 3, (4,)), "h": RNG.normal(0, 2, (3,))}
@@ -141,6 +142,49 @@ def test_all_finite_reads_complex_leaves(target, part):
     dirty = [h.asarray(np.array([1 - 2j, part]), "complex64"), clean[1]]
     [ok] = h.call_leaves(ns.all_finite, target.compiled, dirty)
     assert not ok
+
+
+# complex gradients (spectral layers hold complex weights): norms are of |z|, as torch's
+# clip_grad_norm_ and optax's clip_by_global_norm take them; before, numstab refused them
+Z = np.array([3 + 4j, 1 - 2j, 0j, -0.5j])
+R = np.array([2.0, -1.0])
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+def test_complex_leaves_norm_and_clip(target, norm_type):
+    h = target.h
+    tree = [h.asarray(Z, "complex64"), h.asarray(R, "float32")]
+    magnitudes = np.concatenate([np.abs(Z), np.abs(R)])
+    p = norm_type
+    want = magnitudes.max() if p == math.inf else (magnitudes**p).sum() ** (1 / p)
+    clip = lambda t: ns.clip_by_global_norm(t, 1.0, norm_type=p)
+    z, r, norm = h.call_leaves(clip, target.compiled, tree)
+    rtol, _ = VALUE["float32"]  # float32 accumulation, as for real leaves
+    np.testing.assert_allclose(norm, want, rtol=rtol)
+    np.testing.assert_allclose(z, Z.astype(np.complex64) / want, rtol=rtol, atol=0)
+    np.testing.assert_allclose(r, R / want, rtol=rtol)
+    (under,) = h.call_leaves(
+        lambda t: ns.clip_by_global_norm(t, 100.0, norm_type=p)[0][0], target.compiled, tree
+    )
+    np.testing.assert_array_equal(under, Z.astype(np.complex64))  # unchanged below max_norm
+    if not target.compiled:
+        assert "complex64" in str(ns.clip_by_global_norm(tree, 1.0)[0][0].dtype)
+
+
+def test_complex128_accumulates_in_float64(eager_target):
+    h = eager_target.h
+    if h.name == "jax":
+        pytest.skip("JAX without jax_enable_x64 has no complex128 arrays")
+    # accumulated in float64 (3e30 + 4e30j would overflow float32), and nothing is rescaled
+    # (§7.2): |z|**2 = 2.5e401 overflows float64 too, as torch's sum of squares does
+    norm = ns.global_norm([h.asarray(np.array([3e30 + 4e30j, 1.0]), "complex128")])
+    np.testing.assert_allclose(h.numpy(norm), 5e30, rtol=1e-12)
+    big = np.array([3e200 + 4e200j, 1.0])
+    norm = ns.global_norm([h.asarray(big, "complex128")])
+    assert h.numpy(norm).dtype == np.float64 and np.isinf(h.numpy(norm))
+    small = np.array([3e-3 + 4e-3j, 1e-300])
+    norm = ns.global_norm([h.asarray(small, "complex128")])
+    np.testing.assert_allclose(h.numpy(norm), 5e-3, rtol=1e-12)
 
 
 Pair = collections.namedtuple("Pair", "first second")

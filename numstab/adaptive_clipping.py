@@ -24,7 +24,7 @@ from numstab import _validate as v
 from numstab._dispatch import HOST, check_numeric_host, framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend
-from numstab.clipping import _float_leaves, _global_norm, in_range, scale_leaves
+from numstab.clipping import _float_leaves, _tree_norm, in_range, scale_leaves
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, flatten_with_paths, leaves_with_paths, unflatten
 
@@ -146,10 +146,9 @@ class ZClip:
         self, grads: Tree, state: ZClipState, *, backend: str | None = None
     ) -> tuple[Tree, ZClipState]:
         """(clipped gradients, next state). ``None`` leaves stay None; dtypes are kept."""
-        be, leaves, treedef, numeric, dtype = _float_leaves(
-            grads, backend, state.mean, name="grads"
-        )
-        norm = _global_norm(be, numeric, 2.0, dtype)
+        found = _float_leaves(grads, backend, state.mean, name="grads", complex_ok=True)
+        be, leaves, treedef = found.be, found.leaves, found.treedef
+        norm = _tree_norm(found, 2.0)
         coef, state = self.coefficient(norm, state, backend=be.name)
         return unflatten(treedef, scale_leaves(be, leaves, coef, toward_zero=True)), state
 

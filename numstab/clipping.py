@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 from numstab import _finite_reads
 from numstab import _validate as v
@@ -52,6 +52,19 @@ SMALLEST_NORMAL = {
 }
 
 
+class _Leaves(NamedTuple):
+    """What ``_float_leaves`` found: the backend, every leaf and the treedef, the non-None
+    non-empty floating leaves (``numeric``), their accumulation dtype, and whether one of
+    them is complex (their norms are then taken of ``norm_operands``)."""
+
+    be: Backend
+    leaves: list
+    treedef: Any
+    numeric: list
+    dtype: str
+    complex_leaves: bool
+
+
 def _float_leaves(
     tree: Tree,
     backend: str | None,
@@ -59,9 +72,10 @@ def _float_leaves(
     name: str = "tree",
     fused: bool | None = None,
     read_narrow: bool = False,
-) -> tuple[Backend, list, Any, list, str]:
-    """(backend, all leaves, treedef, the non-None non-empty floating leaves, and their
-    accumulation dtype).
+    complex_ok: bool = False,
+) -> _Leaves:
+    """(backend, all leaves, treedef, the non-None non-empty floating leaves, their
+    accumulation dtype, and whether one of them is complex).
 
     One pass per question, none of them a Python call per leaf where it can be avoided: the
     dtype names are asked once per distinct dtype, and ``Backend.nonempty`` drops the empty
@@ -69,7 +83,9 @@ def _float_leaves(
     ``native_op``'s ``allowed``). Raises InvalidArgumentError naming the first
     (non-None) leaf of a non-floating dtype, counted among the non-None leaves; with
     ``read_narrow`` (functions that only read finiteness) 8-bit floats and complex leaves are
-    taken, read as ``numstab._finite_reads`` says, and float6/float4 leaves dropped.
+    taken, read as ``numstab._finite_reads`` says, and float6/float4 leaves dropped; with
+    ``complex_ok`` (the global norm and what scales by it) complex leaves are taken as they
+    are (``norm_operands`` gives what their norms are taken of).
     """
     leaves, treedef = flatten(tree)
     present = _present(leaves)
@@ -81,34 +97,56 @@ def _float_leaves(
         leaves = [to_backend(be, leaf, like=like, name=f"{name} leaves") for leaf in leaves]
         present = _present(leaves)
     dtypes, numeric = native_op(be, "dtypes_and_nonempty", fused)(present)
+    has_complex = False
     if not all(map(v.is_floating, dtypes)):
-        if not (read_narrow and all(map(_finite_reads.is_readable, dtypes))):
-            raise _not_floating_error(be, present, name, read_narrow)
-        numeric = _finite_reads.readable(be, numeric)
+        if complex_ok and all(map(_floating_or_complex, dtypes)):
+            has_complex = True
+        elif read_narrow and all(map(_finite_reads.is_readable, dtypes)):
+            numeric = _finite_reads.readable(be, numeric)
+            return _Leaves(be, leaves, treedef, numeric, "float32", False)  # dtype unused
+        else:
+            raise _not_floating_error(be, present, name, read_narrow, complex_ok)
+    if len(numeric) != len(present):  # an empty leaf does not choose the accumulation dtype
         dtypes = be.dtype_names(numeric)
-    elif len(numeric) != len(present):  # an empty leaf does not choose the accumulation dtype
-        dtypes = be.dtype_names(numeric)
-    return be, leaves, treedef, numeric, _accumulation_dtype(dtypes)
+    return _Leaves(be, leaves, treedef, numeric, _accumulation_dtype(dtypes), has_complex)
+
+
+def _floating_or_complex(dtype: str) -> bool:
+    return v.is_floating(dtype) or v.is_complex(dtype)
+
+
+def norm_operands(be: Backend, leaves: list, norm_type: float) -> list:
+    """Real arrays whose ``norm_type``-norms are those of ``leaves``: a complex leaf as its
+    (real, imaginary) pairs for the 2-norm (``|z|**2 = re**2 + im**2``; a view in torch), as
+    ``|z|`` for any other; a real leaf as it is."""
+    out = []
+    for x in leaves:
+        if v.is_complex(be.dtype_name(x)):
+            x = be.real_view(x) if norm_type == 2.0 else be.abs(x)
+        out.append(x)
+    return out
 
 
 def _not_floating_error(
-    be: Backend, present: list, name: str, read_narrow: bool = False
+    be: Backend, present: list, name: str, read_narrow: bool = False, complex_ok: bool = False
 ) -> InvalidArgumentError:
-    ok = _finite_reads.is_readable if read_narrow else v.is_floating
+    if read_narrow:
+        ok, kinds = _finite_reads.is_readable, ", narrower floats or complex"
+    elif complex_ok:
+        ok, kinds = _floating_or_complex, " or complex"
+    else:
+        ok, kinds = v.is_floating, ""
     i, dtype = next((i, d) for i, d in enumerate(map(be.dtype_name, present)) if not ok(d))
-    kinds = (
-        v.FLOAT_DTYPES.replace(" or ", ", ") + ", narrower floats or complex"
-        if read_narrow
-        else v.FLOAT_DTYPES
-    )
+    kinds = v.FLOAT_DTYPES.replace(" or ", ", ") + kinds if kinds else v.FLOAT_DTYPES
     return InvalidArgumentError(
         f"Expected floating-point leaves in {name} ({kinds}). Received: leaf {i} with dtype={dtype}"
     )
 
 
 def _accumulation_dtype(dtypes: set[str]) -> str:
-    """float64 when any leaf is float64, else float32 (16-bit leaves accumulate in float32)."""
-    return "float64" if "float64" in dtypes else "float32"
+    """float64 when any leaf is float64 (or complex128), else float32 (16-bit leaves
+    accumulate in float32)."""
+    return "float64" if "float64" in dtypes or "complex128" in dtypes else "float32"
 
 
 def _check_norm_type(norm_type: Any) -> float:
@@ -130,7 +168,7 @@ def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
     Stays on the device (no host sync); jit/tf.function/torch.compile friendly.
     """
     fused = not generic_forced()  # read once for both kernels
-    be, _, _, leaves, _ = _float_leaves(tree, backend, fused=fused, read_narrow=True)
+    be, _, _, leaves, _, _ = _float_leaves(tree, backend, fused=fused, read_narrow=True)
     if not leaves:
         return be.asarray(True)
     return native_op(be, "all_finite", fused)(leaves)
@@ -144,8 +182,15 @@ def global_norm(tree: Tree, norm_type: float = 2.0, *, backend: str | None = Non
     """
     norm_type = _check_norm_type(norm_type)
     fused = not generic_forced()  # read once for both kernels
-    be, _, _, leaves, dtype = _float_leaves(tree, backend, fused=fused)
-    return _global_norm(be, leaves, float(norm_type), dtype, fused)
+    return _tree_norm(_float_leaves(tree, backend, fused=fused, complex_ok=True), norm_type, fused)
+
+
+def _tree_norm(found: _Leaves, norm_type: float, fused: bool | None = None) -> Array:
+    """The ``norm_type``-norm of ``_float_leaves``' leaves (complex ones: of |z|)."""
+    leaves = found.numeric
+    if found.complex_leaves:
+        leaves = norm_operands(found.be, leaves, norm_type)
+    return _global_norm(found.be, leaves, float(norm_type), found.dtype, fused)
 
 
 def _global_norm(
@@ -179,9 +224,10 @@ def clip_by_global_norm(
     max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
     norm_type = _check_norm_type(norm_type)
     fused = not generic_forced()  # read once for the four kernels below
-    be, leaves, treedef, numeric, dtype = _float_leaves(tree, backend, norm, fused=fused)
+    found = _float_leaves(tree, backend, norm, fused=fused, complex_ok=True)
+    be, leaves, treedef, numeric = found.be, found.leaves, found.treedef, found.numeric
     if norm is None:
-        norm = _global_norm(be, numeric, float(norm_type), dtype, fused)
+        norm = _tree_norm(found, norm_type, fused)
     else:
         norm = _given_norm(be, norm, like=numeric[0] if numeric else None)
     factor = _coefficient(be, norm, max_norm, fused)
@@ -268,7 +314,7 @@ def clip_by_value(
         raise InvalidArgumentError(
             f"Expected min_value <= max_value. Received: min_value={low}, max_value={high}"
         )
-    be, leaves, treedef, _, _ = _float_leaves(tree, backend)
+    be, leaves, treedef, _, _, _ = _float_leaves(tree, backend)
     return unflatten(treedef, [None if x is None else _clip(be, x, low, high) for x in leaves])
 
 

@@ -11,6 +11,9 @@ from numstab.backends._native import native_op
 
 Array = Any
 
+#: leaf dtypes that ``scale_leaves`` multiplies in their own precision
+_OWN_PRECISION = ("float32", "float64", "complex64", "complex128")
+
 
 class TreeOps:
     """Composites over a list of leaves; ``self`` is a ``Backend`` (its primitives)."""
@@ -86,14 +89,15 @@ class TreeOps:
     def scale_leaves(
         self, leaves: list[Array], factor: Array, toward_zero: bool = False
     ) -> list[Array]:
-        """Each leaf times a 0-d ``factor``: float32/64 leaves multiply in their own dtype,
-        16-bit leaves in float32 and are rounded back once: to nearest, or ``toward_zero``
+        """Each leaf times a 0-d ``factor``: float32/64 (and complex) leaves multiply in their
+        own dtype (a complex leaf by ``factor + 0j``, as torch and optax scale them), 16-bit
+        leaves in float32 and are rounded back once: to nearest, or ``toward_zero``
         (``cast_toward_zero``: clipping, whose result must not grow past the float32 one)."""
         out = []
         factor32 = None  # a float64 factor (float64 leaves in the tree) cast once, if needed
         for leaf in leaves:
             dtype = self.dtype_name(leaf)
-            if dtype in ("float32", "float64"):
+            if dtype in _OWN_PRECISION:
                 out.append(leaf * self.cast(factor, dtype))
                 continue
             factor32 = self.cast(factor, "float32") if factor32 is None else factor32

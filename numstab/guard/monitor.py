@@ -3,10 +3,10 @@
     norms[i]    = ||g_i||_2          one multi-tensor kernel on torch (``_foreach_norm``)
     global_norm = sqrt(sum_i norms[i] ** 2)
 
-accumulated in float32 (float64 when a leaf is float64; 16-bit leaves are upcast first, as in
-``numstab.global_norm``). Both stay on the device: the per-layer vectors are buffered and
-moved to the host ``flush_every`` steps at a time, one stacked transfer, never one sync per
-layer.
+accumulated in float32 (float64 when a leaf is float64 or complex128; 16-bit leaves are upcast
+first, as in ``numstab.global_norm``; a complex leaf's norm is that of ``|z|``). Both stay on
+the device: the per-layer vectors are buffered and moved to the host ``flush_every`` steps at
+a time, one stacked transfer, never one sync per layer.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from numstab.backends._base import Backend, native_op
+from numstab.clipping import norm_operands
 
 Array = Any
 
@@ -26,7 +27,10 @@ def layer_norms(be: Backend, leaves: list[Array], *, compiled: bool = False) -> 
     ``compiled``: the caller's graph is compiled (inductor), where the per-leaf composite
     fuses with the ops that made the leaves, while the multi-tensor kernel is an opaque call
     on leaves materialised for it (on Keras' torch guard check: 187 -> 118 us a batch)."""
-    dtype = "float64" if any(be.dtype_name(x) == "float64" for x in leaves) else "float32"
+    dtypes = be.dtype_names(leaves)  # one name per distinct dtype
+    dtype = "float64" if "float64" in dtypes or "complex128" in dtypes else "float32"
+    if any(d.startswith("complex") for d in dtypes):
+        leaves = norm_operands(be, leaves, 2.0)  # a complex leaf as its (re, im) pairs
     if not leaves:
         zero = be.asarray(0.0, dtype=dtype)
         return be.stack([zero])[:0], zero

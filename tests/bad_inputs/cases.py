@@ -744,18 +744,27 @@ def narrow_float_cases() -> Iterator[Case]:
 
 
 def complex_cases() -> Iterator[Case]:
-    """Complex values (§3): refused by what computes with them, read part by part by what
-    only reads finiteness (a complex element is finite when both parts are)."""
+    """Complex values (§3): refused by what computes with them, but for the global norm and
+    the clipping by it (of |z|, as torch and optax); read part by part by what only reads
+    finiteness (a complex element is finite when both parts are)."""
     z = lambda c, values: c.a(np.asarray(values, np.complex64))
     gz = lambda c: [c.a([1.0]), z(c, [1 + 1j, complex(0.0, NAN)])]
     for fn_name, fn in {
-        "global_norm": lambda t: ns.global_norm(t),
-        "clip_by_global_norm": lambda t: ns.clip_by_global_norm(t, 1.0),
         "clip_by_value": lambda t: ns.clip_by_value(t, -1.0, 1.0),
         "adaptive_grad_clip": lambda t: ns.adaptive_grad_clip(t, t),
     }.items():
         arg = "grads" if fn_name == "adaptive_grad_clip" else "tree"
         yield Case(f"{fn_name}.tree=complex_leaf", lambda c, f=fn: f(gz(c)), bad(arg))
+    yield Case(
+        "global_norm.tree=complex_leaf",
+        lambda c: ns.global_norm([c.a([1.0]), z(c, [3 + 4j, 0j])]),
+        Valid(lambda r, c: abs(float(c.np(r)) - 26**0.5) < 1e-5, "of |z|, as torch (§7.2)"),
+    )
+    yield Case(
+        "clip_by_global_norm.tree=complex_leaf",
+        lambda c: ns.clip_by_global_norm(gz(c), 1.0),
+        Valid(lambda r, c: np.isnan(float(c.np(r[1]))), "a NaN norm: nothing scaled (§7.3)"),
+    )
     yield Case(
         "all_finite.tree=complex_leaf",
         lambda c: ns.all_finite(gz(c)),

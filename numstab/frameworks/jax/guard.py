@@ -313,10 +313,10 @@ def _check(
     leaves = jax.tree.leaves(grads)
     for i, leaf in enumerate(leaves):
         dtype = jnp.asarray(leaf).dtype
-        if not v.is_floating(dtype.name):
+        if not (v.is_floating(dtype.name) or v.is_complex(dtype.name)):  # complex: |z|
             raise InvalidArgumentError(
-                f"Expected floating-point gradients ({v.FLOAT_DTYPES}). Received: leaf {i} "
-                f"with dtype={dtype}"
+                f"Expected floating-point gradients ({v.FLOAT_DTYPES} or complex). Received: "
+                f"leaf {i} with dtype={dtype}"
             )
     if jnp.ndim(loss) != 0:
         raise InvalidArgumentError(

@@ -16,6 +16,9 @@ from numstab.frameworks.torch.backend import BACKEND as TORCH
 
 __all__ = ["ZClip", "agc_", "clip_grad_norm_"]
 
+#: gradient dtypes scaled in their own precision (complex ones by ``coef + 0j``, as torch)
+_OWN_PRECISION = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+
 
 def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
@@ -102,7 +105,7 @@ def scale_groups_(groups: dict[tuple, list[torch.Tensor]], coef: torch.Tensor) -
     with torch.no_grad():
         for (device, dtype), grads in groups.items():
             local = coef.to(device, non_blocking=True)
-            if dtype in (torch.float32, torch.float64):
+            if dtype in _OWN_PRECISION:
                 torch._foreach_mul_(grads, local.to(dtype))  # one multi-tensor kernel
             else:
                 for g in grads:
