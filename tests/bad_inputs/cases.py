@@ -661,6 +661,24 @@ def _mismatch(c: Ctx) -> Any:
         return ns.logsumexp(arrays)
 
 
+def _reader_cases(kind: str, tree: Callable[[Ctx], Any], dtype: str, how: str) -> Iterator[Case]:
+    """``all_finite`` and ``find_nonfinite`` on ``tree(c)``, whose leaf ``[1]`` of ``dtype``
+    holds one NaN element: what only reads finiteness reads it (§3, §15.1)."""
+    yield Case(
+        f"all_finite.tree={kind}_leaf",
+        lambda c: ns.all_finite(tree(c)),
+        Valid(lambda r, c: not bool(c.np(r)), f"{how}: its NaN is found (§3)"),
+    )
+    yield Case(
+        f"find_nonfinite.tree={kind}_leaf",
+        lambda c: ns.find_nonfinite(tree(c)),
+        Valid(
+            lambda r, c: [(x.path, x.nan_count, x.dtype) for x in r] == [("[1]", 1, dtype)],
+            f"{how}: one record, its own dtype (§15.1)",
+        ),
+    )
+
+
 def narrow_float_cases() -> Iterator[Case]:
     """8-bit floats (§3): refused by what computes with them, read upcast by what only
     reads finiteness."""
@@ -673,21 +691,7 @@ def narrow_float_cases() -> Iterator[Case]:
     }.items():
         arg = "grads" if fn_name == "adaptive_grad_clip" else "tree"
         yield Case(f"{fn_name}.tree=float8_leaf", lambda c, f=fn: f(g8(c)), bad(arg))
-    yield Case(
-        "all_finite.tree=float8_leaf",
-        lambda c: ns.all_finite(g8(c)),
-        Valid(lambda r, c: not bool(c.np(r)), "float8 read upcast: its NaN is found (§3)"),
-    )
-    yield Case(
-        "find_nonfinite.tree=float8_leaf",
-        lambda c: ns.find_nonfinite(g8(c)),
-        Valid(
-            lambda r, c: (
-                [(x.path, x.nan_count, x.dtype) for x in r] == [("[1]", 1, "float8_e4m3fn")]
-            ),
-            "float8 read upcast: one record, its own dtype (§3)",
-        ),
-    )
+    yield from _reader_cases("float8", g8, "float8_e4m3fn", "read upcast")
     x8 = lambda c: c.float8(np.linspace(-1, 1, 20).reshape(4, 5))
     yield from [
         Case(
@@ -765,19 +769,7 @@ def complex_cases() -> Iterator[Case]:
         lambda c: ns.clip_by_global_norm(gz(c), 1.0),
         Valid(lambda r, c: np.isnan(float(c.np(r[1]))), "a NaN norm: nothing scaled (§7.3)"),
     )
-    yield Case(
-        "all_finite.tree=complex_leaf",
-        lambda c: ns.all_finite(gz(c)),
-        Valid(lambda r, c: not bool(c.np(r)), "both parts read: the NaN part is found (§3)"),
-    )
-    yield Case(
-        "find_nonfinite.tree=complex_leaf",
-        lambda c: ns.find_nonfinite(gz(c)),
-        Valid(
-            lambda r, c: [(x.path, x.nan_count, x.dtype) for x in r] == [("[1]", 1, "complex64")],
-            "one record: one NaN element, its own dtype (§15.1)",
-        ),
-    )
+    yield from _reader_cases("complex", gz, "complex64", "both parts read")
     zx = lambda c: z(c, np.linspace(-1, 1, 20).reshape(4, 5))
     yield from [
         Case(
