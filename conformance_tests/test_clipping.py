@@ -209,6 +209,17 @@ def test_tree_containers_and_none_leaves(eager_target):
     np.testing.assert_allclose(h.numpy(clipped["params"].weight), 4.0 / want, rtol=1e-6)
 
 
+def test_defaultdict_keeps_its_factory(eager_target):
+    # before, rebuilding it raised Python's TypeError: first argument must be callable or None
+    h = eager_target.h
+    grads = collections.defaultdict(list, {"a": h.asarray(np.array([3.0, 4.0]), "float32")})
+    clipped, _ = ns.clip_by_global_norm(grads, 1.0)
+    assert type(clipped) is collections.defaultdict and clipped.default_factory is list
+    np.testing.assert_allclose(h.numpy(clipped["a"]), [0.6, 0.8], rtol=VALUE["float32"][0])
+    (leaf,) = ns.clip_by_value(grads, -1.0, 1.0).values()
+    np.testing.assert_array_equal(h.numpy(leaf), [1.0, 1.0])
+
+
 def test_bad_clipping_arguments(eager_target):
     h = eager_target.h
     tree = [h.asarray(np.ones(3), "float32")]

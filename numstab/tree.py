@@ -1,8 +1,8 @@
 """Flatten and rebuild nests of arrays, whatever framework built them.
 
-Containers: dict (any Mapping subclass whose constructor takes pairs), list, tuple,
-namedtuple, dataclass instances, and — when JAX is loaded — any registered JAX pytree node
-(flax / equinox / optax states). Everything else is a leaf; ``None`` leaves (a torch parameter
+Containers: dict (any Mapping subclass whose constructor takes pairs, and defaultdict), list,
+tuple, namedtuple, dataclass instances, and — when JAX is loaded — any registered JAX pytree
+node (flax / equinox / optax states). Everything else is a leaf; ``None`` leaves (a torch parameter
 without a gradient) are kept in place and skipped by the numerical functions.
 
 Paths are spelled like ``jax.tree_util.keystr``: ``['opt_state'][0].mu['w']``.
@@ -10,6 +10,7 @@ Paths are spelled like ``jax.tree_util.keystr``: ``['opt_state'][0].mu['w']``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -47,8 +48,7 @@ def _children(
             if registered is not None:
                 return registered
         keys = list(node)
-        cls = type(node)
-        return [(f"[{k!r}]", node[k]) for k in keys], lambda vs: cls(zip(keys, vs, strict=True))
+        return [(f"[{k!r}]", node[k]) for k in keys], _mapping_rebuild(node, keys)
     if _is_namedtuple(node):
         return [(f".{f}", getattr(node, f)) for f in node._fields], lambda vs: type(node)(*vs)
     if isinstance(node, (list, tuple)):
@@ -60,6 +60,17 @@ def _children(
             node, **dict(zip(names, vs, strict=True))
         )
     return _jax_children(node)
+
+
+def _mapping_rebuild(node: Mapping, keys: list) -> Callable[[list], Any]:
+    """A mapping of ``node``'s type with ``keys`` and new values: ``cls(pairs)``, but for a
+    ``defaultdict`` (torch's ``optimizer.state``), whose default factory comes first, as
+    JAX's pytree keeps it."""
+    cls = type(node)
+    if isinstance(node, collections.defaultdict):
+        factory = node.default_factory
+        return lambda vs: cls(factory, zip(keys, vs, strict=True))
+    return lambda vs: cls(zip(keys, vs, strict=True))
 
 
 def _sparse_children(node: Any, dense: bool):
