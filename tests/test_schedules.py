@@ -114,6 +114,26 @@ def test_torch_lambda_lr_follows_the_schedule_per_group():
     assert resumed.last_epoch == 25
 
 
+def test_torch_adapter_arguments():
+    """Typed errors where LambdaLR raised AttributeError (a model for the optimizer) or a
+    KeyError (resuming at last_epoch >= 0 without initial_lr); resuming with it works."""
+    import torch
+
+    schedule = warmup_cosine_schedule(**CONFIG)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=CONFIG["base_lr"])
+    with pytest.raises(InvalidArgumentError, match="optimizer of type Linear"):
+        schedule.for_torch(model)
+    for bad, match in [(-2, "last_epoch >= -1"), (2.5, "an int"), (True, "an int")]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            schedule.for_torch(opt, last_epoch=bad)
+    with pytest.raises(InvalidArgumentError, match=r"param_groups\[0\] without it"):
+        schedule.for_torch(opt, last_epoch=5)
+    schedule.for_torch(opt)  # writes initial_lr
+    schedule.for_torch(opt, last_epoch=5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(schedule(6), rel=1e-12)
+
+
 def test_optax_adapter_inside_an_optimizer():
     import jax
     import jax.numpy as jnp
