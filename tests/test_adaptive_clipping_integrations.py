@@ -49,6 +49,12 @@ def test_torch_zclip_matches_the_zclip_package(kwargs):
     again = ZClip(**kwargs)
     again.load_state_dict(ours.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(again.state, ours.state, strict=True))
+    # a foreign dict, or one of a ZClip with another warmup, is refused (was a TypeError)
+    for bad, match in [({"x": 1}, "with the keys"), ([1], "with the keys")]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            again.load_state_dict(bad)
+    with pytest.raises(InvalidArgumentError, match="warmup_steps=7"):
+        ZClip(**kwargs, warmup_steps=7).load_state_dict(ours.state_dict())
 
 
 def test_optax_zclip_under_jit_matches_the_zclip_package():

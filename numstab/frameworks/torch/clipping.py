@@ -155,9 +155,29 @@ class ZClip:
         return {} if self.state is None else {k: t.clone() for k, t in self.state._asdict().items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """The state ``state_dict()`` gave (``{}``: none yet), of a ZClip with the same
+        ``warmup_steps``; anything else raises ``InvalidArgumentError``."""
         from numstab.adaptive_clipping import ZClipState
 
-        self.state = ZClipState(**state_dict) if state_dict else None
+        if not state_dict:
+            self.state = None
+            return
+        fields = ZClipState._fields
+        keys = sorted(state_dict) if isinstance(state_dict, Mapping) else state_dict
+        if not isinstance(state_dict, Mapping) or set(state_dict) != set(fields):
+            raise InvalidArgumentError(
+                f"Expected a ZClip state dict with the keys {list(fields)} (or {{}}). "
+                f"Received: {keys!r}"
+            )
+        buffer = state_dict["buffer"]
+        size = (self.policy.buffer_size,)
+        if not isinstance(buffer, torch.Tensor) or tuple(buffer.shape) != size:
+            raise InvalidArgumentError(
+                f"Expected a ZClip state dict of a ZClip with warmup_steps="
+                f"{self.policy.warmup_steps}: a buffer of shape {size}. Received: buffer of "
+                f"shape {tuple(getattr(buffer, 'shape', ()))}"
+            )
+        self.state = ZClipState(**{k: state_dict[k] for k in fields})
 
 
 def agc_(
