@@ -161,7 +161,13 @@ def test_optax_bad_arguments():
     with pytest.raises(InvalidArgumentError, match=r"packed to be None or a bool.*'yes'"):
         og.init(params, TX.init(params), packed="yes")
     assert og.runner is None  # rejected before it started
+    # JAX's "Error interpreting argument to copy_tree as an abstract array" before
+    with pytest.raises(InvalidArgumentError, match=r"a leaf of type custom_jvp at params\['act'\]"):
+        og.init({**params, "act": jax.nn.relu}, TX.init(params))
+    assert og.runner is None
     gstate = og.init(params, TX.init(params))
+    with pytest.raises(InvalidArgumentError, match="decision of type dict"):  # AttributeError
+        og.after_step({"apply": True}, params, TX.init(params), gstate)
     grads = jax.tree.map(jnp.zeros_like, params)
     with pytest.raises(InvalidArgumentError, match="scalar loss"):
         og.check(gstate, jnp.ones(2), grads)

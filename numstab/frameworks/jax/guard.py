@@ -74,6 +74,7 @@ class OptaxGuard:
         ``packed``: the state as a ``PackedGuardState`` (2 arrays) rather than a
         ``policy.GuardState`` (11); default: packed when ``params`` live on an accelerator.
         """
+        _check_trees(params=params, opt_state=opt_state)
         pack = choose_packing("packed", packed, params)  # (rejected before anything changes)
         names = [
             jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)
@@ -116,6 +117,11 @@ class OptaxGuard:
         """Act on the decision: log, snapshot, roll back. Returns (params, opt_state,
         gstate), restored from the last good snapshot after a rollback."""
         runner = self._require()
+        if not isinstance(decision, (PackedDecision, policy.Decision)):
+            raise InvalidArgumentError(
+                f"Expected the decision that guarded_step or check returned. Received: "
+                f"decision of type {type(decision).__name__}"
+            )
         if self.guard.host_every > 1:  # keep the decision on the device; read k at a time
             self._pending.append(decision)
             self._current = (params, opt_state)
@@ -204,6 +210,18 @@ class OptaxGuard:
             jax.tree.unflatten(p_def, [jnp.asarray(x) for x in tree["params"]]),
             jax.tree.unflatten(o_def, [jnp.asarray(x) for x in tree["opt_state"]]),
         )
+
+
+def _check_trees(**trees: Any) -> None:
+    """Every leaf of each tree is an array or a number (what the snapshots copy under jit);
+    ``InvalidArgumentError`` naming the tree and the leaf otherwise."""
+    for name, tree in trees.items():
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if not (hasattr(leaf, "dtype") or isinstance(leaf, (bool, int, float, complex))):
+                raise InvalidArgumentError(
+                    f"Expected {name} to be a pytree of arrays. Received: a leaf of type "
+                    f"{type(leaf).__name__} at {name}{jax.tree_util.keystr(path)}"
+                )
 
 
 @jax.jit
