@@ -87,5 +87,7 @@ def test_poisoned_batch_is_skipped_and_named(precision):
 def test_unsupported_settings_raise_typed_errors():
     with pytest.raises(InvalidArgumentError, match="guard"):
         NumstabCallback(guard=3)
+    with pytest.raises(InvalidArgumentError, match="locate to be a bool"):
+        NumstabCallback(locate="yes")
     with pytest.raises(InvalidArgumentError, match="one optimizer"):
         _fit("32-true", [NumstabCallback()], Regressor(optimizers=2))

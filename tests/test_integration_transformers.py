@@ -106,6 +106,8 @@ def test_skipped_step_leaves_weights_optimizer_and_schedule_alone(tmp_path):
 def test_bad_settings_raise_typed_errors(tmp_path):
     with pytest.raises(InvalidArgumentError, match="guard"):
         NumstabCallback(guard="olmo")
+    with pytest.raises(InvalidArgumentError, match="locate to be a bool"):
+        NumstabCallback(locate=1)
     callback = NumstabCallback(TrainingGuard())
 
     class Args:

@@ -76,3 +76,5 @@ def test_bad_arguments_are_typed_errors():
         SparseCategoricalCrossentropy(label_smoothing=2.0)
     with pytest.raises(InvalidArgumentError, match="ignore_index"):
         SparseCategoricalCrossentropy(ignore_index=1.5)
+    with pytest.raises(InvalidArgumentError, match="reduction='avg'"):  # Keras' ValueError
+        SparseCategoricalCrossentropy(reduction="avg")

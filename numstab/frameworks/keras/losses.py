@@ -23,6 +23,7 @@ import keras
 from keras import ops
 
 from numstab import _validate as v
+from numstab.errors import InvalidArgumentError
 from numstab.losses import cross_entropy
 
 
@@ -35,7 +36,13 @@ class _NumstabCrossentropy(keras.losses.Loss):
         name: str | None = None,
         dtype: Any = None,
     ) -> None:
-        super().__init__(name=name, reduction=reduction, dtype=dtype)
+        try:
+            super().__init__(name=name, reduction=reduction, dtype=dtype)
+        except ValueError as err:  # Keras' own check of reduction (or dtype)
+            raise InvalidArgumentError(
+                f"Expected reduction and dtype as keras.losses.Loss takes them. Received: "
+                f"reduction={reduction!r}, dtype={dtype!r} (Keras: {err})"
+            ) from None
         self.label_smoothing = v.check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
         self.z_loss = v.check_number("z_loss", z_loss, low=0.0)
 

@@ -49,6 +49,8 @@ class StepGuard:
                 f"Expected guard to be a numstab TrainingGuard or None. Received: guard of "
                 f"type {type(guard).__name__}"
             )
+        if not isinstance(locate, bool):
+            raise InvalidArgumentError(f"Expected locate to be a bool. Received: locate={locate!r}")
         self.guard = guard if guard is not None else TrainingGuard()
         self.locate = locate
         self.torch_guard: Any = None
