@@ -53,7 +53,7 @@ class _Extrema:
     def slots(self, tensors: list) -> list[int]:
         out = []
         for t in tensors:
-            if not checkable(t) or t.is_complex():  # complex: find_nonfinite skips them too
+            if not checkable(t) or t.is_complex():  # complex: unrecorded on every backend (§15)
                 continue
             key = (id(t), _version(t))
             slot = self.seen.get(key)
