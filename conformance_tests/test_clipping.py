@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import types
 
 import numpy as np
 import pytest
@@ -218,6 +219,18 @@ def test_defaultdict_keeps_its_factory(eager_target):
     np.testing.assert_allclose(h.numpy(clipped["a"]), [0.6, 0.8], rtol=VALUE["float32"][0])
     (leaf,) = ns.clip_by_value(grads, -1.0, 1.0).values()
     np.testing.assert_array_equal(h.numpy(leaf), [1.0, 1.0])
+
+
+def test_mappings_built_from_one_mapping():
+    # ChainMap(pairs) gave a ChainMap over a zip object; MappingProxyType(pairs) raised
+    x = np.array([3.0, 4.0])
+    chain = collections.ChainMap({"a": x}, {"b": np.zeros(1), "a": np.ones(2)})
+    clipped, _ = ns.clip_by_global_norm(chain, 1.0)  # the values it shows: a = x, b
+    assert type(clipped) is collections.ChainMap and sorted(clipped) == ["a", "b"]
+    np.testing.assert_allclose(clipped["a"], x / 5.0)
+    proxy, _ = ns.clip_by_global_norm(types.MappingProxyType({"a": x}), 1.0)
+    assert type(proxy) is types.MappingProxyType
+    np.testing.assert_allclose(proxy["a"], x / 5.0)
 
 
 def test_bad_clipping_arguments(eager_target):

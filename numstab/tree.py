@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -65,12 +66,20 @@ def _children(
 def _mapping_rebuild(node: Mapping, keys: list) -> Callable[[list], Any]:
     """A mapping of ``node``'s type with ``keys`` and new values: ``cls(pairs)``, but for a
     ``defaultdict`` (torch's ``optimizer.state``), whose default factory comes first, as
-    JAX's pytree keeps it."""
+    JAX's pytree keeps it, and for the mappings built from one mapping (``ChainMap``: one
+    map of the values it showed; ``MappingProxyType``)."""
     cls = type(node)
     if isinstance(node, collections.defaultdict):
         factory = node.default_factory
         return lambda vs: cls(factory, zip(keys, vs, strict=True))
+    if cls in _FROM_ONE_MAPPING:
+        return lambda vs: cls(dict(zip(keys, vs, strict=True)))
     return lambda vs: cls(zip(keys, vs, strict=True))
+
+
+#: mapping types whose constructor takes a mapping, not pairs (``ChainMap(zip)`` made a
+#: ChainMap over a zip object, ``MappingProxyType(zip)`` raised TypeError)
+_FROM_ONE_MAPPING = (collections.ChainMap, types.MappingProxyType)
 
 
 def _sparse_children(node: Any, dense: bool):
