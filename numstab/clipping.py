@@ -245,7 +245,10 @@ def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None
 
 
 def _given_norm(be: Backend, norm: Any, like: Any = None) -> Array:
-    """A caller's norm as a 0-d floating array (``scalar_array``; integers as float32)."""
+    """A caller's norm as a 0-d floating array (``scalar_array``; integers as float32). A
+    negative host number raises; an array's sign is not read (that would sync the host)."""
+    if isinstance(norm, numbers.Real) and not isinstance(norm, bool) and norm < 0:
+        raise InvalidArgumentError(f"Expected norm >= 0. Received: norm={norm!r}")
     norm = scalar_array(be, "norm", norm, like)
     return norm if v.is_floating(be.dtype_name(norm)) else be.cast(norm, "float32")
 

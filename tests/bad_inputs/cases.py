@@ -385,6 +385,16 @@ def tree_cases() -> Iterator[Case]:
             bad("norm"),
         ),
         Case(
+            "clip_by_global_norm.norm=negative_number",
+            lambda c: ns.clip_by_global_norm(g(c), 1.0, norm=-5.0),
+            bad("norm"),
+        ),
+        Case(
+            "clip_coefficient.norm=negative_number",
+            lambda c: clip_coefficient(-5.0, 1.0, backend=c.name),
+            bad("norm"),
+        ),
+        Case(
             "clip_by_global_norm.norm=int_one_element",
             lambda c: ns.clip_by_global_norm(g(c), 1.0, norm=c.a([5], "int32")),
             Valid(
