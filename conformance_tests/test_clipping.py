@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import math
 import types
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -231,6 +232,33 @@ def test_mappings_built_from_one_mapping():
     proxy, _ = ns.clip_by_global_norm(types.MappingProxyType({"a": x}), 1.0)
     assert type(proxy) is types.MappingProxyType
     np.testing.assert_allclose(proxy["a"], x / 5.0)
+    # Counter(pairs) counted the (key, array) pairs: TypeError, unhashable array
+    counter, _ = ns.clip_by_global_norm(collections.Counter({"a": x}), 1.0)
+    assert type(counter) is collections.Counter
+    np.testing.assert_allclose(counter["a"], x / 5.0)
+
+
+class _Config(Mapping):
+    """A read-only mapping whose constructor takes no pairs."""
+
+    def __init__(self, weight, frozen: bool) -> None:
+        self._items, self.frozen = {"weight": weight}, frozen
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def test_mapping_that_cannot_be_rebuilt_raises_typed():
+    grads = _Config(np.array([3.0, 4.0]), frozen=True)
+    np.testing.assert_allclose(ns.global_norm(grads), 5.0)  # read without rebuilding
+    with pytest.raises(ns.InvalidArgumentError, match=r"Cannot rebuild a _Config from"):
+        ns.clip_by_global_norm(grads, 1.0)  # was Python's TypeError from _Config.__init__
 
 
 def test_bad_clipping_arguments(eager_target):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 from numstab import frameworks
+from numstab.errors import InvalidArgumentError
 
 Leaf = Any
 
@@ -71,15 +72,27 @@ def _mapping_rebuild(node: Mapping, keys: list) -> Callable[[list], Any]:
     cls = type(node)
     if isinstance(node, collections.defaultdict):
         factory = node.default_factory
-        return lambda vs: cls(factory, zip(keys, vs, strict=True))
-    if cls in _FROM_ONE_MAPPING:
-        return lambda vs: cls(dict(zip(keys, vs, strict=True)))
-    return lambda vs: cls(zip(keys, vs, strict=True))
+        build = lambda pairs: cls(factory, pairs)
+    elif cls in _FROM_ONE_MAPPING:
+        build = lambda pairs: cls(dict(pairs))
+    else:
+        build = cls
+
+    def rebuild(values: list) -> Any:
+        try:
+            return build(zip(keys, values, strict=True))
+        except (TypeError, ValueError) as e:  # a Mapping whose constructor takes no pairs
+            raise InvalidArgumentError(
+                f"Cannot rebuild a {cls.__qualname__} from (key, value) pairs ({e}): pass a dict"
+            ) from e
+
+    return rebuild
 
 
 #: mapping types whose constructor takes a mapping, not pairs (``ChainMap(zip)`` made a
-#: ChainMap over a zip object, ``MappingProxyType(zip)`` raised TypeError)
-_FROM_ONE_MAPPING = (collections.ChainMap, types.MappingProxyType)
+#: ChainMap over a zip object, ``MappingProxyType(zip)`` raised TypeError, ``Counter(zip)``
+#: counted the pairs)
+_FROM_ONE_MAPPING = (collections.ChainMap, types.MappingProxyType, collections.Counter)
 
 
 def _sparse_children(node: Any, dense: bool):
