@@ -47,7 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lrs", help="peak learning rates to sweep, e.g. 1e-3,3e-3,1e-2 (at least two)"
     )
-    parser.add_argument("--faults", help=f"of {','.join(FAULTS)}: as --remedies")
+    parser.add_argument(
+        "--faults",
+        help=f"comma-separated, of {','.join(FAULTS)} (one fault per run):"
+        " run every precision x remedy x fault",
+    )
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--steps", type=int, help="training steps per run (preset's default)")
     parser.add_argument("--fault-step", type=int, help="step of the injected faults (steps/3)")
