@@ -74,6 +74,13 @@ def check_number(
     return value
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool (NumPy's too): a truthy string or number is not one."""
+    if not isinstance(value, bool) and type(value).__name__ != "bool":  # np.bool, no import
+        raise InvalidArgumentError(f"Expected {name} to be a bool. Received: {name}={value!r}")
+    return bool(value)
+
+
 def check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidArgumentError(f"Expected {name} to be an int. Received: {name}={value!r}")

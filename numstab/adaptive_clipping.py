@@ -110,12 +110,7 @@ class ZClip:
         v.check_choice("clip_option", clip_option, ZCLIP_CLIP_OPTIONS)
         self.mode, self.clip_option = mode, clip_option
         self.clip_factor = v.check_number("clip_factor", clip_factor, low=0.0, low_open=True)
-        if not isinstance(skip_update_on_spike, bool):
-            raise InvalidArgumentError(
-                "Expected skip_update_on_spike to be a bool. "
-                f"Received: skip_update_on_spike={skip_update_on_spike!r}"
-            )
-        self.skip_update_on_spike = skip_update_on_spike
+        self.skip_update_on_spike = v.check_bool("skip_update_on_spike", skip_update_on_spike)
 
     @property
     def buffer_size(self) -> int:

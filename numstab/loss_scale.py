@@ -106,10 +106,7 @@ class LossScaler:
     def __post_init__(self) -> None:
         v.check_number("init_scale", self.init_scale, low=FLOAT32_TINY, high=FLOAT32_MAX)
         for name in ("consecutive_hysteresis", "dynamic"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidArgumentError(
-                    f"Expected {name} to be a bool. Received: {name}={getattr(self, name)!r}"
-                )
+            v.check_bool(name, getattr(self, name))
         if self.dynamic:
             v.check_number("growth_factor", self.growth_factor, low=1.0, low_open=True)
             v.check_number("backoff_factor", self.backoff_factor, low=0.0, high=1.0, low_open=True)

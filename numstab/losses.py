@@ -59,10 +59,7 @@ def logsumexp(
 
     Rows of all -inf give -inf; any +inf gives +inf; NaN gives NaN.
     """
-    if not isinstance(keepdims, bool) and type(keepdims).__name__ != "bool":  # np.bool
-        raise InvalidArgumentError(
-            f"Expected keepdims to be a bool. Received: keepdims={keepdims!r}"
-        )
+    keepdims = v.check_bool("keepdims", keepdims)
     be, x, axis = _classes_last(x, axis, backend)
     with be.float_errors_ignored():
         out = native_op(be, "logsumexp")(x, axis=-1, keepdims=keepdims)

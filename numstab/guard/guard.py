@@ -113,10 +113,7 @@ class TrainingGuard:
                 f"Expected snapshot_dir to be a path or None. Received: snapshot_dir="
                 f"{self.snapshot_dir!r}"
             )
-        if not isinstance(self.track_layers, bool):
-            raise InvalidArgumentError(
-                f"Expected track_layers to be a bool. Received: track_layers={self.track_layers!r}"
-            )
+        v.check_bool("track_layers", self.track_layers)
         EventLog(self.log_path, self.log_callback)  # validates both
 
     # -- framework entry points (each imports its framework) -----------------------------------

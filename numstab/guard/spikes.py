@@ -75,10 +75,7 @@ class SpikeDetector:
                     f"Expected warmup in [3, window + 1 = {window + 1}]. Received: warmup={warmup}"
                 )
         for name in ("two_sided", "record_spikes"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidArgumentError(
-                    f"Expected {name} to be a bool. Received: {name}={getattr(self, name)!r}"
-                )
+            v.check_bool(name, getattr(self, name))
 
     @classmethod
     def olmo_core(cls) -> SpikeDetector:

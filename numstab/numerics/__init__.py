@@ -23,7 +23,7 @@ from typing import Any
 
 from numstab._config import AUTO, configured_backend
 from numstab._dispatch import detect
-from numstab._validate import check_choice
+from numstab._validate import check_bool, check_choice
 from numstab.backends import canonical_name, load_backend
 from numstab.errors import InvalidArgumentError, NonFiniteError, NumstabError
 from numstab.frameworks import FRAMEWORKS, module
@@ -47,12 +47,6 @@ class Settings:
 
     def wanted(self) -> str:
         return " or ".join(n for n, on in (("NaN", self.nan), ("inf", self.inf)) if on)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidArgumentError(f"Expected {name} to be a bool. Received: {name}={value!r}")
-    return value
 
 
 def _frameworks_for(backend: str | None) -> tuple[str, ...]:
@@ -308,9 +302,9 @@ def check_numerics(
     device and reads them at ``check()`` / exit.
     """
     settings = Settings(
-        nan=_check_bool("nan", nan),
-        inf=_check_bool("inf", inf),
-        backward=_check_bool("backward", backward),
+        nan=check_bool("nan", nan),
+        inf=check_bool("inf", inf),
+        backward=check_bool("backward", backward),
         mode=_check_mode(mode),
     )
     if backend is not None:

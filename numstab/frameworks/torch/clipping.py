@@ -42,10 +42,8 @@ def clip_grad_norm_(
     """
     max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
     norm_type = norm_type_of(norm_type)
-    if foreach is not None and not isinstance(foreach, bool):
-        raise InvalidArgumentError(
-            f"Expected foreach a bool or None. Received: foreach={foreach!r}"
-        )
+    if foreach is not None:
+        v.check_bool("foreach", foreach)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = grads_by_device_dtype(params)
     norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")

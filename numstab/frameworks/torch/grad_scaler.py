@@ -100,11 +100,8 @@ class GradScaler:
             "max_scale": max_scale,
         }
         self._scaler: LossScaler = loss_scaler_from(scaler, settings)
-        if not isinstance(enabled, bool) or not isinstance(sharded, bool):
-            raise InvalidArgumentError(
-                f"Expected enabled and sharded to be bools. Received: enabled={enabled!r}, "
-                f"sharded={sharded!r}"
-            )
+        v.check_bool("enabled", enabled)
+        v.check_bool("sharded", sharded)
         self._device = device
         self._enabled = enabled
         if enabled and device == "cuda" and not torch.cuda.is_available():

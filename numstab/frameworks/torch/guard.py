@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from numstab import _validate as v
 from numstab.backends import load_backend
 from numstab.backends._native import has_native
 from numstab.errors import InvalidArgumentError
@@ -92,10 +93,7 @@ class TorchGuard(RunnerResults):
                 f"Expected scheduler to be a torch LR scheduler or None. Received: "
                 f"scheduler of type {type(scheduler).__name__}"
             )
-        if not isinstance(sharded, bool):
-            raise InvalidArgumentError(
-                f"Expected sharded to be a bool. Received: sharded={sharded!r}"
-            )
+        v.check_bool("sharded", sharded)
         self.guard, self.model, self.optimizer = guard, model, optimizer
         self.scheduler, self.sharded, self.process_group = scheduler, sharded, process_group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

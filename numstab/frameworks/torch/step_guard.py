@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from numstab import _validate as v
 from numstab.errors import InvalidArgumentError
 from numstab.guard.guard import TrainingGuard
 
@@ -49,8 +50,7 @@ class StepGuard:
                 f"Expected guard to be a numstab TrainingGuard or None. Received: guard of "
                 f"type {type(guard).__name__}"
             )
-        if not isinstance(locate, bool):
-            raise InvalidArgumentError(f"Expected locate to be a bool. Received: locate={locate!r}")
+        v.check_bool("locate", locate)
         self.guard = guard if guard is not None else TrainingGuard()
         self.locate = locate
         self.torch_guard: Any = None
