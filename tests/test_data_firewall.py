@@ -243,6 +243,26 @@ def test_quarantine_files_load_without_pickle(tmp_path):
     assert not [p for p in (tmp_path / "q").iterdir() if p.name.startswith(".tmp")]
 
 
+def test_quarantine_destination_is_checked_up_front(tmp_path):
+    x, y = _data()
+    # a bytes path is a path (os.path.join of bytes and the str file name raised TypeError)
+    loader = protect(_batches(x, y), "drop", quarantine_dir=bytes(tmp_path / "b"))
+    list(loader)
+    assert len(list((tmp_path / "b").iterdir())) == 4
+    # a prefix with a separator wrote outside quarantine_dir; an int became a folder "5"; an
+    # existing file raised FileExistsError at the first dirty batch
+    (tmp_path / "file").write_text("")
+    for bad in (
+        dict(quarantine_dir=tmp_path / "q", quarantine_prefix="../escaped"),
+        dict(quarantine_dir=tmp_path / "q", quarantine_prefix=""),
+        dict(quarantine_dir=5),
+        dict(quarantine_dir=tmp_path / "file"),
+    ):
+        with pytest.raises(InvalidArgumentError, match="quarantine_"):
+            protect(_batches(x, y), "drop", **bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "file"]
+
+
 # -- torch ------------------------------------------------------------------------------
 def test_torch_dataloader_wrapper_and_collate_fn(monkeypatch):
     torch = pytest.importorskip("torch")

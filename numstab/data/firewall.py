@@ -84,11 +84,9 @@ class Firewall:
         self.outlier_fields = _check_outlier_fields(outlier_fields)
         self.replace_value = v.check_number("replace_value", replace_value, low=-np.inf)
         self.batch_axis = check_batch_axis(batch_axis)
-        if quarantine_dir is not None and not isinstance(quarantine_dir, str | bytes):
-            quarantine_dir = str(quarantine_dir)  # a pathlib.Path
-        self.quarantine_dir = quarantine_dir
+        self.quarantine_dir = quarantine.check_destination(quarantine_dir, quarantine_prefix)
         self.quarantine_prefix = quarantine_prefix
-        self.keep_empty = bool(keep_empty)
+        self.keep_empty = v.check_bool("keep_empty", keep_empty)
         self.stats = FirewallStats()
         self._epoch_start = 0  # stats.batches_seen when the epoch began
         self._epoch = 0
@@ -325,12 +323,13 @@ def _value_counts(bad_fields: tuple, i: int) -> tuple[int, int]:
 def _check_outlier_fields(spec: Features) -> Features:
     if spec is None or callable(spec):
         return spec
-    if isinstance(spec, str) or not all(isinstance(p, str) for p in spec):
+    paths = tuple(spec) if isinstance(spec, Iterable) and not isinstance(spec, str) else None
+    if paths is None or not all(isinstance(p, str) for p in paths):
         raise InvalidArgumentError(
             f"Expected outlier_fields to be None, a callable batch -> (n, d) array, or a "
             f"sequence of field paths such as [\"['x']\"]. Received: outlier_fields={spec!r}"
         )
-    return tuple(spec)
+    return paths
 
 
 def _features(batch: Any, parts: Batch, spec: Features, batch_axis: int) -> np.ndarray:

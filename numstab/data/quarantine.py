@@ -14,10 +14,42 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any
 
 import numpy as np
 
 from numstab.data._fields import Batch
+from numstab.errors import InvalidArgumentError
+
+
+def check_destination(directory: Any, prefix: Any) -> str | None:
+    """``directory`` as a str path (None: no quarantine), after checking that it is a path
+    (str, bytes, ``os.PathLike``) that is not an existing file, and that ``prefix`` is a
+    non-empty file-name prefix: no path separator, so no file lands outside ``directory``."""
+    if (
+        not isinstance(prefix, str)
+        or not prefix
+        or prefix in (".", "..")
+        or any(sep and sep in prefix for sep in (os.sep, os.altsep))
+    ):
+        raise InvalidArgumentError(
+            "Expected quarantine_prefix to be a non-empty file-name prefix without a path "
+            f"separator. Received: quarantine_prefix={prefix!r}"
+        )
+    if directory is None:
+        return None
+    if not isinstance(directory, str | bytes | os.PathLike):
+        raise InvalidArgumentError(
+            f"Expected quarantine_dir to be a path (str or os.PathLike) or None. Received: "
+            f"quarantine_dir={directory!r}"
+        )
+    directory = os.fsdecode(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise InvalidArgumentError(
+            f"Expected quarantine_dir to be a directory. Received: quarantine_dir="
+            f"{directory!r}, an existing file"
+        )
+    return directory
 
 
 def write(

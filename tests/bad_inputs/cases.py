@@ -565,6 +565,31 @@ def more_api_cases() -> Iterator[Case]:
         ),
         Case("data.MADFilter.window=one", lambda c: ns.data.MADFilter(window=1), bad("window")),
         Case(
+            "data.Firewall.quarantine_prefix=path",
+            lambda c: ns.data.Firewall(quarantine_dir="q", quarantine_prefix="../q"),
+            bad("quarantine_prefix"),
+        ),
+        Case(
+            "data.Firewall.quarantine_dir=int",
+            lambda c: ns.data.Firewall(quarantine_dir=5),
+            bad("quarantine_dir"),
+        ),
+        Case(
+            "data.Firewall.quarantine_dir=file",
+            lambda c: ns.data.Firewall(quarantine_dir=__file__),
+            bad("quarantine_dir"),
+        ),
+        Case(
+            "data.Firewall.keep_empty=str",
+            lambda c: ns.data.Firewall(keep_empty="no"),
+            bad("keep_empty"),
+        ),
+        Case(
+            "data.Firewall.outlier_fields=int",
+            lambda c: ns.data.Firewall(outliers="zscore", outlier_fields=5),
+            bad("outlier_fields"),
+        ),
+        Case(
             "data.IsolationForestFilter.contamination=above_half",
             lambda c: ns.data.IsolationForestFilter(contamination=0.9),
             bad("contamination"),
