@@ -35,7 +35,15 @@ class Embedded(torch.utils.data.Dataset):
         return {"inputs_embeds": embeds, "labels": torch.randint(0, 64, (8,), generator=g)}
 
 
-def _train(tmp_path, precision: str, callbacks):
+class Clean(Embedded):
+    """The same samples, without the NaN."""
+
+    def __getitem__(self, i):
+        sample = super().__getitem__(i)
+        return {**sample, "inputs_embeds": torch.nan_to_num(sample["inputs_embeds"])}
+
+
+def _train(tmp_path, precision: str, callbacks, train_dataset=None, **overrides):
     config = transformers.GPT2Config(
         n_layer=2,
         n_head=2,
@@ -62,9 +70,14 @@ def _train(tmp_path, precision: str, callbacks):
         dataloader_drop_last=True,
         seed=0,
         data_seed=0,
+        **{k: v for k, v in overrides.items() if k != "eval_dataset"},
     )
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=Embedded(), callbacks=callbacks
+        model=model,
+        args=args,
+        train_dataset=train_dataset or Embedded(),
+        eval_dataset=overrides.get("eval_dataset"),
+        callbacks=callbacks,
     )
     trainer.train()
     return model, trainer
@@ -101,6 +114,25 @@ def test_skipped_step_leaves_weights_optimizer_and_schedule_alone(tmp_path):
     opt_state = trainer.optimizer.optimizer.state
     steps = {int(s["step"]) for s in opt_state.values()}
     assert steps == {STEPS - 1}  # AdamW's step counters skipped it too
+
+
+def test_evaluation_during_training_is_not_a_training_step(tmp_path):
+    """A NaN eval loss (a dirty eval set) was taken as the next training step's loss: two
+    clean steps were skipped."""
+    callback = NumstabCallback()
+    _, trainer = _train(
+        tmp_path,
+        "fp32",
+        [callback],
+        train_dataset=Clean(),
+        eval_dataset=torch.utils.data.Subset(Embedded(), [POISON, 0, 1, 2]),
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=4,
+    )
+    evals = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
+    assert len(evals) == STEPS // 2 and all(math.isnan(x) for x in evals)  # it can fail
+    assert callback.skipped_steps == 0, callback.step_guard.messages
 
 
 def test_bad_settings_raise_typed_errors(tmp_path):

@@ -150,15 +150,22 @@ class StepGuard:
     # -- hooks ----------------------------------------------------------------------------------
     _locating = False
 
+    def _training_call(self, module: Any) -> bool:
+        """A forward of the training loop: not an evaluation (no grad or eval mode: the
+        Trainer's ``evaluate`` during training) and not locate's replay."""
+        return torch.is_grad_enabled() and module.training and not self._locating
+
     def _keep_batch(self, module: Any, args: tuple, kwargs: dict) -> None:
-        if torch.is_grad_enabled() and module.training and not self._locating:
+        if self._training_call(module):
             self.replay = functools.partial(module.forward, *args, **kwargs)
 
     def _loss_from_output(self, module: Any, args: tuple, output: Any) -> None:
+        if not self._training_call(module):
+            return  # an evaluation's loss (a NaN of a dirty eval set) is no training step's
         loss = getattr(output, "loss", None)
         if loss is None and isinstance(output, dict):
             loss = output.get("loss")
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not self._locating:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self.record_loss(loss)
 
     def _locate(self) -> None:
