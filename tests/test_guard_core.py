@@ -87,6 +87,17 @@ def test_warmup_two_sided_and_zscore():
     assert zs[:4] == [0.0] * 4  # before warmup
 
 
+@pytest.mark.parametrize("window", [2, 10, 18, 19, 40, 128])
+def test_default_warmup_is_reachable(window):
+    """OLMo-core's default warmup, max(20, W // 2), exceeds the W + 1 values a window of
+    W < 19 ever holds: such a detector never detected; now it starts at W + 1."""
+    det = SpikeDetector(window=window, sigma=6.0)
+    assert 3 <= det.effective_warmup <= window + 1
+    values = [1.0 + 0.001 * (i % 2) for i in range(2 * window + 20)] + [1e6]
+    spikes, _ = run_detector(det, values)
+    assert spikes[-1] and not any(spikes[:-1])
+
+
 def test_non_finite_values_never_enter_the_window():
     det = SpikeDetector(window=16, sigma=6.0, warmup=4)
     state = det.init(NP)

@@ -84,7 +84,12 @@ class SpikeDetector:
 
     @property
     def effective_warmup(self) -> int:
-        return self.warmup if self.warmup is not None else max(20, self.window // 2)
+        """``warmup``, else ``max(20, window // 2)`` (OLMo-core's) capped at ``window + 1``,
+        the most values the count reaches: below ``window = 19`` OLMo-core's default is
+        never reached, and the detector would never detect."""
+        if self.warmup is not None:
+            return self.warmup
+        return min(max(20, self.window // 2), self.window + 1)
 
     def init(self, be: Backend, like: Array | None = None) -> WindowState:
         """An empty window on backend ``be`` (on the device of ``like``)."""
