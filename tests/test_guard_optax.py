@@ -169,7 +169,21 @@ def test_optax_bad_arguments():
     with pytest.raises(InvalidArgumentError, match="decision of type dict"):  # AttributeError
         og.after_step({"apply": True}, params, TX.init(params), gstate)
     grads = jax.tree.map(jnp.zeros_like, params)
-    with pytest.raises(InvalidArgumentError, match="scalar loss"):
+    with pytest.raises(InvalidArgumentError, match=r"loss to be a scalar \(one element\)"):
         og.check(gstate, jnp.ones(2), grads)
+    # the rule of TrainingGuard.decide and the torch guard: JAX's TypeError / ValueError for
+    # a string or None, a complex loss's imaginary part dropped, a bool taken as a number
+    for loss in ("x", None, jnp.complex64(1 + 1j), jnp.bool_(True)):
+        with pytest.raises(InvalidArgumentError, match="Expected loss"):
+            og.check(gstate, loss, grads)
+    assert bool(og.check(gstate, jnp.ones(1), grads)[0].apply)  # one element: as decide
+    with pytest.raises(InvalidArgumentError, match="floating-point gradients"):
+        og.check(gstate, 1.0, {"w": "x"})  # JAX's TypeError before
+    # a state of a guard with other settings: JAX's "Incompatible shapes" before
+    other = TrainingGuard(rollback_window=4, rollback_after=2).for_optax()
+    with pytest.raises(InvalidArgumentError, match=r"gstate\.bad_flags of shape \(16,\)"):
+        og.check(other.init(params, TX.init(params)), 1.0, grads)
+    with pytest.raises(InvalidArgumentError, match="gstate to be a GuardState"):
+        og.check(None, 1.0, grads)
     with pytest.raises(InvalidArgumentError, match="floating-point gradients"):
         og.check(gstate, jnp.float32(1), {"w": jnp.ones(2, jnp.int32)})

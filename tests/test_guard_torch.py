@@ -179,11 +179,22 @@ def test_torch_bad_arguments():
         TrainingGuard().for_torch("model", opt)
     with pytest.raises(InvalidArgumentError, match=r"torch\.optim\.Optimizer"):
         TrainingGuard().for_torch(model, [opt])
+    with pytest.raises(InvalidArgumentError, match="process_group to be a torch.distributed"):
+        TrainingGuard().for_torch(model, opt, process_group="x")  # AttributeError at a step
     tg = TrainingGuard().for_torch(model, opt)
-    with pytest.raises(InvalidArgumentError, match="scalar loss"):
+    with pytest.raises(InvalidArgumentError, match=r"loss to be a scalar \(one element\)"):
         tg.step(torch.ones(3))
-    with pytest.raises(InvalidArgumentError, match="scalar tensor or a number"):
+    with pytest.raises(InvalidArgumentError, match="loss to be a scalar number"):
         tg.step("1.0")
+    # the rule of TrainingGuard.decide: a complex loss lost its imaginary part, a bool or
+    # float8 one was taken as a number, a NumPy 0-d array was refused
+    for loss in (torch.tensor(1 + 1j), torch.tensor(True), torch.ones(()).to(torch.float8_e4m3fn)):
+        with pytest.raises(InvalidArgumentError, match="loss of a floating"):
+            tg.step(loss)
+    with pytest.raises(InvalidArgumentError, match="step_fn to be a callable"):
+        tg.step(1.0, step_fn=5)  # was a TypeError after the decision had counted the step
+    assert tg.steps_seen == 0 and not tg.history.as_arrays()["step"].size
+    assert tg.step(np.array(1.0)) and tg.step(np.float32(1.0)) and tg.steps_seen == 2
 
 
 def test_rollback_scales_a_scheduler_base_lr_so_the_factor_survives_scheduler_steps():

@@ -26,8 +26,7 @@ from typing import Any
 
 from numstab import _validate as v
 from numstab import frameworks
-from numstab._dispatch import scalar_array
-from numstab.backends import load_backend
+from numstab.backends import canonical_name, load_backend
 from numstab.backends._base import Backend
 from numstab.errors import InvalidArgumentError
 from numstab.guard import policy
@@ -160,18 +159,15 @@ class TrainingGuard:
         """The decision on one step from its scalar ``loss`` and ``grad_norm`` (None: no
         gradient check): numbers or one-element float arrays of ``be``."""
         be = _backend(be)
-        like = state.step if isinstance(state, policy.GuardState) else None
-        loss = _scalar(be, "loss", loss, like)
+        policy.check_state(self, be, state)
+        like = state.step
+        loss = policy.scalar_input(be, "loss", loss, like)
         if grad_norm is not None:
-            grad_norm = _scalar(be, "grad_norm", grad_norm, like)
+            grad_norm = policy.scalar_input(be, "grad_norm", grad_norm, like)
         return policy.decide(self, be, state, loss, grad_norm)
 
 
 def _backend(be: Backend | str) -> Backend:
-    return load_backend(be) if isinstance(be, str) else be
-
-
-def _scalar(be: Backend, name: str, x: Any, like: Any) -> Any:
-    """``x`` as a 0-d float32 array of ``be`` (``scalar_array``: a vector would be broadcast
-    against the guard's state)."""
-    return be.cast(scalar_array(be, name, x, like), "float32")
+    """A backend object, or its name (aliases too: ``"pytorch"``, ``"tf"``; anything else
+    raises UnknownBackendError, as ``set_backend`` does)."""
+    return be if isinstance(be, Backend) else load_backend(canonical_name(be))

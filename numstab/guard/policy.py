@@ -114,6 +114,59 @@ def init_state(guard: TrainingGuard, be: Backend, like: Array | None = None) -> 
     )
 
 
+def scalar_input(be: Backend, name: str, x: Any, like: Array | None = None) -> Array:
+    """A step's loss or norm as a 0-d float32 array of ``be``: a real number or a one-element
+    floating or integer array (``scalar_array``). A bool, complex, float8, string, None or
+    vector raises ``InvalidArgumentError`` naming ``name``, on every guard (a vector would
+    broadcast against the state; a complex loss lost its imaginary part)."""
+    from numstab._dispatch import scalar_array
+
+    return be.cast(scalar_array(be, name, x, like), "float32")
+
+
+def state_shapes(guard: TrainingGuard) -> dict[str, tuple[int, ...]]:
+    """The shape of every array of ``init_state(guard, ...)``, by its field path."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, detector in (
+        ("loss_window", guard.loss_spikes),
+        ("grad_norm_window", guard.grad_norm_spikes),
+    ):
+        shapes[f".{name}.values"] = (detector.window if detector else 2,)
+        shapes[f".{name}.count"] = shapes[f".{name}.position"] = ()
+    shapes[".bad_flags"] = (guard.rollback_window,)
+    for name in GuardState._fields[3:]:
+        shapes[f".{name}"] = ()
+    return shapes
+
+
+def check_state(guard: TrainingGuard, be: Backend, state: Any, name: str = "state") -> None:
+    """``InvalidArgumentError`` unless ``state`` is a GuardState of ``be``'s arrays shaped as
+    ``init_state(guard)`` makes them (static shapes: no host read). A state of a guard with
+    other settings, or of another backend, failed deep in the decision with each framework's
+    own error (a broadcast ValueError, a RuntimeError, an AttributeError)."""
+    from numstab._dispatch import HOST, framework_of
+    from numstab.errors import InvalidArgumentError
+
+    if not isinstance(state, GuardState):
+        raise InvalidArgumentError(
+            f"Expected {name} to be a GuardState (TrainingGuard.init_state). Received: {name} "
+            f"of type {type(state).__name__}"
+        )
+    framework = HOST if be.name == "numpy" else be.name
+    for path, want in state_shapes(guard).items():
+        x = state
+        for field in path[1:].split("."):
+            x = getattr(x, field, None)
+        arrays = framework_of(x) == framework and hasattr(x, "shape")
+        if not arrays or be.shape(x) != want:
+            got = f"shape {be.shape(x)}" if arrays else f"type {type(x).__name__}"
+            raise InvalidArgumentError(
+                f"Expected {name} made by this guard's init_state on the {be.name} backend: "
+                f"{name}{path} of shape {want}. Received: {got} (a state of another backend, "
+                "or of a guard with other settings)"
+            )
+
+
 def decide(
     guard: TrainingGuard, be: Backend, state: GuardState, loss: Array, grad_norm: Array | None
 ) -> tuple[Decision, GuardState]:

@@ -554,6 +554,38 @@ def stateful_cases() -> Iterator[Case]:
         lambda c: ns.data.check_batch({"x": c.a(np.ones((4, 2)))}, batch_axis=-1),
         bad("batch_axis"),
     )
+    yield Case(
+        "TrainingGuard.init_state.be=unknown",
+        lambda c: ns.TrainingGuard().init_state("nope"),
+        bad("'nope'", errors.UnknownBackendError),
+    )
+    yield Case(
+        "TrainingGuard.init_state.be=int",
+        lambda c: ns.TrainingGuard().init_state(3),
+        bad("3", errors.UnknownBackendError),
+    )
+    yield Case(
+        "TrainingGuard.decide.state=none",
+        lambda c: ns.TrainingGuard().decide(None, 1.0, 1.0, c.name),
+        bad("state"),
+    )
+    yield Case(
+        "TrainingGuard.decide.state=other_settings",
+        lambda c: ns.TrainingGuard().decide(
+            ns.TrainingGuard(rollback_window=4, rollback_after=2).init_state(c.name),
+            1.0,
+            1.0,
+            c.name,
+        ),
+        bad("state.bad_flags"),
+    )
+    yield Case(
+        "TrainingGuard.decide.state=other_backend",
+        lambda c: ns.TrainingGuard().decide(
+            ns.TrainingGuard().init_state("numpy" if c.name != "numpy" else "jax"), 1.0, 1.0, c.name
+        ),
+        bad("state.loss_window"),
+    )
 
 
 def more_api_cases() -> Iterator[Case]:

@@ -330,19 +330,19 @@ def _check(
 ) -> tuple[policy.Decision, policy.GuardState]:
     leaves = jax.tree.leaves(grads)
     for i, leaf in enumerate(leaves):
-        dtype = jnp.asarray(leaf).dtype
-        if not (v.is_floating(dtype.name) or v.is_complex(dtype.name)):  # complex: |z|
+        dtype = getattr(leaf, "dtype", None)
+        name = dtype.name if dtype is not None else type(leaf).__name__
+        if not (v.is_floating(name) or v.is_complex(name)):  # complex: |z|
             raise InvalidArgumentError(
                 f"Expected floating-point gradients ({v.FLOAT_DTYPES} or complex). Received: "
-                f"leaf {i} with dtype={dtype}"
+                f"leaf {i} with dtype={name}"
             )
-    if jnp.ndim(loss) != 0:
-        raise InvalidArgumentError(
-            f"Expected a scalar loss. Received: loss.shape={jnp.shape(loss)}"
-        )
     be = load_backend("jax")
+    state = unpacked(gstate)
+    policy.check_state(guard, be, state, "gstate")
+    loss = policy.scalar_input(be, "loss", loss)
     norms, total = layer_norms(be, leaves)
-    decision, state = policy.decide(guard, be, unpacked(gstate), loss, total)
+    decision, state = policy.decide(guard, be, state, loss, total)
     if guard.track_layers:
         decision = decision._replace(layer_norms=norms)
     return decision, state

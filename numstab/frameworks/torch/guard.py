@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from numstab import _validate as v
 from numstab.backends import load_backend
+from numstab.backends._base import Backend
 from numstab.backends._native import has_native
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.backend import is_dtensor
@@ -94,6 +95,12 @@ class TorchGuard(RunnerResults):
                 f"scheduler of type {type(scheduler).__name__}"
             )
         v.check_bool("sharded", sharded)
+        group_type = getattr(dist, "ProcessGroup", None)
+        if process_group is not None and not (group_type and isinstance(process_group, group_type)):
+            raise InvalidArgumentError(
+                f"Expected process_group to be a torch.distributed ProcessGroup or None. "
+                f"Received: process_group={process_group!r}"
+            )
         self.guard, self.model, self.optimizer = guard, model, optimizer
         self.scheduler, self.sharded, self.process_group = scheduler, sharded, process_group
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -144,6 +151,11 @@ class TorchGuard(RunnerResults):
 
         With ``host_every`` > 1 the step stays on the device (guard_device.py) and returns a
         :class:`LazyApplied`: ``bool()`` of it reads the flag (a host sync)."""
+        if step_fn is not None and not callable(step_fn):
+            raise InvalidArgumentError(
+                f"Expected step_fn to be a callable or None. Received: step_fn={step_fn!r}"
+            )
+        loss = _scalar_loss(self._torch, loss, self._norm_device)
         self.runner.take_pending_snapshot()
         grads = [
             e if p.grad is None else p.grad for p, e in zip(self._params, self._empty, strict=True)
@@ -152,8 +164,9 @@ class TorchGuard(RunnerResults):
             return self._device.step_from_grads(loss, grads, step_fn)
         with torch.no_grad():
             norms, total = layer_norms(self._torch, grads) if grads else (None, None)
-            loss_t = _scalar_loss(loss, total)
-            pair = torch.stack([loss_t, total.float() if total is not None else loss_t * 0])
+            if total is not None and loss.device != total.device:
+                loss = loss.to(total.device)
+            pair = torch.stack([loss, total.float() if total is not None else loss * 0])
             group = reduction_group(self.process_group)
             if group is not None:
                 # the norm of DTensor gradients (FSDP2) is global already: a replicated one
@@ -265,18 +278,13 @@ def _reduced(pair: torch.Tensor, group: Any, sharded: bool) -> torch.Tensor:
     return torch.stack([packed[0] / world, packed[1].sqrt() if sharded else packed[1] / world])
 
 
-def _scalar_loss(loss: Any, like: torch.Tensor | None) -> torch.Tensor:
+def _scalar_loss(be: Backend, loss: Any, device: torch.device | None) -> torch.Tensor:
+    """The step's loss as a 0-d float32 tensor on ``device`` (``policy.scalar_input``: the
+    rule of every guard)."""
     if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1:
-            raise InvalidArgumentError(
-                f"Expected a scalar loss. Received: loss.shape={tuple(loss.shape)}"
-            )
-        return loss.detach().reshape(()).float().to(like.device if like is not None else None)
-    if isinstance(loss, bool) or not isinstance(loss, (int, float, np.number)):
-        raise InvalidArgumentError(
-            f"Expected loss to be a scalar tensor or a number. Received: loss={loss!r}"
-        )
-    return torch.tensor(float(loss), device=like.device if like is not None else None)
+        loss = loss.detach()
+    loss = policy.scalar_input(be, "loss", loss)
+    return loss if device is None or loss.device == device else loss.to(device)
 
 
 def _host_dict(decision: policy.Decision) -> dict[str, Any]:
