@@ -230,6 +230,64 @@ def test_sentinel_watch_reads_complex_and_mixed_float_leaves(eager_target):
             assert info.value.paths == ("bad",)
 
 
+#: host leaves next to the backend's arrays: NumPy arrays, Python and NumPy scalars
+_HOST_FAULTS = {
+    "ndarray nan": (lambda: np.array([NAN]), "NaN"),
+    "python float nan": (lambda: NAN, "NaN"),
+    "numpy float32 inf": (lambda: np.float32(INF), "inf"),
+    "complex ndarray": (lambda: np.array([complex(1.0, NAN)]), "NaN"),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fault", list(_HOST_FAULTS))
+def test_watch_checks_host_leaves_next_to_arrays(eager_target, mode, fault):
+    """torch dropped host leaves (NaN missed), TensorFlow and JAX raised a raw AttributeError
+    (``.dtype.is_floating`` / ``'float' object has no attribute 'dtype'``): every backend reads
+    them as NumPy does, in both modes."""
+    h = eager_target.h
+    make, what = _HOST_FAULTS[fault]
+    clean = {"a": _input(h, [1.0, 2.0]), "n": 3, "f": 2.5, "h": np.ones(2, np.float32)}
+    with pytest.raises(NonFiniteError) as info, check_numerics(mode=mode, backend=h.name) as cn:
+        cn.watch(clean, "clean")
+        cn.check()  # integers, finite host leaves: clean
+        cn.watch({"a": _input(h, [1.0, 2.0]), "b": make()}, "grads")
+    err = info.value
+    assert (err.op, err.paths, err.phase) == ("grads", ("grads",), None)
+    assert f"found {what} first in grads" in str(err)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_watch_rejects_non_numeric_leaves(eager_target, mode):
+    """NumPy and torch skipped a string leaf silently, JAX and TensorFlow raised a raw
+    AttributeError; as find_nonfinite (§2.1, §15.1): InvalidArgumentError, nothing recorded."""
+    h = eager_target.h
+    bad = _input(h, [NAN])  # made outside: in mode="op" JAX checks the conversion
+    with check_numerics(mode=mode, backend=h.name) as cn:
+        for leaf in ("abc", np.array(["a"]), object()):
+            with pytest.raises(InvalidArgumentError, match="Expected tree leaves to be an array"):
+                cn.watch([bad, leaf], "grads")
+        cn.watch([_input(h, [1.0])], "clean")
+        cn.check()  # the rejected calls recorded nothing
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_watch_of_a_finite_tree_never_raises_in_watch(eager_target, mode):
+    """Host leaves are read element by element (exact): values near the float32 maximum do not
+    read as inf on any backend. In mode="op" watch's own reductions are not checked as the
+    user's ops (JAX raised ``reduce_sum produced inf`` for a finite tree, torch named
+    ``aten.detach``); a NaN watched there is reported under the watched name at exit."""
+    h = eager_target.h
+    big = np.full(4, 3e38, np.float32)
+    with check_numerics(mode=mode, backend=h.name) as cn:
+        cn.watch({"a": _input(h, [1.0]), "big": big}, "host")
+        cn.watch(big, "alone")
+    bad = _input(h, [1.0, NAN])
+    with pytest.raises(NonFiniteError) as info, check_numerics(mode=mode, backend=h.name) as cn:
+        cn.watch(bad, "grads")
+    assert (info.value.op, info.value.paths) == ("grads", ("grads",))
+
+
 @contextlib.contextmanager
 def _quiet():
     with np.errstate(all="ignore"):

@@ -139,6 +139,36 @@ def test_bad_input():
         check_numerics(mode="sentinel").watch(finite_summary(jnp.ones(2)), "x")
 
 
+def test_host_leaves_next_to_jax_arrays():
+    """Converted and summarised; a string or an object leaf raised JAX's raw TypeError
+    (``Value 'abc' with dtype <U3 is not a valid JAX array type``): now, as in watch and
+    find_nonfinite, InvalidArgumentError, eagerly and under jit."""
+    mixed = [jnp.ones(2), np.array([NAN]), 1.5, np.float32(INF), 3]
+    sums = np.asarray(finite_summary(mixed).sums)
+    assert sums.shape == (4,)  # the integer leaf is skipped
+    assert np.isnan(sums[1]) and sums[2] == 1.5 and np.isinf(sums[3])
+    for leaf in ("abc", np.array(["a", "b"]), object()):
+        with pytest.raises(InvalidArgumentError, match="Expected tree leaves to be an array"):
+            finite_summary([jnp.ones(2), leaf])
+        with pytest.raises(InvalidArgumentError, match="Expected tree leaves to be an array"):
+            jax.jit(lambda x, leaf=leaf: finite_summary([x, leaf]))(jnp.ones(2))
+
+
+def test_watch_reads_host_leaves_next_to_jax_arrays():
+    """A Python float leaf raised a raw AttributeError (``'float' object has no attribute
+    'dtype'``); an ml_dtypes float8 NumPy leaf was missed on NumPy and torch."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+
+    for leaf in (NAN, np.array([1.0, NAN], ml_dtypes.float8_e4m3fn), [1.0, INF]):
+        cn = check_numerics(mode="sentinel", backend="jax")
+        with pytest.raises(NonFiniteError) as info, cn:
+            cn.watch({"a": jnp.ones(2), "b": leaf}, "grads")
+        assert info.value.op == "grads" and info.value.framework == "jax"
+    with check_numerics(mode="sentinel", backend="numpy") as cn, pytest.raises(NonFiniteError):
+        cn.watch(np.array([NAN], ml_dtypes.float8_e5m2), "f8")
+        cn.check()
+
+
 def test_other_frameworks_are_rejected():
     torch = pytest.importorskip("torch")
     with pytest.raises(InvalidArgumentError, match="Received: tree with Tensor"):

@@ -179,7 +179,7 @@ def test_torch_bad_arguments():
         TrainingGuard().for_torch("model", opt)
     with pytest.raises(InvalidArgumentError, match=r"torch\.optim\.Optimizer"):
         TrainingGuard().for_torch(model, [opt])
-    with pytest.raises(InvalidArgumentError, match="process_group to be a torch.distributed"):
+    with pytest.raises(InvalidArgumentError, match=r"process_group to be a torch\.distributed"):
         TrainingGuard().for_torch(model, opt, process_group="x")  # AttributeError at a step
     tg = TrainingGuard().for_torch(model, opt)
     with pytest.raises(InvalidArgumentError, match=r"loss to be a scalar \(one element\)"):

@@ -22,11 +22,11 @@ import threading
 from typing import Any
 
 from numstab._config import AUTO, configured_backend
-from numstab._dispatch import detect
+from numstab._dispatch import HOST, check_numeric_host, detect, framework_of
 from numstab._validate import check_bool, check_choice
 from numstab.backends import canonical_name, load_backend
 from numstab.errors import InvalidArgumentError, NonFiniteError, NumstabError
-from numstab.frameworks import FRAMEWORKS, module
+from numstab.frameworks import FRAMEWORKS, loaded, module
 from numstab.numerics.summary import FiniteSummary, finite_summary
 
 __all__ = ["MODES", "CheckNumerics", "FiniteSummary", "check_numerics", "finite_summary"]
@@ -134,7 +134,7 @@ class Recorder:
         )
         more = f" and {len(slots) - 8} more" if len(slots) > 8 else ""
         return NonFiniteError(
-            f"check_numerics(mode='sentinel') found {what} first in {first['name']}"
+            f"check_numerics(mode={self.settings.mode!r}) found {what} first in {first['name']}"
             + (f" ({phase} pass)" if phase else "")
             + f". Non-finite values were seen in: {listed}{more}. Rerun the step under "
             "check_numerics() (mode='op') to find the op.",
@@ -222,20 +222,15 @@ class CheckNumerics(contextlib.ContextDecorator):
         if not isinstance(name, str):
             raise InvalidArgumentError(f"Expected name to be a string. Received: name={name!r}")
         if isinstance(tree, FiniteSummary):
-            self._record(name, *_reduced(tree, name))
+            framework, summary = _reduced(tree, name)
+            self._record(name, framework, [(framework, summary)])
             return tree
-        from numstab.tree import flatten
-
-        leaves = [x for x in flatten(tree)[0] if x is not None]
-        if not leaves:
-            return tree
-        framework = detect(*leaves) or "numpy"
-        if framework != "numpy" and any(load_backend(framework).is_tracing(x) for x in leaves):
-            raise _traced_error(name, leaves[0])
-        self._record(name, framework, _arm_module(framework).summarize(leaves))
+        leaves = _leaves(tree)
+        if leaves:
+            self._record(name, *_summaries(leaves, name))
         return tree
 
-    def _record(self, name: str, framework: str, summary: Any) -> None:
+    def _record(self, name: str, framework: str, summaries: list[tuple[str, Any]]) -> None:
         key = ("watch", name)
         if self._recorder.has(key):
             slot = self._recorder.slot(key)
@@ -245,7 +240,8 @@ class CheckNumerics(contextlib.ContextDecorator):
             slot = self._recorder.slot(
                 key, name=name, phase=None, framework=framework, where=_where.from_stack()
             )
-        self._recorder.add(framework, slot, summary)
+        for arm_name, summary in summaries:
+            self._recorder.add(arm_name, slot, summary)
 
     def check(self) -> None:
         """Read every summary recorded so far (one host sync) and raise ``NonFiniteError``
@@ -256,6 +252,41 @@ class CheckNumerics(contextlib.ContextDecorator):
         self._recorder.clear()
         if error is not None:
             raise error
+
+
+def _leaves(tree: Any) -> list:
+    """The non-``None`` leaves of ``tree`` (§6), Keras variables as their backend tensors."""
+    from numstab.tree import flatten
+
+    leaves = [x for x in flatten(tree)[0] if x is not None]
+    for unwrap in loaded("tree", "unwrap"):
+        leaves = [unwrap(x) for x in leaves]
+    return leaves
+
+
+def _summaries(leaves: list, name: str) -> tuple[str, list[tuple[str, Any]]]:
+    """(the tree's framework, [(arm, summary)]) for ``watch``: the framework's arrays are
+    summarised by its arm, on its device (no sync); host leaves (NumPy arrays, Python and
+    NumPy scalars) by the NumPy arm, at once and exactly, whatever the framework (as
+    ``find_nonfinite`` does, host data that is not numbers raises ``InvalidArgumentError``).
+    Everything is checked before anything is recorded."""
+    framework = detect(*leaves) or "numpy"  # MixedBackendsError for two frameworks
+    host = []
+    for x in leaves:
+        if framework_of(x) == HOST:
+            check_numeric_host(x, "tree leaves")
+            host.append(x)
+    device = [x for x in leaves if framework_of(x) != HOST]
+    if device and any(load_backend(framework).is_tracing(x) for x in device):
+        raise _traced_error(name, device[0])
+    out = []
+    if device:
+        arm = _arm_module(framework)
+        with arm.quiet():  # mode="op": watch's own reductions are not the user's ops
+            out.append((framework, arm.summarize(device)))
+    if host:
+        out.append(("numpy", _arm_module("numpy").summarize(host)))
+    return framework, out
 
 
 def _traced_error(name: str, leaf: Any) -> InvalidArgumentError:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from numstab._dispatch import detect
+from numstab._dispatch import HOST, check_numeric_host, detect, framework_of
 from numstab.errors import InvalidArgumentError
 
 __all__ = ["FiniteSummary", "finite_summary"]
@@ -52,8 +52,9 @@ def finite_summary(tree: Any) -> FiniteSummary:
     leaves and ``None`` are skipped; a tree with none gives an empty array). Works eagerly too
     (one compiled reduction), though there ``watch(tree)`` does the same.
 
-    Raises ``InvalidArgumentError`` when the tree holds no JAX array or arrays of another
-    framework (torch and TensorFlow values go to ``watch`` directly).
+    Raises ``InvalidArgumentError`` when the tree holds no JAX array, arrays of another
+    framework (torch and TensorFlow values go to ``watch`` directly), or host leaves that are
+    not numbers (a string).
     """
     from numstab.tree import flatten
 
@@ -66,6 +67,9 @@ def finite_summary(tree: Any) -> FiniteSummary:
             "step; for torch, TensorFlow and NumPy values pass them to watch() directly). "
             f"Received: tree with {', '.join(kinds[:4])}"
         )
+    for x in leaves:  # converted by JAX: as in watch and find_nonfinite, numbers only
+        if framework_of(x) == HOST:
+            check_numeric_host(x, "tree leaves")
     from numstab import frameworks
 
     return FiniteSummary(frameworks.module("jax", "numerics").leaf_sums(leaves))

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from typing import Any
@@ -140,6 +141,18 @@ def _floating(leaves: list) -> list:
 def summarize(leaves: list) -> Any:
     leaves = _floating(leaves)
     return _summary(leaves) if leaves else None
+
+
+@contextlib.contextmanager
+def quiet():
+    """``jax_debug_nans`` / ``jax_debug_infs`` off (in this thread) while ``watch`` computes
+    its own summaries: a NaN is reported under the watched name, not as a ``reduce_sum``
+    fault, and a finite leaf whose sum overflows is not reported at once."""
+    if not (jax.config.jax_debug_nans or jax.config.jax_debug_infs):
+        yield
+        return
+    with jax.debug_nans(False), jax.debug_infs(False):
+        yield
 
 
 def leaf_sums(leaves: list) -> jax.Array:

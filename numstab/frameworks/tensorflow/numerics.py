@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -207,6 +208,21 @@ def summarize(leaves: list) -> Any:
         if (x.dtype.is_floating or x.dtype.is_complex) and x.shape.num_elements() != 0
     ]
     return _summary(leaves) if leaves else None
+
+
+@contextlib.contextmanager
+def quiet():
+    """TensorFlow's check off (in this thread) while ``watch`` computes its own summaries: a
+    NaN is reported under the watched name, not as a ``Sum`` fault."""
+    if not is_enabled():
+        yield
+        return
+    tf.debugging.disable_check_numerics()
+    try:
+        yield
+    finally:
+        if not is_enabled():
+            _enable()
 
 
 def read_summaries(summaries: list) -> list[tuple[bool, bool]]:

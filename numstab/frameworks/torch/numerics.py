@@ -269,6 +269,21 @@ def summarize(leaves: list) -> Any:
     return [summary(t) for t in leaves if checkable(t)]
 
 
+@contextlib.contextmanager
+def quiet():
+    """The op checks of an active ``mode="op"`` context off while ``watch`` computes its own
+    summaries: they are reported under the watched name, not as an ``aten.sum`` fault."""
+    if not _ACTIVE:
+        yield
+        return
+    marker = object()  # not the innermost mode: ``_CheckOps`` passes every op through
+    _ACTIVE.append(marker)
+    try:
+        yield
+    finally:
+        _ACTIVE.remove(marker)
+
+
 def read_summaries(summaries: list) -> list[tuple[bool, bool]]:
     """(has_nan, has_inf) per summary: sums and (min, max) pairs are stacked per dtype and
     read in one transfer each."""
