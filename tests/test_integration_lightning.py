@@ -84,6 +84,16 @@ def test_poisoned_batch_is_skipped_and_named(precision):
     assert steps == {7}  # AdamW never counted the skipped step
 
 
+def test_callback_reused_by_a_second_fit_guards_it():
+    """Lightning makes a new optimizer for every fit(): the guard stayed bound to the first
+    one, so the second fit ran unguarded and ended with NaN weights."""
+    callback = NumstabCallback(locate=False)
+    _fit("32-true", [callback])
+    assert callback.skipped_steps == 1
+    model, _ = _fit("32-true", [callback])  # a new Trainer and module
+    assert _finite(model) and callback.skipped_steps == 2
+
+
 def test_unsupported_settings_raise_typed_errors():
     with pytest.raises(InvalidArgumentError, match="guard"):
         NumstabCallback(guard=3)

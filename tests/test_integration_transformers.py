@@ -135,6 +135,18 @@ def test_evaluation_during_training_is_not_a_training_step(tmp_path):
     assert callback.skipped_steps == 0, callback.step_guard.messages
 
 
+def test_callback_reused_by_a_second_trainer_guards_its_model(tmp_path):
+    """The guard stayed bound to the first Trainer's model: a second Trainer given the same
+    callback ran unguarded and ended with NaN weights."""
+    callback = NumstabCallback()
+    _train(tmp_path / "first", "fp32", [callback], train_dataset=Clean())
+    assert callback.skipped_steps == 0
+    model, trainer = _train(tmp_path / "second", "fp32", [callback])
+    assert _finite(model) and callback.skipped_steps == 1
+    trainer.train()  # the same Trainer again: its optimizer is still guarded
+    assert _finite(model) and callback.skipped_steps == 2
+
+
 def test_bad_settings_raise_typed_errors(tmp_path):
     with pytest.raises(InvalidArgumentError, match="guard"):
         NumstabCallback(guard="olmo")

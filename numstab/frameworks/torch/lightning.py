@@ -48,13 +48,11 @@ class NumstabCallback(GuardedCallback, pl.Callback):
                 f"Expected one optimizer in configure_optimizers. Received: "
                 f"{len(trainer.optimizers)} optimizers"
             )
-        if self.step_guard.torch_guard is not None:  # a second fit() with the same callback
-            return
         optimizer = trainer.optimizers[0]
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if configs else None
-        self.step_guard.attach(pl_module, optimizer, scheduler, hook_loss=False)
-        self.step_guard.wrap(optimizer)
+        if self.step_guard.attach(pl_module, optimizer, scheduler, hook_loss=False):
+            self.step_guard.wrap(optimizer)
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         self.step_guard.replay = functools.partial(pl_module.training_step, batch, batch_idx)

@@ -70,10 +70,17 @@ class StepGuard:
         scheduler: Any = None,
         *,
         hook_loss: bool = True,
-    ) -> None:
-        """Bind the guard to ``model``/``optimizer`` (the raw torch optimizer) once."""
+    ) -> bool:
+        """Bind the guard to ``model``/``optimizer`` (the raw torch optimizer); False when it
+        is bound to them already (a second ``train()`` of one Trainer). Another pair (the
+        callback given to a second Trainer, or a second ``fit()``, for which Lightning makes
+        a new optimizer) replaces the first: its hooks and step wrapper are removed and a new
+        torch guard starts, since windows and snapshots belong to one model and optimizer.
+        Before, the guard went on reading the first model's gradients: no step was skipped."""
         if self.torch_guard is not None:
-            return
+            if self.model is model and self.torch_guard.optimizer is optimizer:
+                return False
+            self.detach()
         self.model = model
         # these loops branch on every step's outcome (the Trainer's overflow flag, the
         # GradScaler): the decision is read each step, whatever host_every says
@@ -82,6 +89,7 @@ class StepGuard:
         if hook_loss:
             self._hooks.append(model.register_forward_pre_hook(self._keep_batch, with_kwargs=True))
             self._hooks.append(model.register_forward_hook(self._loss_from_output))
+        return True
 
     def wrap(
         self,
@@ -106,12 +114,17 @@ class StepGuard:
         optimizer.step = guarded_step
         self._unwrap = lambda: setattr(optimizer, "step", real_step)
 
+    _unwrap: Callable[[], Any] | None = None
+
     def detach(self) -> None:
+        """Remove the hooks and the step wrapper (the guard's results stay readable)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if hasattr(self, "_unwrap"):
+        if self._unwrap is not None:
             self._unwrap()
+            self._unwrap = None
+        self._losses.clear()
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """The (micro-batch) loss of the current step."""

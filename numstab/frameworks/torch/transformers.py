@@ -47,10 +47,9 @@ class NumstabCallback(GuardedCallback, TrainerCallback):
                 "itself. Supported: single-process and DDP training in fp32, bf16 and fp16. "
                 "Received: args.deepspeed set"
             )
-        if self._optimizer is optimizer:  # a second train() call on the same Trainer
-            return
         raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
-        self.step_guard.attach(model, raw, lr_scheduler)
+        if not self.step_guard.attach(model, raw, lr_scheduler):
+            return  # a second train() call on the same Trainer
         self.step_guard.wrap(
             optimizer,
             scaler=lambda: getattr(optimizer, "scaler", None),
