@@ -198,7 +198,7 @@ def test_snapshot_refuses_objects_and_pickled_files(tmp_path):
             "a0": np.array([{"x": 1}], dtype=object),
         },
     )
-    with pytest.raises(InvalidArgumentError, match="without pickled data"):
+    with pytest.raises(InvalidArgumentError, match="never unpickled"):
         load_npz(path)
 
 

@@ -140,3 +140,26 @@ def test_cpu_parameters_keep_the_plain_state():
     assert not on_accelerator(params)
     og = guard().for_optax()
     assert isinstance(og.init(params, TX.init(params)), policy.GuardState)
+
+
+def test_resume_from_a_file_that_does_not_fit_raises(tmp_path):
+    """Fewer leaves gave JAX's "Too many leaves for PyTreeDef"; other shapes loaded silently;
+    a file of a guard with other settings broke the next step."""
+    run(packed=False, steps=8, directory=tmp_path)
+    params = {"w": jnp.full((4, 8), 0.1), "v": jnp.full((8, 1), 0.1)}
+    og = guard(directory=tmp_path).for_optax()
+    og.init(params, TX.init(params))
+    from numstab.errors import InvalidArgumentError
+
+    short = {"w": params["w"]}
+    with pytest.raises(InvalidArgumentError, match="Expected a snapshot of this params: 1 arrays"):
+        og.load_snapshot(short, TX.init(short))
+    wide = {"w": jnp.zeros((4, 9)), "v": jnp.zeros((9, 1))}
+    with pytest.raises(InvalidArgumentError, match=r"params\['v'\]\" of shape \(9, 1\)"):
+        og.load_snapshot(wide, TX.init(wide))
+    other = TrainingGuard(snapshot_dir=str(tmp_path)).for_optax()
+    other.init(params, TX.init(params))
+    with pytest.raises(InvalidArgumentError, match=r"loss_window\.values of shape \(128,\)"):
+        other.load_snapshot(params, TX.init(params))
+    restored, _, _ = og.load_snapshot(params, TX.init(params))  # the file itself is fine
+    assert jax.tree.structure(restored) == jax.tree.structure(params)

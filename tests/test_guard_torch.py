@@ -152,6 +152,37 @@ def test_disk_snapshots_resume_a_fresh_model(tmp_path):
     assert float(fresh_opt.state[next(fresh.parameters())]["step"]) == 50.0
 
 
+def test_snapshot_files_that_do_not_fit_raise_before_restoring(tmp_path):
+    """Each gave its own error: FileNotFoundError, ValueError, zipfile.BadZipFile, torch's
+    RuntimeError after loading the parameters that fit, or a broadcast error one step later
+    (a file of a guard with another rollback_window)."""
+    guard = TrainingGuard(snapshot_every=25, snapshot_dir=tmp_path, keep_on_disk=2)
+    train(guard, steps=30)
+    fresh, fresh_opt = make()
+    before = [p.detach().clone() for p in fresh.parameters()]
+    tg = TrainingGuard(snapshot_dir=tmp_path).for_torch(fresh, fresh_opt)
+    for step in (7, "25", 2.5, -1, True):
+        with pytest.raises(InvalidArgumentError, match=r"step"):
+            tg.load_snapshot(step)
+    other = TrainingGuard(snapshot_dir=tmp_path, rollback_window=4, rollback_after=2)
+    with pytest.raises(InvalidArgumentError, match=r"bad_flags of shape \(4,\)"):
+        other.for_torch(fresh, fresh_opt).load_snapshot()
+    wide = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    wide_opt = torch.optim.Adam(wide.parameters())
+    with pytest.raises(InvalidArgumentError, match=r"'0.weight' of shape \(32, 8\)"):
+        TrainingGuard(snapshot_dir=tmp_path).for_torch(wide, wide_opt).load_snapshot()
+    two_groups = torch.optim.Adam([{"params": [p]} for p in fresh.parameters()])
+    with pytest.raises(InvalidArgumentError, match="optimizer's parameter groups"):
+        TrainingGuard(snapshot_dir=tmp_path).for_torch(fresh, two_groups).load_snapshot()
+    path = tmp_path / "snapshot-000000025.npz"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a truncated file
+    with pytest.raises(InvalidArgumentError, match="Expected a numstab snapshot file"):
+        tg.load_snapshot(25)
+    for p, b in zip(fresh.parameters(), before, strict=True):
+        assert torch.equal(p, b)  # nothing was restored by a rejected load
+    assert tg.steps_seen == 0
+
+
 def test_history_holds_fused_layer_norms_and_exports(tmp_path):
     _, _, model, _, tg = train(TrainingGuard(), steps=12, nan_steps={5})
     h = tg.history.as_arrays()

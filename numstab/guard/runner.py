@@ -188,8 +188,16 @@ class GuardRunner:
         if self.disk is None:
             raise InvalidArgumentError("Expected a TrainingGuard with snapshot_dir set")
         step, tree = self.disk.load(step)
-        self.adapter.restore(self.adapter.from_host(tree["payload"]))
+        if not (isinstance(tree, dict) and tree.keys() >= {"payload", "guard_state", "lr_factor"}):
+            raise InvalidArgumentError(
+                f"Expected a guard snapshot in {self.disk.path(step)} (payload, guard_state, "
+                f"lr_factor). Received: a {type(tree).__name__}"
+            )
         state = _state_from_host(self.be, tree["guard_state"])
+        # checked before anything is restored: a file of a guard with other settings (another
+        # rollback_window) broke the next step with a broadcast error
+        policy.check_state(self.guard, self.be, state, "the snapshot's guard state")
+        self.adapter.restore(self.adapter.from_host(tree["payload"]))
         self.ring.add(Snapshot(step, self.adapter.capture(), state, float(tree["lr_factor"])))
         return step, state
 
@@ -211,11 +219,48 @@ def _state_from_host(be: Backend, tree: dict) -> policy.GuardState:
     def arr(x: Any) -> Any:
         return be.asarray(x)
 
-    return policy.GuardState(
-        loss_window=WindowState(**{k: arr(x) for k, x in tree["loss_window"].items()}),
-        grad_norm_window=WindowState(**{k: arr(x) for k, x in tree["grad_norm_window"].items()}),
-        **{k: arr(x) for k, x in tree.items() if k not in ("loss_window", "grad_norm_window")},
-    )
+    try:
+        return policy.GuardState(
+            loss_window=WindowState(**{k: arr(x) for k, x in tree["loss_window"].items()}),
+            grad_norm_window=WindowState(
+                **{k: arr(x) for k, x in tree["grad_norm_window"].items()}
+            ),
+            **{k: arr(x) for k, x in tree.items() if k not in ("loss_window", "grad_norm_window")},
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise InvalidArgumentError(
+            f"Expected a snapshot with the guard's state. Received: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def check_payload(payload: Any, keys: tuple[str, ...], framework: str) -> None:
+    """``InvalidArgumentError`` unless a snapshot file's payload holds ``keys`` (a file of
+    another framework's guard otherwise)."""
+    if not (isinstance(payload, dict) and payload.keys() >= set(keys)):
+        got = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise InvalidArgumentError(
+            f"Expected a snapshot of a {framework} guard (payload {list(keys)}). Received: {got}"
+        )
+
+
+def check_fits(what: str, saved: list[tuple[str, Any]], current: list[tuple[str, tuple]]) -> None:
+    """``InvalidArgumentError`` unless the ``(name, array)`` pairs of a snapshot file are the
+    ``(name, shape)`` pairs of what it is restored into, in order: a file of another model
+    (or optimizer) failed in the framework's own load (torch's RuntimeError, after loading
+    the parameters that did fit) or loaded other shapes silently (optax)."""
+    import numpy as np
+
+    if len(saved) != len(current):
+        raise InvalidArgumentError(
+            f"Expected a snapshot of this {what}: {len(current)} arrays. Received: a file "
+            f"with {len(saved)}"
+        )
+    for (name, value), (want_name, shape) in zip(saved, current, strict=True):
+        if name != want_name or tuple(np.shape(value)) != tuple(shape):
+            raise InvalidArgumentError(
+                f"Expected a snapshot of this {what}: {want_name!r} of shape {tuple(shape)}. "
+                f"Received: {name!r} of shape {tuple(np.shape(value))}"
+            )
 
 
 class RunnerResults:

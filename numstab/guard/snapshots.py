@@ -21,8 +21,10 @@ import math
 import os
 import re
 import tempfile
+import zipfile
 from typing import Any, NamedTuple
 
+from numstab import _validate as v
 from numstab.errors import InvalidArgumentError
 
 META_KEY = "__meta__"
@@ -182,9 +184,12 @@ def load_npz(path: str | os.PathLike) -> Any:
     try:
         with np.load(os.fspath(path), allow_pickle=False) as data:
             return decode_tree({k: data[k] for k in data.files})
-    except ValueError as exc:  # numpy's "Object arrays cannot be loaded when allow_pickle=False"
+    except (ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        # pickled or object arrays ("... when allow_pickle=False"), a truncated or foreign
+        # file (BadZipFile, EOFError, a missing __meta__)
         raise InvalidArgumentError(
-            f"Expected a numstab snapshot without pickled data. Received: {os.fspath(path)} ({exc})"
+            "Expected a numstab snapshot file (an .npz of plain arrays and its __meta__; "
+            f"never unpickled). Received: {os.fspath(path)} ({type(exc).__name__}: {exc})"
         ) from None
 
 
@@ -225,5 +230,11 @@ class SnapshotDirectory:
         steps = self.steps()
         if not steps:
             raise InvalidArgumentError(f"Expected a snapshot in {self.directory}. Found none.")
-        step = steps[-1] if step is None else step
+        if step is None:
+            step = steps[-1]
+        elif v.check_int("step", step) not in steps:
+            raise InvalidArgumentError(
+                f"Expected step to be one of the snapshots in {self.directory}: {steps}. "
+                f"Received: step={step!r}"
+            )
         return step, load_npz(self.path(step))

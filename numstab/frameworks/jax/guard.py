@@ -51,7 +51,7 @@ from numstab.frameworks.jax.guard_state import GuardStateLike, choose_packing, l
 from numstab.frameworks.jax.guard_state import packed as packed_state
 from numstab.guard import policy
 from numstab.guard.deferred import ROW_COLUMNS, decisions_from_rows
-from numstab.guard.runner import GuardRunner
+from numstab.guard.runner import GuardRunner, check_fits, check_payload
 
 if TYPE_CHECKING:
     from numstab.guard.guard import TrainingGuard
@@ -174,8 +174,12 @@ class OptaxGuard:
         give the tree structure. Returns (params, opt_state, gstate), gstate in the form
         ``init`` chose."""
         runner = self._require()
-        self._current = (params, opt_state)
-        step, gstate = runner.load_from_disk(step)
+        previous, self._current = self._current, (params, opt_state)  # the structure to load
+        try:
+            step, gstate = runner.load_from_disk(step)
+        except BaseException:
+            self._current = previous  # a rejected file changes nothing
+            raise
         self._steps_seen = step
         self._pending = []
         return (*self._current, packed_state(gstate) if self._packed else gstate)
@@ -203,13 +207,25 @@ class OptaxGuard:
         return {"params": jax.tree.leaves(params), "opt_state": jax.tree.leaves(opt_state)}
 
     def from_host(self, tree: dict[str, Any]) -> tuple[Any, Any]:
-        params, opt_state = self._current
-        p_def = jax.tree.structure(params)
-        o_def = jax.tree.structure(opt_state)
-        return (
-            jax.tree.unflatten(p_def, [jnp.asarray(x) for x in tree["params"]]),
-            jax.tree.unflatten(o_def, [jnp.asarray(x) for x in tree["opt_state"]]),
-        )
+        """The saved leaves in the structure of the current ``params`` and ``opt_state``,
+        after checking their number and shapes (``check_fits``: before, JAX's "Too many
+        leaves for PyTreeDef", or other shapes loaded silently)."""
+        check_payload(tree, ("params", "opt_state"), "optax")
+        out = []
+        for name, current in zip(("params", "opt_state"), self._current, strict=True):
+            paths, treedef = jax.tree_util.tree_flatten_with_path(current)
+            names = [name + jax.tree_util.keystr(path) for path, _ in paths]
+            saved = list(tree[name])
+            check_fits(
+                name,
+                [
+                    (names[i] if i < len(names) else f"{name} leaf {i}", x)
+                    for i, x in enumerate(saved)
+                ],
+                [(n, jnp.shape(x)) for n, (_, x) in zip(names, paths, strict=True)],
+            )
+            out.append(jax.tree.unflatten(treedef, [jnp.asarray(x) for x in saved]))
+        return out[0], out[1]
 
 
 def _check_trees(**trees: Any) -> None:

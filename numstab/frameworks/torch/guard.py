@@ -59,7 +59,7 @@ from numstab.frameworks.torch.backend import is_dtensor
 from numstab.frameworks.torch.distributed import reduction_group
 from numstab.frameworks.torch.guard_device import DeviceSteps, LazyApplied
 from numstab.guard import policy
-from numstab.guard.runner import GuardRunner, RunnerResults
+from numstab.guard.runner import GuardRunner, RunnerResults, check_fits, check_payload
 
 if TYPE_CHECKING:
     from numstab.guard.guard import TrainingGuard
@@ -256,13 +256,36 @@ class TorchGuard(RunnerResults):
         return payload
 
     def from_host(self, tree: Any) -> Any:
-        if isinstance(tree, np.ndarray):
-            return torch.from_numpy(np.array(tree))  # load_state_dict casts and moves
-        if isinstance(tree, dict):
-            return {k: self.from_host(x) for k, x in tree.items()}
-        if isinstance(tree, (list, tuple)):
-            return type(tree)(self.from_host(x) for x in tree)
-        return tree
+        """A snapshot file's payload as tensors, after checking that it fits this model and
+        optimizer (``check_fits``: before, torch's load_state_dict raised after loading the
+        parameters that did fit)."""
+        check_payload(tree, ("model", "optimizer"), "torch")
+        model = self.model.state_dict()
+        check_fits(
+            "model's state_dict",
+            list(tree["model"].items()),
+            [(k, tuple(t.shape)) for k, t in model.items()],
+        )
+        groups = lambda state: [
+            (f"param_groups[{i}]['params']", g["params"]) for i, g in enumerate(state)
+        ]
+        check_fits(
+            "optimizer's parameter groups",
+            groups(tree["optimizer"]["param_groups"]),
+            [(name, (len(p),)) for name, p in groups(self.optimizer.param_groups)],
+        )
+        return _tensors(tree)
+
+
+def _tensors(tree: Any) -> Any:
+    """``tree`` with its NumPy arrays as tensors (``load_state_dict`` casts and moves them)."""
+    if isinstance(tree, np.ndarray):
+        return torch.from_numpy(np.array(tree))
+    if isinstance(tree, dict):
+        return {k: _tensors(x) for k, x in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_tensors(x) for x in tree)
+    return tree
 
 
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # norms accumulated in float32
