@@ -441,3 +441,16 @@ def test_entry_points_are_named_for_each_framework():
 
     assert TrainingGuard.keras_callback is TrainingGuard.for_keras
     assert callable(TrainingGuard.for_torch) and callable(TrainingGuard.for_optax)
+
+
+def test_results_before_training_started_raise_typed():
+    """The Keras callback makes its runner in on_train_begin: ``cb.history`` before fit raised
+    AttributeError ('NoneType' object has no attribute 'history')."""
+    from numstab.guard.runner import RunnerResults
+
+    class Unstarted(RunnerResults):
+        runner = None
+
+    for name in ("history", "events"):
+        with pytest.raises(InvalidArgumentError, match="Unstarted that has started"):
+            getattr(Unstarted(), name)

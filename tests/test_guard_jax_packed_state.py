@@ -63,7 +63,7 @@ def batch(step):
     return x, y
 
 
-def run(packed, host_every=1, steps=32, directory=None):
+def run(packed, host_every=1, steps=32, directory=None, unpack_odd=False):
     g = guard(host_every, directory)
     og = g.for_optax()
     params = {"w": jnp.full((4, 8), 0.1), "v": jnp.full((8, 1), 0.1)}
@@ -74,6 +74,8 @@ def run(packed, host_every=1, steps=32, directory=None):
         if og.skip_batch():
             continue
         params, opt_state, gstate, d = step_fn(g, params, opt_state, gstate, *batch(step))
+        if unpack_odd and step % 2:
+            d = d.unpack()  # after_step takes either form
         params, opt_state, gstate = og.after_step(d, params, opt_state, gstate)
         assert isinstance(gstate, PackedGuardState) == packed
     params, opt_state, gstate = og.flush(params, opt_state, gstate)
@@ -140,6 +142,16 @@ def test_cpu_parameters_keep_the_plain_state():
     assert not on_accelerator(params)
     og = guard().for_optax()
     assert isinstance(og.init(params, TX.init(params)), policy.GuardState)
+
+
+def test_deferred_reads_take_both_decision_forms():
+    """With host_every > 1, a Decision among PackedDecisions failed to stack at the read
+    (JAX's "pytree structure error")."""
+    want = run(False, host_every=3)
+    got = run(False, host_every=3, unpack_odd=True)
+    for a, b in zip(jax.tree.leaves(want[:3]), jax.tree.leaves(got[:3]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [e["event"] for e in want[3].events] == [e["event"] for e in got[3].events]
 
 
 def test_resume_from_a_file_that_does_not_fit_raises(tmp_path):

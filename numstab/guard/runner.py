@@ -271,9 +271,19 @@ class RunnerResults:
     @property
     def history(self) -> Any:
         """The per-step history (``NormHistory``) the runner keeps."""
-        return self.runner.history
+        return self._started().history
 
     @property
     def events(self) -> list[dict[str, Any]]:
         """Every event logged so far (skips, spikes, snapshots, rollbacks), as dicts."""
-        return self.runner.log.events
+        return self._started().log.events
+
+    def _started(self) -> GuardRunner:
+        """The runner; ``InvalidArgumentError`` before training started (the Keras callback
+        makes it in ``on_train_begin``), where ``None.history`` raised AttributeError."""
+        if self.runner is None:
+            raise InvalidArgumentError(
+                f"Expected a {type(self).__name__} that has started: its history and events "
+                "exist once training begins (model.fit with the callback)"
+            )
+        return self.runner

@@ -123,6 +123,8 @@ class OptaxGuard:
                 f"decision of type {type(decision).__name__}"
             )
         if self.guard.host_every > 1:  # keep the decision on the device; read k at a time
+            if isinstance(decision, policy.Decision):  # one form to stack (check's, unpack())
+                decision = PackedDecision.pack(decision)
             self._pending.append(decision)
             self._current = (params, opt_state)
             self._steps_seen += 1
