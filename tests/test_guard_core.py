@@ -332,9 +332,13 @@ def test_event_log_writes_strict_json_lines_and_calls_back(tmp_path):
         ({"lr_factor": True}, "lr_factor to be a real number"),
         ({"max_rollbacks": -1}, "max_rollbacks >= 0"),
         ({"loss_spikes": 6.0}, "loss_spikes to be a numstab.guard.SpikeDetector"),
-        ({"log_callback": "print"}, "log_callback to be callable"),
+        ({"log_callback": "print"}, "log_callback to be a hashable callable"),
         ({"log_path": 3}, "log_path to be a path"),
         ({"track_layers": 1}, "track_layers to be a bool"),
+        (
+            {"log_callback": type("Unhashable", (), {"__call__": print, "__hash__": None})()},
+            "hashable",
+        ),
     ],
 )
 def test_training_guard_bad_arguments(kwargs, match):
@@ -346,7 +350,8 @@ def test_training_guard_bad_arguments(kwargs, match):
     ("kwargs", "match"),
     [
         ({"window": 1}, "window >= 2"),
-        ({"sigma": 0}, r"sigma in \(0, inf\)"),
+        ({"sigma": 0}, r"sigma in \(0, 3.40282e\+38\]"),
+        ({"sigma": 1e39}, "sigma in"),  # inf in the float32 windows: no spike ever
         ({"sigma": math.nan}, "sigma in"),
         ({"warmup": 2}, r"warmup in \[3, window \+ 1"),
         ({"window": 8, "warmup": 10}, r"warmup in \[3, window \+ 1 = 9\]"),

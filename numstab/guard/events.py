@@ -52,9 +52,10 @@ class EventLog:
         callback: Callable[[dict[str, Any]], Any] | None = None,
         keep: int | None = 10_000,
     ) -> None:
-        if callback is not None and not callable(callback):
+        if callback is not None and not (callable(callback) and _hashable(callback)):
             raise InvalidArgumentError(
-                f"Expected log_callback to be callable or None. Received: log_callback={callback!r}"
+                "Expected log_callback to be a hashable callable or None (a TrainingGuard is "
+                f"hashed as a static jit argument). Received: log_callback={callback!r}"
             )
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise InvalidArgumentError(
@@ -82,3 +83,11 @@ def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The events of a JSON-lines log file, in order."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True

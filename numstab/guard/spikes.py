@@ -67,7 +67,9 @@ class SpikeDetector:
         window = v.check_int("window", self.window)
         if window < 2:
             raise InvalidArgumentError(f"Expected window >= 2. Received: window={window}")
-        v.check_number("sigma", self.sigma, low=0.0, low_open=True)
+        # at most float32's largest: the windows are float32, where 1e39 became inf and
+        # sigma * std NaN at std = 0 (no spike ever, where any x > mean is one)
+        v.check_number("sigma", self.sigma, low=0.0, high=3.4028234663852886e38, low_open=True)
         if self.warmup is not None:
             warmup = v.check_int("warmup", self.warmup)
             if not 3 <= warmup <= window + 1:
