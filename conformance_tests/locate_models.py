@@ -657,3 +657,131 @@ def linen_model(params: dict, fault: str | None = None):
         "head": arrays(params["head"]),
     }
     return Model().bind({"params": variables})
+
+
+# -- the model's own code: the layer "" (torch's root module) -------------------------------
+#: case -> what the model's own code does (outside any sub-module call)
+ROOT_CASES = {
+    "after_child": "log(a(x) - 100): NaN made by the model after a clean sub-module",
+    "no_children": "x * w, no sub-module: a NaN input reaches the model's output",
+    "own_param_grad": "a(x) + sqrt(w - 1), w = 1: the model's own parameter gradient is inf",
+}
+
+
+def _root_code(case: str, ops, h, w, out: str):
+    """What the model computes itself, from ``h`` (``a(x)``, or ``x`` without "a")."""
+    if case == "after_child":
+        y = ops.log(h - 100)
+    elif case == "no_children":
+        y = h * w
+    else:
+        y = h + ops.sqrt(w - 1)
+    return {"array": y, "tuple": (h, y), "dict": {"h": h, "y": y}}[out]
+
+
+def root_net(library: str, case: str, out: str = "array", *, own: bool | None = None):
+    """The same network in ``library`` (torch, equinox, nnx, linen or plain jax): the
+    sub-module "a" (a 3 -> 3 Linear, weights 1, bias 0) unless ``case == "no_children"``,
+    then the model's own code (``_root_code``) with its own parameter ``w = ones(3)`` where
+    the case has one. The model is the class ``Net``; the plain JAX function ``net`` has no
+    parameter of its own (a constant ``w = 2.0``), nor has torch's with ``own=False``."""
+    child = case != "no_children"
+    if own is None:
+        own = case != "after_child" and library != "jax"
+    builders = {"torch": _torch_root, "equinox": _equinox_root, "nnx": _nnx_root}
+    builders.update(linen=_linen_root, jax=_jax_root)
+    return builders[library](case, out, child, own)
+
+
+def _torch_root(case, out, child, own):
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            if child:
+                self.a = torch.nn.Linear(3, 3)
+                torch.nn.init.ones_(self.a.weight)
+                torch.nn.init.zeros_(self.a.bias)
+            if own:
+                self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            w = self.w if own else 2.0
+            return _root_code(case, torch, self.a(x) if child else x, w, out)
+
+    return Net()
+
+
+def _equinox_root(case, out, child, own):
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    class Net(eqx.Module):
+        a: eqx.nn.Linear | None
+        w: jax.Array | None
+
+        def __call__(self, x):
+            return _root_code(case, jnp, self.a(x) if child else x, self.w, out)
+
+    a = None
+    if child:
+        a = eqx.nn.Linear(3, 3, key=jax.random.key(0))
+        a = eqx.tree_at(lambda m: (m.weight, m.bias), a, (jnp.ones((3, 3)), jnp.zeros(3)))
+    return Net(a, jnp.ones(3) if own else None)
+
+
+def _nnx_root(case, out, child, own):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self):
+            if child:
+                ones, zeros = nnx.initializers.ones, nnx.initializers.zeros
+                self.a = nnx.Linear(3, 3, kernel_init=ones, bias_init=zeros, rngs=nnx.Rngs(0))
+            if own:
+                self.w = nnx.Param(jnp.ones(3))
+
+        def __call__(self, x):
+            w = self.w.value if own else None
+            return _root_code(case, jnp, self.a(x) if child else x, w, out)
+
+    return Net()
+
+
+def _linen_root(case, out, child, own):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    class Net(nn.Module):
+        def setup(self):
+            if child:
+                self.a = nn.Dense(3, kernel_init=nn.initializers.ones)
+            if own:
+                self.w = self.param("w", nn.initializers.ones, (3,))
+
+        def __call__(self, x):
+            w = self.w if own else None
+            return _root_code(case, jnp, self.a(x) if child else x, w, out)
+
+    x = jnp.ones(3)
+    return Net().bind(Net().init(jax.random.key(0), x))
+
+
+def _jax_root(case, out, child, own):
+    import jax.numpy as jnp
+
+    from numstab.frameworks.jax.locate import layer
+
+    p = {"w": jnp.ones((3, 3)), "b": jnp.zeros(3)}
+
+    def linear(p, x):
+        return x @ p["w"] + p["b"]
+
+    def net(x):
+        return _root_code(case, jnp, layer("a", linear, p, x) if child else x, 2.0, out)
+
+    return net

@@ -289,6 +289,52 @@ def test_locate_bad_arguments(eager_target):
             locate_nonfinite(torch.nn.Linear(3, 3), x, backend="jax")
 
 
+def _two_layers(framework: str):
+    """(model, input, loss_fn -> loss of an integer dtype) of ``framework``, two layers."""
+    x = np.ones((2, 3), np.float32)
+    if framework == "torch":
+        import torch
+
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+        return model, torch.from_numpy(x), lambda y: y.sum().long()
+    if framework == "tensorflow":
+        import keras
+        import tensorflow as tf
+
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+        return model, tf.constant(x), lambda y: tf.cast(tf.reduce_sum(y), "int32")
+    import jax.numpy as jnp
+
+    from numstab.locate.jax import layer
+
+    def model(w, x):
+        h = layer("0", lambda w, x: x @ w, w, x)
+        return layer("1", lambda w, x: x @ w, w, h)
+
+    return (lambda x: model(jnp.ones((3, 3)), x)), jnp.asarray(x), lambda y: y.sum().astype(int)
+
+
+def test_locate_loss_fn_return_value_rule(framework):
+    """One rule for what loss_fn returns, on every framework (§15.3): a floating array of the
+    model's framework. Before, None was a silent found=False on torch and a raw ValueError
+    on TensorFlow and JAX; a float or an integer array passed on TensorFlow and JAX."""
+    model, x, integer_loss = _two_layers(framework)
+    cases = [
+        (lambda y: None, "None (NoneType)"),
+        (lambda y: 1.5, "1.5 (float)"),
+        (lambda y: "mse", "'mse' (str)"),
+        (lambda y: np.float32(1.0), "numpy.float32"),
+        (integer_loss, f"a {framework} array of dtype int"),
+    ]
+    for loss_fn, received in cases:
+        with pytest.raises(InvalidArgumentError, match="loss_fn returned") as error:
+            locate_nonfinite(model, x, loss_fn=loss_fn)
+        assert f"model's framework ({framework})" in str(error.value)
+        assert received in str(error.value), str(error.value)
+    report = locate_nonfinite(model, x, loss_fn=lambda y: y * y)  # any shape: summed
+    assert not report.found and report.backward_checked
+
+
 def test_locate_keras_sequential_and_functional():
     """Sequential and functional Keras models: layers are found by their own names."""
     if "tensorflow" not in _requested():

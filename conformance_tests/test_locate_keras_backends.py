@@ -59,7 +59,54 @@ hidden = keras.layers.Dense(3, kernel_initializer="identity", name="d1")(inputs)
 functional = keras.Model(inputs, keras.layers.Dense(2, name="d2")(Log(name="log")(hidden)))
 report = locate_nonfinite(functional, x, loss_fn=lambda y: ops.sum(y))
 out["functional"] = {f: getattr(report, f) for f in FIELDS}
-print("RESULT" + json.dumps(out))
+
+def value(run):
+    try:
+        return run()
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e)[:400]}
+
+def outcome(run):
+    return value(lambda: {f: getattr(run(), f) for f in FIELDS})
+
+class Sub(keras.Model):
+    def __init__(self):
+        super().__init__(name="sub")
+        self.d1 = keras.layers.Dense(3, kernel_initializer="identity", name="d1")
+        self.log = Log(name="log")
+
+    def call(self, x):
+        return self.log(self.d1(x))
+
+def unbuilt_sequential():
+    d1 = keras.layers.Dense(3, kernel_initializer="identity", name="d1")
+    return keras.Sequential([d1, Log(name="log"), keras.layers.Dense(2, name="d2")])
+
+total = lambda y: ops.sum(y)
+unbuilt = {}
+seq = unbuilt_sequential()  # never called, no keras.Input
+unbuilt["sequential"] = outcome(lambda: locate_nonfinite(seq, x))
+unbuilt["sequential_again"] = outcome(lambda: locate_nonfinite(seq, x, loss_fn=total))
+unbuilt["called_after"] = value(lambda: bool(np.isnan(ops.convert_to_numpy(seq(x))).any()))
+sub = Sub()  # subclassed, never called
+unbuilt["subclassed"] = outcome(lambda: locate_nonfinite(sub, x, loss_fn=total))
+unbuilt["subclassed_called_after"] = value(lambda: list(ops.convert_to_numpy(sub(x)).shape))
+unbuilt["layer_with_loss"] = outcome(
+    lambda: locate_nonfinite(keras.layers.Dense(2), x, loss_fn=total))
+unbuilt["cannot_build"] = outcome(
+    lambda: locate_nonfinite(keras.Sequential([keras.layers.Reshape((5,))]), x))
+out["unbuilt"] = unbuilt
+
+losses = {
+    "none": lambda y: None,
+    "float": lambda y: 1.5,
+    "int": lambda y: ops.cast(ops.sum(y), "int32"),
+    "constant": lambda y: ops.convert_to_tensor(1.0),
+}
+clean = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+out["losses"] = {k: outcome(lambda: locate_nonfinite(clean, x, loss_fn=fn))
+                 for k, fn in losses.items()}
+print("RESULT" + json.dumps(out, default=str))
 """
 
 
@@ -79,7 +126,8 @@ def _torch_name(name: str) -> str:
 
 @pytest.mark.parametrize("backend", KERAS_BACKENDS)
 def test_planted_faults_reported_as_in_torch(results, backend):
-    catalogue = {k: v for k, v in results[backend].items() if k != "functional"}
+    extra = ("functional", "unbuilt", "losses")
+    catalogue = {k: v for k, v in results[backend].items() if k not in extra}
     for fault, (ours, theirs) in catalogue.items():
         assert ours["framework"] == backend
         assert ours["found"] is theirs["found"], (fault, ours, theirs)
@@ -106,3 +154,40 @@ def test_functional_model_layers_by_name(results, backend):
     report = results[backend]["functional"]
     assert (report["layer"], report["phase"], report["inputs_finite"]) == ("log", "forward", True)
     assert report["nan_count"] == 1
+
+
+@pytest.mark.parametrize("backend", KERAS_BACKENDS)
+def test_unbuilt_model_is_built_first(results, backend):
+    """An unbuilt model is built by one plain call before locating (before: TensorFlow's
+    out-of-scope graph tensors, torch's meta tensors, and on JAX variables made of tracers,
+    which broke every later call of the model); one that cannot be built is refused."""
+    unbuilt = results[backend]["unbuilt"]
+    for case in ("sequential", "sequential_again", "subclassed"):
+        report = unbuilt[case]
+        assert (report.get("layer"), report.get("phase")) == ("log", "forward"), (case, report)
+        assert report["nan_count"] == 1 and report["framework"] == backend
+    assert unbuilt["sequential_again"]["backward_checked"]
+    assert unbuilt["called_after"] is True  # still usable: log(-2) is NaN
+    assert unbuilt["subclassed_called_after"] == [1, 3]
+    layer = unbuilt["layer_with_loss"]
+    assert (layer.get("found"), layer.get("layers_checked")) == (False, 2), layer
+    refused = unbuilt["cannot_build"]
+    assert refused.get("error") == "InvalidArgumentError", refused
+    assert "Expected a built Keras model" in refused["message"]
+
+
+@pytest.mark.parametrize("backend", KERAS_BACKENDS)
+def test_loss_fn_return_value_rule(results, backend):
+    """§15.3's one rule for the loss, as on torch and JAX: before, None raised TensorFlow's
+    or JAX's own ValueError or an AttributeError on torch; a float or an integer array
+    passed on TensorFlow and JAX and raised on torch; a constant tensor raised on torch."""
+    losses = results[backend]["losses"]
+    for case, received in [("none", "None"), ("float", "1.5"), ("int", "dtype int32")]:
+        outcome = losses[case]
+        assert outcome.get("error") == "InvalidArgumentError", (case, outcome)
+        assert f"framework ({backend})" in outcome["message"], outcome
+        assert f"loss_fn returned {received}" in outcome["message"].replace(
+            f"a {backend} array of ", ""
+        ), outcome
+    constant = losses["constant"]
+    assert (constant.get("found"), constant.get("backward_checked")) == (False, True), constant

@@ -85,3 +85,67 @@ def test_unsupported_model_names_what_is_supported():
     linen = pytest.importorskip("flax.linen")
     with pytest.raises(InvalidArgumentError, match=r"bound Flax linen module .*bind"):
         locate_nonfinite(linen.Dense(3), np.ones((1, 2), np.float32))
+
+
+# -- the model's own code is the layer "" (torch's root module) -----------------------------
+_ROOT_FIELDS = (
+    "found",
+    "layer",
+    "phase",
+    "nan_count",
+    "inf_count",
+    "inputs_finite",
+    "params_finite",
+    "grad_output_finite",
+    "layers_checked",
+    "backward_checked",
+)
+_ROOT_CASES = [
+    ("after_child", "array"),
+    ("after_child", "tuple"),
+    ("after_child", "dict"),
+    ("no_children", "array"),
+    ("own_param_grad", "array"),
+]
+
+
+def _sum_of_leaves(out):
+    leaves = out.values() if isinstance(out, dict) else out if isinstance(out, tuple) else [out]
+    return sum(t.sum() for t in leaves)
+
+
+def _locate_root(library: str, case: str, out: str, with_loss: bool, own: bool | None = None):
+    model = lm.root_net(library, case, out, own=own)
+    x = np.array([1.0, np.nan, 1.0] if case == "no_children" else [1.0, 1.0, 1.0], np.float32)
+    if library == "torch":
+        import torch
+
+        x = torch.from_numpy(x)
+    else:
+        import jax.numpy as jnp
+
+        x = jnp.asarray(x)
+    return locate_nonfinite(model, x, loss_fn=_sum_of_leaves if with_loss else None)
+
+
+@pytest.mark.parametrize("library", [*sorted(LIBRARIES), "jax"])
+@pytest.mark.parametrize(("case", "out"), _ROOT_CASES)
+@pytest.mark.parametrize("with_loss", [False, True], ids=["forward", "loss"])
+def test_the_models_own_code_is_the_layer_root_as_in_torch(library, case, out, with_loss):
+    """A NaN made by the model's own code after a clean sub-module (array, tuple or dict
+    output), a NaN input through a model without sub-modules (with a loss: the model's, not
+    the loss's), an inf gradient of the model's own parameter: torch's report, layer ""."""
+    if library == "jax" and case == "own_param_grad":
+        pytest.skip("a plain JAX function has no parameters of its own")
+    pytest.importorskip(_MODULES.get(library, "jax"))
+    ours = _locate_root(library, case, out, with_loss)
+    theirs = _locate_root("torch", case, out, with_loss, own=False if library == "jax" else None)
+    assert ours.found is (case != "own_param_grad" or with_loss), str(ours)
+    if ours.found:
+        assert ours.layer == "" and ours.layer_type == ("net" if library == "jax" else "Net")
+        assert ours.phase == ("backward" if case == "own_param_grad" else "forward")
+    assert {f: getattr(ours, f) for f in _ROOT_FIELDS} == {
+        f: getattr(theirs, f) for f in _ROOT_FIELDS
+    }, (str(ours), str(theirs))
+    assert len(ours.nonfinite_params) == len(theirs.nonfinite_params)
+    assert theirs.layer_type == ("Net" if theirs.found else None)

@@ -6,9 +6,11 @@ conformance_tests/test_locate.py."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
+from numstab.errors import InvalidArgumentError
 from numstab.locate import locate_nonfinite
 
 torch = pytest.importorskip("torch")
@@ -111,3 +113,57 @@ def test_under_inference_mode():
         report = locate_nonfinite(model, torch.full((2, 3), math.inf))
     assert (report.layer, report.phase, report.inputs_absmax) == ("0", "forward", math.inf)
     assert not report.backward_checked
+
+
+def _inf_net() -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    with torch.no_grad():
+        model[1].weight[1, 2] = math.inf
+    return model
+
+
+def test_compiled_module_is_located_as_the_eager_one():
+    """``torch.compile`` wraps the module (``OptimizedModule``): located as the module it
+    compiles, with the names of the uncompiled model (a dynamo AssertionError before)."""
+    model = _inf_net()
+    compiled = torch.compile(model)
+    report = locate_nonfinite(compiled, torch.ones(2, 3), loss_fn=_sum_sq)
+    assert (report.layer, report.phase, report.nonfinite_params) == ("1", "forward", ("1.weight",))
+    assert report.layers_checked == 4  # "", "0", "1", "<loss>": no "_orig_mod" entries
+    assert not model._forward_hooks and not model[0]._forward_pre_hooks
+
+
+def test_torchscript_module_is_refused():
+    """Hooks cannot be registered on a ScriptModule (torch's RuntimeError before)."""
+    with pytest.raises(InvalidArgumentError, match=r"eager module .* model=RecursiveScriptModule"):
+        locate_nonfinite(torch.jit.script(nn.Linear(3, 3)), torch.ones(2, 3))
+    inner = nn.Sequential(nn.Linear(3, 3), torch.jit.trace(nn.Linear(3, 3), torch.ones(1, 3)))
+    with pytest.raises(InvalidArgumentError, match=r"model\.1="):
+        locate_nonfinite(inner, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "received"),
+    [
+        (lambda y: None, "None (NoneType)"),
+        (lambda y: 2, "2 (int)"),
+        (lambda y: y.sum().item(), "(float)"),
+        (lambda y: (y > 0).sum(), "torch array of dtype int64"),
+        (lambda y: y.sum() > 0, "torch array of dtype bool"),
+        (lambda y: (y.sum(), y), "builtins.tuple"),
+    ],
+)
+def test_loss_fn_return_value_must_be_a_floating_tensor(loss_fn, received):
+    """§15.3's one rule for the loss: None was a silent ``found=False`` before."""
+    model = _inf_net()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(InvalidArgumentError, match=r"loss_fn returned .*" + re.escape(received)):
+        locate_nonfinite(model, torch.ones(2, 3), loss_fn=loss_fn)
+    for n, p in model.named_parameters():
+        assert p.grad is None and torch.equal(p, before[n])
+    assert not model._forward_hooks and not model[1]._forward_pre_hooks
+
+
+def test_constant_floating_loss_reaches_no_layer():
+    report = locate_nonfinite(nn.Linear(3, 3), torch.ones(2, 3), loss_fn=lambda y: torch.ones(()))
+    assert not report.found and report.backward_checked

@@ -14,7 +14,11 @@ import dataclasses
 import math
 from typing import Any
 
+from numstab import _validate
+from numstab._dispatch import framework_of
+from numstab.backends import load_backend
 from numstab.backends._base import Backend, native_op
+from numstab.errors import InvalidArgumentError
 
 Array = Any
 
@@ -33,6 +37,32 @@ def absmax(be: Backend, tensors: list) -> Array | None:
         if len(tensors) == 1:  # the common case, in two ops
             return be.max(be.abs(be.cast(tensors[0], dtype)))
         return be.max(native_op(be, "leaf_norms")(tensors, math.inf, dtype))
+
+
+def check_loss(loss: Any, framework: str) -> None:
+    """The one rule for ``loss_fn``'s return value, on every framework (§15.3): a
+    floating-point array (float16, bfloat16, float32, float64) of the framework the model
+    runs on, of any shape (summed). Anything else cannot carry the backward pass, so it
+    raises InvalidArgumentError: None, a Python or NumPy number (``loss.item()``,
+    ``float(loss)``), a string, a container, an integer, bool or complex array."""
+    found = framework_of(loss)
+    if found == framework:
+        dtype = load_backend(framework).dtype_name(loss)
+        if _validate.is_floating(dtype):
+            return
+        what = f"a {framework} array of dtype {dtype}"
+    elif found != "host":
+        what = f"a {found} array"
+    elif isinstance(loss, (str, bytes, type(None), bool, int, float)):
+        what = f"{loss!r} ({type(loss).__name__})"
+    else:
+        what = f"a {type(loss).__module__}.{type(loss).__qualname__}"
+    raise InvalidArgumentError(
+        f"Expected loss_fn to return a floating-point array of the model's framework "
+        f"({framework}), of any shape (it is summed): the backward pass differentiates it, so "
+        f"not None, a Python or NumPy number, or an integer, bool or complex array. "
+        f"Received: loss_fn returned {what}"
+    )
 
 
 def _floating(be: Backend, t: Any) -> bool:

@@ -13,7 +13,10 @@ JAX has no module objects to hook, so a model marks its sub-computations::
 ``layer(name, fn, params, *args, **kwargs)`` is just ``fn(params, *args, **kwargs)`` outside
 ``locate_nonfinite`` (free under jit and grad). Names nest: a ``layer("fc1", ...)`` inside
 ``layer("blocks.1.mlp", ...)`` is ``"blocks.1.mlp.fc1"``. ``fn`` must depend only on its
-arguments (no closed-over arrays), because locating replays it alone.
+arguments (no closed-over arrays), because locating replays it alone. The model itself is
+the layer ``""`` (its own code between sub-layers, as torch's root module): ``model(*inputs)``
+runs as ``layer("", ...)``, unless the model makes that call itself, at its top level (the
+module libraries and Keras do, with the root's own parameters).
 
 Locating jit-compiles one instrumented pass per (model, loss_fn, input structure and shapes)
 and reuses it. Each layer call adds a zero "probe" to its floating parameters, to its other
@@ -34,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from numstab.backends import load_backend
-from numstab.locate._report import LOSS, LayerCall, LocateReport, summarise
+from numstab.locate._report import LOSS, LayerCall, LocateReport, check_loss, summarise
 from numstab.nonfinite import find_nonfinite
 
 __all__ = ["layer"]
@@ -80,6 +83,7 @@ class _Call:
         self.inputs: list = []
         self.outputs: list = []
         self.param_paths: list[str] = []
+        self.hidden = False  # the implicit root, when the model names its root itself
 
 
 class _Recorder:
@@ -96,7 +100,7 @@ class _Recorder:
         full = ".".join(part for part in [*self.prefix, name] if part)  # "": the model
         record = _Call(full, getattr(fn, "__name__", type(fn).__name__), next(self.clock))
         record.param_paths = getattr(fn, "param_paths", None) or [
-            full + jax.tree_util.keystr(path)
+            (full + jax.tree_util.keystr(path)).removeprefix(".")  # the root's: "w", not ".w"
             for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
             if _is_float(x)
         ]
@@ -123,6 +127,20 @@ class _Recorder:
         record.outputs = out_leaves
         return out
 
+    def root(self, model: Callable, inputs: tuple) -> Any:
+        """``model(*inputs)`` as the layer ``""``, the model itself (torch's root module). A
+        model that calls ``layer("", ...)`` at its top level names its root itself (with its
+        own parameters): this implicit entry is then hidden, not reported nor counted."""
+
+        def fn(_: Any, *args: Any) -> Any:
+            return model(*args)
+
+        fn.__name__ = getattr(model, "__name__", type(model).__name__)  # the report's type
+        first = len(self.calls)
+        out = self.call("", fn, {}, inputs, {})
+        self.calls[first].hidden = any(c.name == "" for c in self.calls[first + 1 :])
+        return out
+
 
 def _absmax(xs: list) -> jax.Array | None:
     xs = [x for x in xs if x.size]
@@ -136,11 +154,12 @@ def _run(model, loss_fn, inputs, targets, probes):
     recorder = _Recorder(probes)
     token = _RECORDER.set(recorder)
     try:
-        output = model(*inputs)
+        output = recorder.root(model, inputs)
         if loss_fn is not None:
 
             def loss_of(_, output):
                 loss = loss_fn(output) if targets is None else loss_fn(output, targets)
+                check_loss(loss, "jax")
                 return jnp.sum(jnp.asarray(loss, jnp.float32))
 
             recorder.prefix = []
@@ -195,6 +214,10 @@ def _instrumented(model, loss_fn, inputs, targets):
             (grads,) = pullback(jnp.ones((), jnp.float32))
         maxima, tensors = [], []
         for k, (params, ins, outs) in enumerate(values):
+            if static[-1].calls[k].hidden:
+                maxima.append({})
+                tensors.append({})
+                continue
             entry = {"inputs": _absmax(ins), "outputs": _absmax(outs), "params": _absmax(params)}
             kept = {"outputs": outs, "params": params}
             if grads is not None:
@@ -229,13 +252,13 @@ def locate(model: Callable, inputs: tuple, loss_fn, targets) -> LocateReport:
     calls, details = [], {}
     for record, kept in zip(recorder.calls, tensors, strict=True):
         call = LayerCall(record.name, record.kind, start=record.start, end=record.end)
+        if loss_fn is not None:
+            call.backward = -float(record.start)  # backward runs in reverse start order
         calls.append(call)
         details[id(call)] = (record, kept)
     for (k, field), value in zip(layout, values, strict=True):
         setattr(calls[k], field, value)
-    for call, record in zip(calls, recorder.calls, strict=True):
-        if loss_fn is not None:
-            call.backward = -float(record.start)  # backward runs in reverse start order
+    calls = [c for c in calls if not details[id(c)][0].hidden]
 
     def counts(call: LayerCall, phase: str) -> tuple[int, int]:
         kept = details[id(call)][1]

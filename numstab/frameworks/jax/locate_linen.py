@@ -6,15 +6,18 @@ While locating, ``flax.linen.intercept_methods`` sees every module method call: 
 where ``variables`` are the sub-module's own (all collections) and ``fn`` applies an unbound
 clone of it to them, so its own sub-modules are intercepted in turn. Names are linen scope
 names, joined by dots: ``blocks_1.attn.v`` for a list attribute made in ``setup``,
-``Dense_0`` for an unnamed ``nn.compact`` sub-module.
+``Dense_0`` for an unnamed ``nn.compact`` sub-module. The model itself is the layer ``""``
+(as in torch), applied the same way; its parameters are its own variables only (those
+outside its sub-modules' scopes).
 
-Sub-modules are applied with their variables immutable and without RNGs: call the model in
-its deterministic mode (no dropout, BatchNorm on running averages) while locating.
+The model and its sub-modules are applied with their variables immutable and without RNGs:
+call the model in its deterministic mode (no dropout, BatchNorm on running averages) while
+locating.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from numstab.errors import InvalidArgumentError
@@ -35,9 +38,26 @@ def as_layers(model: Any) -> Callable[..., Any]:
 
     def run(*inputs: Any) -> Any:
         with nn.intercept_methods(_as_layer):
-            return model(*inputs)
+            return _root(model, inputs)
 
     return run
+
+
+def _root(model: Any, inputs: tuple) -> Any:
+    """``model(*inputs)`` as ``layer("", ...)``: its params are the root's own variables (not
+    a sub-module's: those are the collections' nested scopes), merged back before applying."""
+    variables = {c: dict(tree) for c, tree in model.variables.items()}
+    own = {
+        c: {k: v for k, v in t.items() if not isinstance(v, Mapping)} for c, t in variables.items()
+    }
+    unbound = model.clone(parent=None)
+
+    def fn(own: dict, *args: Any) -> Any:
+        merged = {c: {**tree, **own[c]} for c, tree in variables.items()}
+        return unbound.apply(merged, *args)
+
+    fn.__name__ = type(model).__name__  # the report's layer type
+    return layer("", fn, own, *inputs)
 
 
 def _as_layer(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:

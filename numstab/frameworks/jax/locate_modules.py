@@ -5,7 +5,9 @@ While locating, the ``__call__`` of every module class in the model is replaced 
 afterwards): a call on a direct child of the module that is running becomes
 ``layer(child_name, fn, child, *args)``, where ``fn`` runs the original ``__call__`` on the
 (probed) child it is handed. Names are the library's own paths, relative to the parent and
-joined by ``layer`` into full paths. The root model is not a layer: its children are.
+joined by ``layer`` into full paths. The root model is the layer ``""`` (as in torch), whose
+parameters are its own only (those outside its sub-modules, torch's ``recurse=False``); a
+sub-module's parameters include its sub-modules'.
 
 - Equinox: the module is its own pytree of parameters; names are field paths (``layers[0]``,
   ``mlp.linear1``).
@@ -89,10 +91,14 @@ class Library:
         """(the module's parameters as a pytree, a function rebuilding the module from it)."""
         raise NotImplementedError
 
+    def own_params_of(self, module: Any) -> tuple[Any, Callable[[Any], Any]]:
+        """``params_of`` for the parameters outside the module's sub-modules only."""
+        raise NotImplementedError
+
     def call_as_layer(self, name: str, call: Callable, module: Any, args: tuple, kw: dict):
         """``call(module, *args, **kw)`` as ``layer(name, ...)``, with the (probed) module's
-        own children named while it runs."""
-        params, rebuild = self.params_of(module)
+        own children named while it runs; the root (``name == ""``) with its own parameters."""
+        params, rebuild = self.params_of(module) if name else self.own_params_of(module)
 
         def fn(params: Any, *a: Any, **k: Any) -> Any:
             probed = rebuild(params)
@@ -126,6 +132,22 @@ class Equinox(Library):
     def params_of(self, module: Any) -> tuple[Any, Callable[[Any], Any]]:
         return module, lambda probed: probed  # an Equinox module is its own pytree
 
+    def own_params_of(self, module: Any) -> tuple[Any, Callable[[Any], Any]]:
+        import jax
+
+        kids = self.children(module)
+        leaves, treedef = jax.tree_util.tree_flatten(module, is_leaf=lambda x: id(x) in kids)
+        mine = [id(x) not in kids for x in leaves]
+        own = treedef.unflatten([x if m else None for m, x in zip(mine, leaves, strict=True)])
+
+        def rebuild(probed: Any) -> Any:
+            new = iter(jax.tree_util.tree_leaves(probed))  # the module, children in place
+            return treedef.unflatten(
+                [next(new) if m else x for m, x in zip(mine, leaves, strict=True)]
+            )
+
+        return own, rebuild
+
 
 class FlaxNNX(Library):
     def __init__(self) -> None:
@@ -147,6 +169,15 @@ class FlaxNNX(Library):
         graphdef, state = self.nnx.split(module)
         return state, lambda probed: self.nnx.merge(graphdef, probed)
 
+    def own_params_of(self, module: Any) -> tuple[Any, Callable[[Any], Any]]:
+        kids = [k + "." for k in self.children(module).values()]
+
+        def own(path: tuple, _: Any) -> bool:
+            return not ".".join(map(str, (*path, ""))).startswith(tuple(kids))
+
+        graphdef, state, rest = self.nnx.split(module, own, ...)
+        return state, lambda probed: self.nnx.merge(graphdef, probed, rest)
+
 
 def library_of(model: Any) -> Library | None:
     """The library whose module ``model`` is, as the registry's ``MODEL_LIBRARIES`` finds it
@@ -164,7 +195,7 @@ def as_layers(library: Library, model: Any) -> Callable[..., Any]:
 
     def run(*inputs: Any) -> Any:
         with _patched(library, classes):
-            token = _CHILDREN.set(library.children(model))
+            token = _CHILDREN.set({id(model): ""})  # the model itself is the layer ""
             try:
                 return model(*inputs)
             finally:
@@ -191,7 +222,7 @@ def _patched(library: Library, classes: set[type]) -> Iterator[None]:
 def _layer_call(library: Library, call: Callable) -> Callable:
     def layer_call(self: Any, *args: Any, **kwargs: Any) -> Any:
         name = (_CHILDREN.get() or {}).get(id(self))
-        if name is None:  # the root, a module called through super(), or one made on the fly
+        if name is None:  # a module called through super(), or one made on the fly
             return call(self, *args, **kwargs)
         token = _CHILDREN.set({})  # the child's own children are set by call_as_layer
         try:

@@ -18,9 +18,10 @@ import itertools
 from typing import Any
 
 from numstab.backends import load_backend
+from numstab.errors import InvalidArgumentError
 from numstab.frameworks.keras.layers import own_variables, wrapped_calls
 from numstab.frameworks.keras.locate_autodiff import autodiff_for
-from numstab.locate._report import LOSS, LayerCall, LocateReport, absmax, summarise
+from numstab.locate._report import LOSS, LayerCall, LocateReport, absmax, check_loss, summarise
 from numstab.nonfinite import find_nonfinite
 
 
@@ -81,12 +82,38 @@ def runs_on() -> str:
 def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
     """The registry's entry point: a Keras model on its Keras backend."""
     framework = runs_on()
+    build(model, inputs)
     if framework == "jax":
         from numstab.frameworks.jax.locate import locate as locate_jax
         from numstab.frameworks.keras.locate_jax import as_layers
 
         return locate_jax(as_layers(model), inputs, loss_fn, targets)
     return locate(model, inputs, loss_fn, targets, framework)
+
+
+def build(model: Any, inputs: tuple) -> None:
+    """Build an unbuilt model (or one holding unbuilt layers) by one plain call on the
+    inputs, before any wrapping or tracing: Keras would otherwise build it inside the
+    instrumented pass, symbolically (TensorFlow: graph tensors out of scope; torch: meta
+    tensors) or under ``jax.jit`` (variables made of tracers, leaked into the model)."""
+    layers = model._flatten_layers(include_self=True, recursive=True)
+    if all(layer.built for layer in layers):
+        return
+    try:
+        model(*inputs)
+    except Exception as error:
+        raise InvalidArgumentError(
+            "Expected a built Keras model: calling the unbuilt model on the inputs to build "
+            f"it raised {type(error).__name__} (the cause, below). Build it first (call it "
+            f"once, or model.build(input_shape)). Received: model={type(model).__name__} "
+            f"{model.name!r} with built=False"
+        ) from error
+    if not model.built:
+        raise InvalidArgumentError(
+            "Expected a built Keras model: one call on the inputs did not build it. Build it "
+            f"first (model.build(input_shape)). Received: model={type(model).__name__} "
+            f"{model.name!r} with built=False"
+        )
 
 
 def locate(model: Any, inputs: tuple, loss_fn, targets, framework: str) -> LocateReport:
@@ -100,6 +127,7 @@ def locate(model: Any, inputs: tuple, loss_fn, targets, framework: str) -> Locat
             if loss_fn is not None:
                 record = LayerCall(LOSS, "loss_fn", start=next(recorder.clock))
                 loss = loss_fn(output) if targets is None else loss_fn(output, targets)
+                check_loss(loss, framework)
                 record.end = next(recorder.clock)
                 outs, losses = autodiff.floating(output), autodiff.floating(loss)
                 record.inputs, record.outputs = absmax(be, outs), absmax(be, losses)

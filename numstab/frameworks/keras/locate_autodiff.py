@@ -90,6 +90,8 @@ class TorchAutodiff:
 
     def gradients(self, loss: Any, sources: list) -> list:
         wanted = [i for i, t in enumerate(sources) if t.requires_grad]
+        if not loss.requires_grad:  # a constant loss: no gradient reaches anything
+            return [None] * len(sources)
         grads = self.torch.autograd.grad(
             loss, [sources[i] for i in wanted], allow_unused=True, retain_graph=True
         )

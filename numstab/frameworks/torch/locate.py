@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,9 @@ import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from numstab.backends import load_backend
+from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.numerics import checkable, readable
-from numstab.locate._report import LOSS, LayerCall, LocateReport, summarise
+from numstab.locate._report import LOSS, LayerCall, LocateReport, check_loss, summarise
 from numstab.nonfinite import find_nonfinite
 from numstab.tree import flatten
 
@@ -156,11 +158,31 @@ def _record_forward(model, inputs, names: dict, grad: bool, ext: _Extrema, clock
     return records, output
 
 
+def _eager(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
+    """The eager module behind ``model`` and its ``named_modules`` names: a
+    ``torch.compile`` wrapper (``OptimizedModule``) is located as the module it compiles,
+    under the same names; TorchScript modules cannot be hooked."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile
+    compiled = getattr(eval_frame, "OptimizedModule", None)
+    while compiled is not None and isinstance(model, compiled):
+        model = model._orig_mod
+    names = {m: n for n, m in model.named_modules()}
+    for module, name in names.items():
+        if isinstance(module, torch.jit.ScriptModule):
+            where = f"model.{name}" if name else "model"
+            raise InvalidArgumentError(
+                "Expected an eager torch.nn.Module: TorchScript modules (torch.jit.script, "
+                "torch.jit.trace) cannot be hooked; pass the eager module they were made "
+                f"from. Received: {where}={type(module).__name__}"
+            )
+    return model, names
+
+
 def locate(model: torch.nn.Module, inputs: tuple, loss_fn, targets) -> LocateReport:
     """``locate_nonfinite`` for a torch module (arguments checked by the caller)."""
     ext = _Extrema()
     clock = itertools.count()
-    names = {m: n for n, m in model.named_modules()}
+    model, names = _eager(model)
     grad = loss_fn is not None and torch.is_grad_enabled()
     records, output = _record_forward(model, inputs, names, grad, ext, clock)
     backward = None
@@ -248,6 +270,7 @@ class _Backward:
         self.loss_rec = rec = _Call(LayerCall(LOSS, "loss_fn", start=next(clock)), None, outs, [])
         rec.in_slots = ext.slots(outs)
         loss = loss_fn(output) if targets is None else loss_fn(output, targets)
+        check_loss(loss, "torch")
         rec.call.end = next(clock)
         rec.outputs = _tensors(loss)
         rec.out_slots = ext.slots(rec.outputs)
