@@ -151,3 +151,14 @@ def build_magnitude_cases(dtype: str, offset: float) -> list[Case]:
         Case("weighted", masked, ignored, {"label_smoothing": 0.1}, r.uniform(0.5, 2, 7)),
         Case("probabilities", masked, soft, {"label_smoothing": 0.1, **z}),
     ]
+
+
+#: (ignore_index, labels dtype): no label can equal it (JAX's labels are int32, the others'
+#: int64), so nothing is ignored (cross_entropy and fused_linear_cross_entropy). Each failed
+#: on some backend with an overflow error (the fused loss eagerly too)
+UNMATCHABLE_IGNORE_INDEX = [
+    (2**31, "int32"),
+    (2**63, "int64"),
+    (-(2**70), "int32"),
+    (2**70, "int64"),
+]

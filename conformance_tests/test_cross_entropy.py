@@ -13,6 +13,7 @@ from conformance_tests import oracle
 from conformance_tests.cases import (
     CASES,
     NONFINITE_CASES,
+    UNMATCHABLE_IGNORE_INDEX,
     build_magnitude_cases,
     magnitude_offsets,
 )
@@ -105,6 +106,31 @@ def test_out_of_range_label(target):
         return
     rows = h.call(fn, True, logits, labels)  # never a silently clamped, plausible number
     assert np.isfinite(rows[0]) and np.isnan(rows[1]) and rows[2] == 0.0
+
+
+@pytest.mark.parametrize(("ignore_index", "label_dtype"), UNMATCHABLE_IGNORE_INDEX)
+def test_ignore_index_no_label_can_equal(target, ignore_index, label_dtype):
+    """An ignore_index outside the labels' index dtype ignores nothing, eagerly and compiled;
+    an out-of-range label still raises eagerly, or is a NaN row."""
+    h = target.h
+    logits = h.asarray(np.random.default_rng(4).normal(0, 2, (3, 4)), "float32")
+    labels = np.array([1, 3, 0], label_dtype)
+    kwargs = {"ignore_index": ignore_index, "label_smoothing": 0.1}
+    y = h.asarray(labels)
+    fn = lambda x: ns.cross_entropy(x, y, **kwargs)
+    value, grad = h.value_and_grad(fn, logits, target.compiled)
+    want, want_grad = oracle.cross_entropy(h.numpy(logits), labels, label_smoothing=0.1)
+    _check(value, want, VALUE["float32"], "value")
+    if grad is not None:
+        _check(grad, want_grad, GRADIENT["float32"], "gradient")
+    bad = h.asarray(np.array([1, 4, 0], label_dtype))
+    rows_fn = lambda x, t: ns.cross_entropy(x, t, reduction="none", **kwargs)
+    if not target.compiled:
+        with pytest.raises(ns.InvalidArgumentError, match=r"ignore_index=.*labels\[1\]=4 "):
+            rows_fn(logits, bad)
+        return
+    rows = h.call(rows_fn, True, logits, bad)
+    assert np.isfinite(rows[0]) and np.isnan(rows[1]) and np.isfinite(rows[2])
 
 
 def test_all_ignored_mean_is_zero_with_zero_gradient(target, impl):

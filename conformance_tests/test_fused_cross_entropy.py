@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import numstab as ns
+from conformance_tests.cases import UNMATCHABLE_IGNORE_INDEX
 from numstab.backends._native import generic_forced
 from numstab.errors import InvalidArgumentError
 from numstab.fused_cross_entropy import default_chunk_size, fused_linear_cross_entropy
@@ -266,13 +267,36 @@ def test_every_row_ignored_gives_zero(eager_target):
         assert all(not np.any(g) for g in grads)
 
 
-def test_out_of_range_label_raises_eagerly(eager_target):
-    hidden, weight, _, labels, _ = _data()
+@pytest.mark.parametrize("ignore_index", [-100, -(2**70)])
+def test_out_of_range_label_raises_eagerly(eager_target, ignore_index):
+    hidden, weight, _, labels, _ = _data(ignored=(2, 7) if ignore_index == -100 else ())
     labels[4] = VOCAB
     h = eager_target.h
     with pytest.raises(InvalidArgumentError, match=r"Received: labels\[4\]=11 \(1 label"):
         fused_linear_cross_entropy(h.asarray(hidden, "float32"), h.asarray(weight, "float32"),
-                                   h.asarray(labels))  # fmt: skip
+                                   h.asarray(labels), ignore_index=ignore_index)  # fmt: skip
+
+
+@pytest.mark.parametrize(("ignore_index", "label_dtype"), UNMATCHABLE_IGNORE_INDEX)
+def test_ignore_index_no_label_can_equal(target, ignore_index, label_dtype):
+    """An ignore_index outside the labels' index dtype ignores nothing, eagerly and compiled,
+    as the unfused loss; an out-of-range label still raises eagerly, or is a NaN row."""
+    hidden, weight, bias, labels, cotangent = _data(seed=7, ignored=())
+    data = hidden, weight, bias, labels.astype(label_dtype), cotangent
+    kwargs = {"ignore_index": ignore_index, "label_smoothing": 0.1}
+    got, _ = _check(target, "float32", kwargs, data=data)
+    want = ns.cross_entropy(hidden @ weight.T + bias, labels, label_smoothing=0.1)
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    h, bad = target.h, labels.astype(label_dtype)
+    bad[4] = VOCAB
+    args = h.asarray(hidden, "float32"), h.asarray(weight, "float32"), h.asarray(bad)
+    fn = lambda x, w, y: fused_linear_cross_entropy(x, w, y, reduction="none", **kwargs)
+    if not target.compiled:
+        with pytest.raises(InvalidArgumentError, match=r"ignore_index=.*labels\[4\]=11 \(1 l"):
+            fn(*args)
+        return
+    rows = h.call(fn, True, *args)
+    assert np.isnan(rows[4]) and np.isfinite(np.delete(rows, 4)).all()
 
 
 def _bad_calls(h):
@@ -281,6 +305,9 @@ def _bad_calls(h):
     y = h.asarray(np.zeros(6, np.int64))
     f = fused_linear_cross_entropy
     return [
+        (lambda: f(None, w, y), r"hidden to be an array. Received: hidden=None"),
+        (lambda: f(x, None, y), r"weight to be an array. Received: weight=None"),
+        (lambda: f(x, w, None), r"labels to be an array. Received: labels=None"),
         (lambda: f(x, h.asarray(np.zeros((5, 3)), "float32"), y), r"weight of shape \(vocab, 4\)"),
         (lambda: f(x, w, h.asarray(np.zeros((6, 2), np.int64))), r"labels.shape=\(6, 2\)"),
         (lambda: f(x, w, y, chunk_size=0), r"chunk_size >= 1.*Received: chunk_size=0"),

@@ -46,7 +46,8 @@ def raise_out_of_range(
     bad = (host < 0) | (host >= num_classes)
     allowed = f"[0, {num_classes})"
     if ignore_index is not None:
-        bad &= host != ignore_index
+        if host.dtype.kind in "iu" and _holds(np.iinfo(host.dtype), ignore_index):
+            bad &= host != ignore_index  # else no label can equal it
         allowed += f" or equal to ignore_index={ignore_index}"
     positions = np.argwhere(bad)
     first = tuple(int(i) for i in positions[0])
@@ -55,6 +56,23 @@ def raise_out_of_range(
         f"Expected labels in {allowed}. "
         f"Received: labels[{index}]={host[first]} ({len(positions)} label(s) out of range)"
     )
+
+
+def _holds(info: Any, value: int) -> bool:
+    return int(info.min) <= value <= int(info.max)
+
+
+#: the bounds of ``Backend.index_dtype``, the dtype every label is cast to
+_INDEX_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+
+
+def matchable_ignore_index(be: Backend, ignore_index: int) -> int | None:
+    """``ignore_index`` when a label of ``be.index_dtype`` can equal it, else None: nothing is
+    ignored, and the comparison is left out. (A Python int outside the dtype overflows when
+    compared with a tensor: JAX's int32, torch's and TensorFlow's int64 arguments, under
+    jit / torch.compile / tf.function too.)"""
+    low, high = _INDEX_BOUNDS[be.index_dtype]
+    return ignore_index if low <= ignore_index <= high else None
 
 
 def required(name: str, x: Any) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend
 from numstab._dispatch import to_backend as _to_backend
-from numstab._loss_checks import raise_out_of_range
+from numstab._loss_checks import matchable_ignore_index, raise_out_of_range, required
 from numstab.backends._base import Backend, has_native, native_op
 from numstab.errors import InvalidArgumentError
 from numstab.losses import REDUCTIONS, _safe_divide
@@ -89,21 +89,24 @@ def fused_linear_cross_entropy(
                 f"Expected chunk_size >= 1 or None. Received: chunk_size={chunk_size}"
             )
     be = resolve_backend(hidden, weight, labels, bias, backend=backend)
-    hidden = _to_backend(be, hidden, name="hidden")
-    weight = _to_backend(be, weight, like=hidden, name="weight")
-    labels = _to_backend(be, labels, like=hidden, name="labels")
+    hidden = _to_backend(be, required("hidden", hidden), name="hidden")
+    weight = _to_backend(be, required("weight", weight), like=hidden, name="weight")
+    labels = _to_backend(be, required("labels", labels), like=hidden, name="labels")
     bias = _to_backend(be, bias, like=hidden, name="bias")
     rows, width, vocab, batch_shape = _check_inputs(be, hidden, weight, labels, bias)
     cdt = v.compute_dtype(be.dtype_name(hidden))
 
     h = be.reshape(hidden, (rows, width))
     y = be.reshape(be.cast(labels, be.index_dtype), (rows,))
-    out_of_range = ((y < 0) | (y >= vocab)) & (y != ignore_index)
+    matchable = matchable_ignore_index(be, ignore_index)  # None: no label can equal it
+    out_of_range = (y < 0) | (y >= vocab)
+    if matchable is not None:
+        out_of_range = out_of_range & (y != matchable)
     if not be.is_tracing(out_of_range) and be.any(out_of_range):  # concrete labels only
         raise_out_of_range(be, labels, vocab, ignore_index)
 
     chunk_size = chunk_size or default_chunk_size(rows, vocab, be.fused_chunk_budget(h))
-    plan = _Plan(be, eps, z_loss, ignore_index, reduction, cdt, vocab, rows, chunk_size)
+    plan = _Plan(be, eps, z_loss, matchable, reduction, cdt, vocab, rows, chunk_size)
     with be.float_errors_ignored():
         out = be.custom_gradient(plan.forward, plan.backward, (h, weight, bias, y))
     if reduction == "none":
@@ -199,8 +202,11 @@ class _Plan:
 
     # -- the chunk loop ---------------------------------------------------------------------
     def _label_masks(self, y: Array) -> tuple[Array, Array, Array]:
+        out_of_range = (y < 0) | (y >= self.vocab)
+        if self.ignore_index is None:  # outside the labels' dtype: none ignored (y != y)
+            return self.be.where(out_of_range, 0, y), y != y, out_of_range
         ignored = y == self.ignore_index
-        out_of_range = ((y < 0) | (y >= self.vocab)) & ~ignored
+        out_of_range = out_of_range & ~ignored
         return self.be.where(ignored | out_of_range, 0, y), ignored, out_of_range
 
     def _pass(self, h, w, b, y, ignored, out_of_range, row_scale, needs):

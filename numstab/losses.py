@@ -14,7 +14,13 @@ from numstab._config import AUTO, configured_backend
 from numstab._dispatch import HOST, resolve_backend
 from numstab._dispatch import framework_of as _framework_of
 from numstab._dispatch import to_backend as _to_backend
-from numstab._loss_checks import check_label_shape, class_count, raise_out_of_range, required
+from numstab._loss_checks import (
+    check_label_shape,
+    class_count,
+    matchable_ignore_index,
+    raise_out_of_range,
+    required,
+)
 from numstab.backends import load_backend
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError
@@ -249,12 +255,13 @@ def _hard_label_loss(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt, r
     Eagerly the labels are read once on the host (the range check needs them anyway) and the
     device work is one ``be.compiled_eager`` kernel; traced logits mean a trace, even where
     the labels are constants, and the masks are computed on the device."""
+    matchable = matchable_ignore_index(be, ignore_index)  # None: no label can equal it
     if be.can_read(x) and be.can_read(y):
-        rows_counted = _read_label_masks(be, y, labels, be.shape(x)[-1], ignore_index)
+        rows_counted = _read_label_masks(be, y, labels, be.shape(x)[-1], ignore_index, matchable)
         kernel = be.compiled_eager(_hard_label_kernel, _HARD_LABEL_STATIC)
     else:
         rows_counted, kernel = TRACED, _hard_label_kernel
-    return kernel(be, x, y, weight, eps, ignore_index, z_loss, cdt, reduction, rows_counted)
+    return kernel(be, x, y, weight, eps, matchable, z_loss, cdt, reduction, rows_counted)
 
 
 # How the rows to count are known, a static argument of _hard_label_kernel:
@@ -267,15 +274,18 @@ _HARD_LABEL_STATIC = ("be", "eps", "ignore_index", "z_loss", "cdt", "reduction",
 def _hard_label_kernel(be, x, y, weight, eps, ignore_index, z_loss, cdt, reduction, rows_counted):
     """Per-row losses for integer labels (out-of-range rows NaN when traced, ignored rows
     0), reduced by ``reduction``: written once, compiled as one kernel where eager ops are
-    expensive (``Backend.compiled_eager``)."""
+    expensive (``Backend.compiled_eager``). ``ignore_index`` None: no label can equal it."""
     num_classes = be.shape(x)[-1]
-    ignored = out_of_range = None
-    if rows_counted != EVERY_ROW:
-        ignored = y == ignore_index
+    ignored = out_of_range = skipped = None  # skipped: ignored or out of range
     if rows_counted == TRACED:
-        out_of_range = ((y < 0) | (y >= num_classes)) & ~ignored
-    if ignored is not None:  # a safe index for ignored and out-of-range rows
-        y = be.where(ignored if out_of_range is None else ignored | out_of_range, 0, y)
+        out_of_range = skipped = (y < 0) | (y >= num_classes)
+    if rows_counted != EVERY_ROW and ignore_index is not None:
+        ignored = y == ignore_index
+        if out_of_range is not None:
+            out_of_range = out_of_range & ~ignored
+        skipped = ignored if skipped is None else skipped | ignored
+    if skipped is not None:  # a safe index for the skipped rows
+        y = be.where(skipped, 0, y)
     target_logit = be.take_rows(x, y)
     target_weight = be.gather(weight, y) if weight is not None else None
     if eps == 0.0:
@@ -293,11 +303,11 @@ def _hard_label_kernel(be, x, y, weight, eps, ignore_index, z_loss, cdt, reducti
         z_term = z_loss * lse * lse
         rows = rows + (z_term * target_weight if target_weight is not None else z_term)
     rows = be.where(target_logit == -INF, INF, rows)
-    if ignored is None:  # every row counted: no masking
-        denominator = be.shape(y)[0] if target_weight is None else be.sum(target_weight)
+    if out_of_range is not None:  # counted in the denominator
+        rows = be.where(out_of_range, NAN, rows)
+    if ignored is None:  # every row counted (traced: the batch may be of unknown size)
+        denominator = be.size(y, cdt) if target_weight is None else be.sum(target_weight)
     else:
-        if out_of_range is not None:
-            rows = be.where(out_of_range, NAN, rows)
         rows = be.where(ignored, 0.0, rows)
         if target_weight is None:
             denominator = be.count(~ignored, axis=None, dtype=cdt)
@@ -314,13 +324,15 @@ def _reduce_rows(be: Backend, rows: Array, denominator: Array | int, reduction: 
     return total if reduction == "sum" else _safe_divide(be, total, denominator)
 
 
-def _read_label_masks(be, y, labels, num_classes, ignore_index) -> str:
+def _read_label_masks(be, y, labels, num_classes, ignore_index, matchable) -> str:
     """Eager label check on the host (one read): raises on out-of-range labels; returns
-    EVERY_ROW (the common case, which then skips three wheres and a count) or SOME_IGNORED."""
-    low, high, some_ignored = be.label_summary(y, ignore_index)
+    EVERY_ROW (the common case, which then skips three wheres and a count) or SOME_IGNORED.
+    ``matchable`` None (no label can equal ``ignore_index``): the summary ignores 0 instead,
+    which leaves the min and max as they are."""
+    low, high, some_ignored = be.label_summary(y, 0 if matchable is None else matchable)
     if low < 0 or high >= num_classes:
         raise_out_of_range(be, labels, num_classes, ignore_index)
-    return SOME_IGNORED if some_ignored else EVERY_ROW
+    return SOME_IGNORED if some_ignored and matchable is not None else EVERY_ROW
 
 
 def _masked_smoothed_rows(be, x, y, target_weight, eps, weight, cdt):

@@ -295,6 +295,41 @@ def array_cases() -> Iterator[Case]:
             ),
             bad("bias"),
         ),
+        Case(
+            "fused_linear_cross_entropy.hidden=None",
+            lambda c: ns.fused_linear_cross_entropy(None, c.a(np.zeros((5, 3))), _y(c)),
+            bad("hidden"),
+        ),
+        Case(
+            "fused_linear_cross_entropy.weight=None",
+            lambda c: ns.fused_linear_cross_entropy(c.a(np.zeros((4, 3))), None, _y(c)),
+            bad("weight"),
+        ),
+        Case(
+            "fused_linear_cross_entropy.labels=None",
+            lambda c: ns.fused_linear_cross_entropy(
+                c.a(np.zeros((4, 3))), c.a(np.zeros((5, 3))), None
+            ),
+            bad("labels"),
+        ),
+        Case(
+            "fused_linear_cross_entropy.ignore_index=beyond_int64",
+            lambda c: ns.fused_linear_cross_entropy(
+                c.a(np.zeros((4, 3))), c.a(np.zeros((5, 3))), _y(c), ignore_index=-(2**70)
+            ),
+            Valid(
+                lambda r, c: abs(float(c.np(r)) - math.log(5)) < 1e-6,
+                "no label can equal it: nothing ignored, log(K) for equal logits (§4.4.4)",
+            ),
+        ),
+        Case(
+            "cross_entropy.ignore_index=beyond_int64",
+            lambda c: ns.cross_entropy(c.a(np.zeros((4, 5))), _y(c), ignore_index=2**70),
+            Valid(
+                lambda r, c: abs(float(c.np(r)) - math.log(5)) < 1e-6,
+                "no label can equal it: nothing ignored, log(K) for equal logits (§4.4.4)",
+            ),
+        ),
     ]
 
 
@@ -520,6 +555,38 @@ def stateful_cases() -> Iterator[Case]:
         bad("grad_norm"),
     )
     yield Case(
+        "TrainingGuard.init_state.be=unknown",
+        lambda c: ns.TrainingGuard().init_state("nope"),
+        bad("'nope'", errors.UnknownBackendError),
+    )
+    yield Case(
+        "TrainingGuard.init_state.be=int",
+        lambda c: ns.TrainingGuard().init_state(3),
+        bad("3", errors.UnknownBackendError),
+    )
+    yield Case(
+        "TrainingGuard.decide.state=none",
+        lambda c: ns.TrainingGuard().decide(None, 1.0, 1.0, c.name),
+        bad("state"),
+    )
+    yield Case(
+        "TrainingGuard.decide.state=other_settings",
+        lambda c: ns.TrainingGuard().decide(
+            ns.TrainingGuard(rollback_window=4, rollback_after=2).init_state(c.name),
+            1.0,
+            1.0,
+            c.name,
+        ),
+        bad("state.bad_flags"),
+    )
+    yield Case(
+        "TrainingGuard.decide.state=other_backend",
+        lambda c: ns.TrainingGuard().decide(
+            ns.TrainingGuard().init_state("numpy" if c.name != "numpy" else "jax"), 1.0, 1.0, c.name
+        ),
+        bad("state.loss_window"),
+    )
+    yield Case(
         "TrainingGuard.decide.loss=nan",
         guard_decide(lambda c: NAN),
         Valid(
@@ -553,38 +620,6 @@ def stateful_cases() -> Iterator[Case]:
         "data.check_batch.batch_axis=negative",
         lambda c: ns.data.check_batch({"x": c.a(np.ones((4, 2)))}, batch_axis=-1),
         bad("batch_axis"),
-    )
-    yield Case(
-        "TrainingGuard.init_state.be=unknown",
-        lambda c: ns.TrainingGuard().init_state("nope"),
-        bad("'nope'", errors.UnknownBackendError),
-    )
-    yield Case(
-        "TrainingGuard.init_state.be=int",
-        lambda c: ns.TrainingGuard().init_state(3),
-        bad("3", errors.UnknownBackendError),
-    )
-    yield Case(
-        "TrainingGuard.decide.state=none",
-        lambda c: ns.TrainingGuard().decide(None, 1.0, 1.0, c.name),
-        bad("state"),
-    )
-    yield Case(
-        "TrainingGuard.decide.state=other_settings",
-        lambda c: ns.TrainingGuard().decide(
-            ns.TrainingGuard(rollback_window=4, rollback_after=2).init_state(c.name),
-            1.0,
-            1.0,
-            c.name,
-        ),
-        bad("state.bad_flags"),
-    )
-    yield Case(
-        "TrainingGuard.decide.state=other_backend",
-        lambda c: ns.TrainingGuard().decide(
-            ns.TrainingGuard().init_state("numpy" if c.name != "numpy" else "jax"), 1.0, 1.0, c.name
-        ),
-        bad("state.loss_window"),
     )
 
 
