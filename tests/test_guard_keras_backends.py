@@ -136,3 +136,72 @@ def host_every_runs():
 def test_host_every_skips_logs_at_the_read_and_reads_nothing_per_batch(host_every_runs, backend):
     code, out, err = host_every_runs[backend]
     assert code == 0 and f"ok {backend}" in out, err[-3000:]
+
+
+# a model that is not built when fit() begins (a subclassed model, a Sequential without an
+# Input): Keras on TensorFlow builds it, its metrics and its optimizer as it traces the first
+# step, after the callbacks' on_train_begin. Guarded, in both modes, fit works as without the
+# guard: NaN batches 0 and 2 are undone (the weights and the epoch's logs are those of a run
+# without them), and a rollback goes back to the state before the first step
+UNBUILT_SCRIPT = r"""
+import numpy as np, keras, numstab as ns
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 4)).astype("float32")
+y = x.sum(1, keepdims=True)
+bad = x.copy(); bad[0, 0] = bad[20, 1] = np.nan  # batches 0 and 2 of 8
+
+class Net(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)
+    def call(self, t):
+        return self.out(self.hidden(t))
+
+def sequential():
+    return keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+
+def fit(make, x, y, guard=None):
+    keras.utils.set_random_seed(0)
+    model = make()
+    assert not model.built
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    cbs = [guard.keras_callback()] if guard else []
+    h = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=cbs)
+    return model, h.history, cbs
+
+keep = np.r_[8:16, 24:64]
+for make in (Net, sequential):
+    want, want_logs, _ = fit(make, x[keep], y[keep])
+    for host_every in (1, 3):
+        model, logs, (cb,) = fit(make, bad, y, ns.TrainingGuard(host_every=host_every))
+        skips = [e["step"] for e in cb.events if e["event"] == "skip"]
+        assert skips == [0, 2], (make, host_every, skips)
+        for a, b in zip(model.get_weights(), want.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert logs == want_logs, (make, host_every, logs, want_logs)
+
+# batches 1-3 bad: a rollback at step 3 to the snapshot taken before step 0
+keras.utils.set_random_seed(0)
+first = Net()
+first(x[:1])  # the weights the model starts from
+bad = x[:32].copy(); bad[8:, 0] = np.nan
+for host_every in (1, 3):
+    model, _, (cb,) = fit(Net, bad, y[:32], ns.TrainingGuard(host_every=host_every))
+    events = [(e["event"], e["step"]) for e in cb.events]
+    assert events[-2:] == [("skip", 3), ("rollback", 3)], events
+    assert int(model.optimizer.iterations) == 0
+    for a, b in zip(model.get_weights(), first.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+print("ok", keras.backend.backend())
+"""
+
+
+@pytest.fixture(scope="module")
+def unbuilt_runs():
+    return run_per_keras_backend(UNBUILT_SCRIPT)
+
+
+@pytest.mark.parametrize("backend", KERAS_BACKENDS)
+def test_guard_callback_sets_up_on_a_model_built_by_fit(unbuilt_runs, backend):
+    code, out, err = unbuilt_runs[backend]
+    assert code == 0 and f"ok {backend}" in out, err[-3000:]

@@ -25,6 +25,9 @@ the per-batch copy and read are one backend call each (``host_ops.py``). On JAX,
 keeps the training state off the variables between steps; a steady batch reads that state,
 and the callback syncs it back (``model.jax_state_sync()``) only before it undoes, snapshots
 or restores.
+A model not built when ``fit`` begins (a subclassed model, a ``Sequential`` without an
+``Input``), which Keras on TensorFlow builds as it traces the first step: the callback builds
+it from the spec of that step's data, and sets up, as the step begins (``_build_then_train``).
 With ``TrainingGuard(host_every=k)``, k > 1: ``guard_deferred.py`` (TensorFlow:
 ``guard_device.py``; JAX, torch: ``guard_arrays.py``).
 """
@@ -64,47 +67,23 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
     # -- Keras hooks ---------------------------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
         model = self.model
-        opt = model.optimizer
-        if not opt.built:
-            opt.build(model.trainable_variables)
-        self._weights = list(model.trainable_variables)
-        self._state_vars = list(model.weights) + list(opt.variables)
-        self._metric_vars = list(model.metrics_variables)
-        tracker = getattr(model, "_loss_tracker", None)
-        self._tracker = list(tracker.variables) if tracker is not None else []
-        self._host = load_backend("numpy")
-        everything = self._state_vars + self._metric_vars
-        where = {id(v): i for i, v in enumerate(everything)}  # positions in `everything`
-        self._weight_at = [where[id(w)] for w in self._weights]
-        self._tracker_at = [where.get(id(t)) for t in self._tracker]  # None: not a metric
-        # where Keras on JAX keeps each of them between steps (None: off JAX, or a tracker
-        # outside the metrics, which only the variables hold)
-        self._jax_at = (
-            host_ops.jax_state_places(self._model, everything)
-            if None not in self._tracker_at
-            else None
-        )
-        if self._host_undo_copy:
-            self._make_host_ops()
-            self._shadow = self._copy_state()
-        layout = [(getattr(v, "path", v.name), tuple(v.shape)) for v in self._state_vars]
-        if self.runner is None:  # a second fit() call keeps the history and snapshots
-            self.state = self.guard.init_state(self._host)
-            names = [getattr(w, "path", w.name) for w in self._weights]
-            self.runner = GuardRunner(self.guard, self, self._host, names)
-            self.runner.snapshot(0, self.state)
-        elif layout != self._variables_layout:  # recompiled: the snapshots do not fit these
-            self.runner.ring.clear()
-            self.runner.snapshot(int(self.state.step), self.state)
-        self._variables_layout = layout
-        if self._host_undo_copy:
-            self._prev_totals = self._read_tracker()
+        self._restore_train_function()  # (still ours after a fit cut short before a step)
+        self._set_up_pending = _unbuilt(model)
+        if self._set_up_pending:
+            # Keras on TensorFlow builds the model and the optimizer as it traces the first
+            # train step: the guard builds them, then sets up, as that step begins
+            self._unbuilt_train_function = model.train_function
+            model.train_function = self._build_then_train
+        else:
+            self._set_up()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         # Keras reset the metrics: the undo copy must hold the reset values
-        n = len(self._state_vars)
-        self._shadow[n:] = self._copy_metrics()
-        self._prev_totals = self._read_tracker()
+        if not self._set_up_pending:
+            self._keep_metrics_as_undo()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._restore_train_function()  # (still ours after a fit with no step)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # Keras on JAX trains on a copy of the state and purges the variables meanwhile: a
@@ -147,6 +126,66 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
             self._shadow = self._copy_state()
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _set_up(self) -> None:
+        """The variables, the undo copy and (at the first ``fit``) the runner; the model built
+        (``_unbuilt``), its optimizer built here where it is not."""
+        model = self.model
+        opt = model.optimizer
+        if not opt.built:
+            opt.build(model.trainable_variables)
+        self._weights = list(model.trainable_variables)
+        self._state_vars = list(model.weights) + list(opt.variables)
+        self._metric_vars = list(model.metrics_variables)
+        tracker = getattr(model, "_loss_tracker", None)
+        self._tracker = list(tracker.variables) if tracker is not None else []
+        self._host = load_backend("numpy")
+        everything = self._state_vars + self._metric_vars
+        where = {id(v): i for i, v in enumerate(everything)}  # positions in `everything`
+        self._weight_at = [where[id(w)] for w in self._weights]
+        self._tracker_at = [where.get(id(t)) for t in self._tracker]  # None: not a metric
+        # where Keras on JAX keeps each of them between steps (None: off JAX, or a tracker
+        # outside the metrics, which only the variables hold)
+        self._jax_at = (
+            host_ops.jax_state_places(self._model, everything)
+            if None not in self._tracker_at
+            else None
+        )
+        if self._host_undo_copy:
+            self._make_host_ops()
+            self._shadow = self._copy_state()
+        layout = [(getattr(v, "path", v.name), tuple(v.shape)) for v in self._state_vars]
+        if self.runner is None:  # a second fit() call keeps the history and snapshots
+            self.state = self.guard.init_state(self._host)
+            names = [getattr(w, "path", w.name) for w in self._weights]
+            self.runner = GuardRunner(self.guard, self, self._host, names)
+            self.runner.snapshot(0, self.state)
+        elif layout != self._variables_layout:  # recompiled: the snapshots do not fit these
+            self.runner.ring.clear()
+            self.runner.snapshot(int(self.state.step), self.state)
+        self._variables_layout = layout
+        if self._host_undo_copy:
+            self._prev_totals = self._read_tracker()
+
+    def _build_then_train(self, *args: Any) -> Any:
+        """``model.train_function`` for the first step of a ``fit`` that began with the
+        model not built (``_unbuilt``): builds it from the spec of the step's data
+        (``_build_from``), sets the guard up (its undo copy and first snapshot: the state
+        before this step), then runs the step."""
+        self._restore_train_function()
+        _build_from(self._model, args[0])
+        self._set_up_pending = False
+        self._set_up()
+        return self._model.train_function(*args)
+
+    def _restore_train_function(self) -> None:
+        """Keras' ``model.train_function`` back in place of ``_build_then_train``."""
+        if self._model.train_function == self._build_then_train:
+            self._model.train_function = self._unbuilt_train_function
+
+    def _keep_metrics_as_undo(self) -> None:
+        self._shadow[len(self._state_vars) :] = self._copy_metrics()
+        self._prev_totals = self._read_tracker()
+
     def _make_host_ops(self) -> None:
         """The per-batch copy and read as one backend call each (``host_ops.py``), made
         again only for other variables (a recompile)."""
@@ -237,3 +276,30 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
                 )
             values.append(saved)
         return values
+
+
+def _unbuilt(model: Any) -> bool:
+    """Whether a layer of the model is not built at ``on_train_begin`` (a subclassed model, a
+    ``Sequential`` without an ``Input``): Keras on TensorFlow (without a distribution
+    strategy) builds it, its compiled metrics and the optimizer as it traces the first train
+    step; on JAX and torch, and on TensorFlow with a strategy, ``fit`` builds them before the
+    callbacks begin."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    return not all(layer.built for layer in model._flatten_layers())
+
+
+def _build_from(model: Any, iterator: Any) -> None:
+    """Build the model, its compiled metrics and loss and its optimizer from the spec of the
+    TensorFlow ``iterator``'s batches, as Keras' ``fit`` does on TensorFlow with a
+    distribution strategy (symbolic tensors: no batch is taken from the iterator)."""
+    import tensorflow as tf
+
+    def symbolic(spec: Any) -> Any:
+        if not (hasattr(spec, "shape") and hasattr(spec, "dtype")):
+            return None  # (an absent input, as Keras' None for an empty Optional)
+        return keras.KerasTensor(spec.shape, keras.backend.standardize_dtype(spec.dtype))
+
+    data = tf.nest.map_structure(symbolic, iterator.element_spec)
+    with model.distribute_strategy.scope():
+        model._symbolic_build(data_batch=data)

@@ -91,7 +91,7 @@ class ArrayGuardCallback(DeferredGuardCallback):
     pack_state: bool | None = None
 
     def _start_device(self) -> None:
-        # GuardCallback.on_train_begin made the undo copy (self._shadow) of these variables
+        # GuardCallback._set_up made the undo copy (self._shadow) of these variables
         backend = keras.backend.backend()
         self._be = load_backend(backend)
         if getattr(self, "_gstate", None) is None:  # (a later fit: in step with the host's)

@@ -39,10 +39,13 @@ class DeferredGuardCallback(GuardCallback):
     on_train_batch_end = keras.callbacks.Callback.on_train_batch_end
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        super().on_train_begin(logs)
         self._pending = getattr(self, "_pending", 0)
         self._stepped = False
         self._results: dict | None = None
+        super().on_train_begin(logs)
+
+    def _set_up(self) -> None:
+        super()._set_up()
         if len(self._tracker_at) != 2 or None in self._tracker_at:
             raise InvalidArgumentError(
                 "Expected a model compiled with a loss (its loss tracker gives each batch's "
@@ -59,10 +62,6 @@ class DeferredGuardCallback(GuardCallback):
     def on_test_begin(self, logs: dict | None = None) -> None:
         # fit's validation: before evaluate() resets the metrics the check reads
         self._last_check()
-
-    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        # Keras reset the metrics: the undo copy must hold the reset values
-        self._keep_metrics_as_undo()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         checked = self._stepped
@@ -82,6 +81,7 @@ class DeferredGuardCallback(GuardCallback):
         self._results = None
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        super().on_train_end(logs)
         self._last_check(keep_results=False)
         self._results = None
         self.flush()
