@@ -105,7 +105,10 @@ def check_numeric_host(x: Any, name: str) -> None:
     """Raise InvalidArgumentError unless host data ``x`` holds numbers (or booleans)."""
     if isinstance(x, (bool, int, float, complex)):
         return
-    dtype = getattr(x, "dtype", None)
+    # a NumPy array's or scalar's dtype is what it holds; another object's ``dtype``
+    # attribute is not (a jax.experimental.sparse BCOO converts to an object array: its NaN
+    # was silently skipped), so it is converted to see
+    dtype = getattr(x, "dtype", None) if type(x).__module__ == "numpy" else None
     if dtype is None:
         import numpy as np
 

@@ -333,6 +333,13 @@ def array_cases() -> Iterator[Case]:
     ]
 
 
+class _NotAnArray:
+    """Says it holds float32, converts to nothing numeric."""
+
+    dtype = np.dtype(np.float32)
+    shape = (2,)
+
+
 def tree_cases() -> Iterator[Case]:
     g = lambda c: [c.a([3.0, 4.0]), c.a([[0.0]])]
     for fn_name, fn in {
@@ -343,6 +350,11 @@ def tree_cases() -> Iterator[Case]:
         "clip_by_value": lambda t, **k: ns.clip_by_value(t, -1.0, 1.0, **k),
     }.items():
         yield Case(f"{fn_name}.tree=str_leaf", lambda c, f=fn: f([c.a([1.0]), "grad"]), bad("tree"))
+        yield Case(  # a dtype attribute but no array (jax.experimental.sparse's BCOO): was
+            f"{fn_name}.tree=dtype_but_no_array",  # an object array, skipped by find_nonfinite
+            lambda c, f=fn: f([c.a([1.0]), _NotAnArray()]),
+            bad("tree"),
+        )
         yield Case(
             f"{fn_name}.tree=int_leaf",
             lambda c, f=fn: f([c.a([1.0]), c.a([1], "int32")]),
