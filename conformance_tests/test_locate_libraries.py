@@ -149,3 +149,48 @@ def test_the_models_own_code_is_the_layer_root_as_in_torch(library, case, out, w
     }, (str(ours), str(theirs))
     assert len(ours.nonfinite_params) == len(theirs.nonfinite_params)
     assert theirs.layer_type == ("Net" if theirs.found else None)
+
+
+def test_training_mode_is_refused_with_how_to_leave_it():
+    """A Dropout drawing RNGs or a BatchNorm updating its statistics cannot run inside the
+    traced pass: flax's TraceContextError (NNX), InvalidRngError and ModifyScopeVariableError
+    (linen) became InvalidArgumentError naming the deterministic mode; the model stays
+    usable, and locates once in that mode."""
+    pytest.importorskip("flax")
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.fc, self.drop = nnx.Linear(3, 3, rngs=rngs), nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.fc(x))
+
+    x = jnp.ones((2, 3))
+    net = Net(nnx.Rngs(0))
+    with pytest.raises(InvalidArgumentError, match=r"deterministic mode \(model\.eval\(\)\)"):
+        locate_nonfinite(net, x)
+    assert net(x).shape == (2, 3)
+    net.eval()
+    assert not locate_nonfinite(net, x).found
+
+    class Linen(nn.Module):
+        deterministic: bool
+
+        @nn.compact
+        def __call__(self, x):
+            x = nn.BatchNorm(use_running_average=self.deterministic)(nn.Dense(3)(x))
+            return nn.Dropout(0.5, deterministic=self.deterministic)(x)
+
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    variables = Linen(False).init(rngs, x)
+    for bound in (
+        Linen(False).bind(variables, rngs={"dropout": jax.random.key(2)}),  # InvalidRngError
+        Linen(False).bind(variables, mutable=["batch_stats"]),  # ModifyScopeVariableError
+    ):
+        with pytest.raises(InvalidArgumentError, match="deterministic mode"):
+            locate_nonfinite(bound, x)
+    assert not locate_nonfinite(Linen(True).bind(variables), x).found

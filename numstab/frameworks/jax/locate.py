@@ -28,15 +28,17 @@ maxima and NaN/inf counts come back to the host, in one transfer.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from numstab.backends import load_backend
+from numstab.errors import InvalidArgumentError
 from numstab.locate._report import LOSS, LayerCall, LocateReport, check_loss, summarise
 from numstab.nonfinite import find_nonfinite
 
@@ -279,3 +281,21 @@ def locate(model: Callable, inputs: tuple, loss_fn, targets) -> LocateReport:
         param_paths=param_paths,
         framework="jax",
     )
+
+
+@contextlib.contextmanager
+def deterministic_only(model: Any, refused: tuple[str, ...], how: str) -> Iterator[None]:
+    """``InvalidArgumentError`` for a Flax error named in ``refused``: a model in training
+    mode (Dropout drawing RNGs, BatchNorm updating its statistics) cannot be replayed inside
+    the traced pass; ``how`` says how to switch it to its deterministic mode."""
+    try:
+        yield
+    except Exception as error:
+        if type(error).__name__ not in refused:
+            raise
+        raise InvalidArgumentError(
+            f"Expected a model in its deterministic mode ({how}): locating traces it, and a "
+            "module in training mode (Dropout, BatchNorm) draws RNGs or updates its state "
+            f"there. Received: {type(model).__name__}, which raised {type(error).__name__}: "
+            f"{error}"
+        ) from error

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from numstab.errors import InvalidArgumentError
-from numstab.frameworks.jax.locate import layer, locate
+from numstab.frameworks.jax.locate import deterministic_only, layer, locate
 from numstab.locate._report import LocateReport
 
 
@@ -75,5 +75,9 @@ def _as_layer(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> An
 
 
 def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
-    """The registry's entry point: a bound linen module, located as ``layer`` calls."""
-    return locate(as_layers(model), inputs, loss_fn, targets)
+    """The registry's entry point: a bound linen module, located as ``layer`` calls. Its
+    sub-modules run with immutable variables and no RNGs: a training-mode Dropout or
+    BatchNorm (flax's ``InvalidRngError``, ``ModifyScopeVariableError``) is refused."""
+    refused = ("InvalidRngError", "ModifyScopeVariableError")
+    with deterministic_only(model, refused, "deterministic=True, use_running_average=True"):
+        return locate(as_layers(model), inputs, loss_fn, targets)

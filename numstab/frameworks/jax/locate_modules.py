@@ -22,7 +22,7 @@ import contextvars
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from numstab.frameworks.jax.locate import layer, locate
+from numstab.frameworks.jax.locate import deterministic_only, layer, locate
 from numstab.locate._report import LocateReport
 
 #: id of each direct child of the running module -> its name relative to that module
@@ -234,5 +234,8 @@ def _layer_call(library: Library, call: Callable) -> Callable:
 
 
 def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
-    """The registry's entry point: an Equinox or Flax NNX module, located as ``layer`` calls."""
-    return locate(as_layers(library_of(model), model), inputs, loss_fn, targets)
+    """The registry's entry point: an Equinox or Flax NNX module, located as ``layer`` calls.
+    An NNX module in training mode (Dropout's RNG counts, BatchNorm's running statistics)
+    mutates its state from inside the traced pass (flax's ``TraceContextError``)."""
+    with deterministic_only(model, ("TraceContextError",), "model.eval()"):
+        return locate(as_layers(library_of(model), model), inputs, loss_fn, targets)
