@@ -355,3 +355,82 @@ def test_cast_toward_zero_is_round_toward_zero(target, dtype):
     got = target.h.call(lambda v: be.cast_toward_zero(v, dtype), target.compiled,
                         target.h.asarray(x, "float32"))  # fmt: skip
     np.testing.assert_array_equal(got, want)
+
+
+# -- TensorFlow ragged and sparse tensors: nodes whose one child is their stored values ---
+def _tf_composites():
+    """A ragged tensor, a sparse tensor and a dense one; the composites' stored values are
+    (3, 0, 4) and (6, 8): norm sqrt(9 + 16 + 36 + 64 + 1) = sqrt(126)."""
+    tf = pytest.importorskip("tensorflow")
+    ragged = tf.ragged.constant([[3.0, 0.0], [], [4.0]])
+    sparse = tf.sparse.SparseTensor([[0, 1], [2, 0]], [6.0, 8.0], [3, 3])
+    return tf, {"r": ragged, "s": sparse, "d": tf.constant([1.0])}
+
+
+def _same_layout(tf, got, like):
+    """``got`` is a ragged / sparse tensor with ``like``'s row partition / indices."""
+    assert type(got) is type(like)
+    if isinstance(like, tf.RaggedTensor):
+        np.testing.assert_array_equal(got.row_splits.numpy(), like.row_splits.numpy())
+        return got.flat_values.numpy()
+    np.testing.assert_array_equal(got.indices.numpy(), like.indices.numpy())
+    np.testing.assert_array_equal(got.dense_shape.numpy(), like.dense_shape.numpy())
+    return got.values.numpy()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf_function"])
+def test_tensorflow_ragged_and_sparse_leaves_norm_and_clip(compiled):
+    """Before, a ``tf.RaggedTensor`` or ``tf.SparseTensor`` leaf was read as a host array:
+    ``AttributeError: 'DType' object has no attribute 'kind'`` from every tree function."""
+    tf, tree = _tf_composites()
+
+    def fn(t):
+        clipped, norm = ns.clip_by_global_norm(t, 1.0)
+        return clipped, norm, ns.global_norm(t), ns.all_finite(t), ns.clip_by_value(t, 0, 5)
+
+    clipped, norm, norm2, finite, bounded = (tf.function(fn) if compiled else fn)(tree)
+    want = math.sqrt(126.0)
+    np.testing.assert_allclose([norm.numpy(), norm2.numpy()], want, rtol=1e-6)
+    assert bool(finite)
+    values = {"r": [3.0, 0.0, 4.0], "s": [6.0, 8.0]}
+    for key, stored in values.items():
+        got = _same_layout(tf, clipped[key], tree[key])
+        np.testing.assert_allclose(got, np.array(stored) / want, rtol=1e-6)
+        got = _same_layout(tf, bounded[key], tree[key])
+        np.testing.assert_array_equal(got, np.minimum(stored, 5.0))
+    nan_tree = {**tree, "r": tree["r"].with_flat_values(tf.constant([3.0, np.nan, 4.0]))}
+    assert not bool((tf.function(ns.all_finite) if compiled else ns.all_finite)(nan_tree))
+    sparse_inf = tf.sparse.SparseTensor([[1, 1]], [np.inf], [2, 2])
+    assert not bool((tf.function(ns.all_finite) if compiled else ns.all_finite)([sparse_inf]))
+
+
+def test_tensorflow_ragged_and_sparse_find_nonfinite_and_assert_finite():
+    """Records under the node's own path (as for ``tf.IndexedSlices``), counted over the
+    stored values; a sparse tensor's implicit zeros are finite."""
+    tf, tree = _tf_composites()
+    assert ns.find_nonfinite(tree) == []
+    ns.assert_finite(tree)
+    tree["r"] = tf.ragged.constant([[1.0, np.nan], [2.0], [np.inf, -np.inf]])
+    tree["s"] = tf.sparse.SparseTensor([[0, 1], [2, 0]], [np.nan, 8.0], [3, 3])
+    records = ns.find_nonfinite(tree)
+    assert [r.path for r in records] == ["['r']", "['s']"]
+    r, s = records
+    assert (r.nan_count, r.posinf_count, r.neginf_count, r.shape) == (1, 1, 1, (5,))
+    assert (s.nan_count, s.inf_count, s.finite_min, s.finite_max) == (1, 0, 8.0, 8.0)
+    with pytest.raises(ns.NonFiniteError) as info:
+        ns.assert_finite({"g": [tree["s"]]})
+    assert info.value.paths == ("['g'][0]",)
+
+
+def test_tensorflow_sparse_as_dense_keeps_a_sparse_tensor_sparse():
+    """``flatten(sparse_as_dense=True)`` (AGC) gives a sparse tensor's dense array, rebuilt
+    as a sparse tensor from its values at the same indices; a ragged tensor keeps its stored
+    values (padding is not data)."""
+    from numstab.tree import flatten, unflatten
+
+    tf, tree = _tf_composites()
+    leaves, treedef = flatten(tree, sparse_as_dense=True)
+    assert [tuple(x.shape) for x in leaves] == [(3,), (3, 3), (1,)]
+    back = unflatten(treedef, [x * 2 for x in leaves])
+    np.testing.assert_array_equal(_same_layout(tf, back["s"], tree["s"]), [12.0, 16.0])
+    np.testing.assert_array_equal(_same_layout(tf, back["r"], tree["r"]), [6.0, 0.0, 8.0])

@@ -99,7 +99,8 @@ def _sparse_children(node: Any, dense: bool):
     """A sparse gradient (``tf.IndexedSlices``: an embedding's) as a node with one dense child,
     its rows with repeated indices summed, so that norms, finiteness and clipping are the
     dense gradient's and the rebuilt gradient stays sparse; with ``dense``, the dense
-    gradient itself (a framework's ``tree.sparse_children``). None for anything else."""
+    gradient itself. A ragged or sparse tensor likewise, its child the stored values (a
+    framework's ``tree.sparse_children``). None for anything else."""
     for children in frameworks.loaded("tree", "sparse_children"):
         split = children(node, dense)
         if split is not None:
@@ -108,14 +109,19 @@ def _sparse_children(node: Any, dense: bool):
 
 
 def _all_plain_leaves(nodes: list | tuple) -> bool:
-    """True when every child is a leaf by ``_children``'s first test and none is sparse:
-    asked once per distinct type (``set(map(type, ...))``: 5 us for 200 tensors, against 17
-    for ``hasattr`` on each)."""
+    """True when every child is a leaf by ``_children``'s first test and none is sparse
+    (a framework's ``tree.sparse_type``: a tuple of types): asked once per distinct type
+    (``set(map(type, ...))``: 5 us for 200 tensors, against 17 for ``hasattr`` on each)."""
     sparse = frameworks.loaded("tree", "sparse_type")
-    return all(
-        kind is _NONE or (hasattr(kind, "dtype") and kind not in sparse)
-        for kind in set(map(type, nodes))
-    )
+    for kind in set(map(type, nodes)):  # a loop: a generator per call measured 0.25 us more
+        if kind is _NONE:
+            continue
+        if not hasattr(kind, "dtype"):
+            return False
+        for framework_types in sparse:
+            if kind in framework_types:
+                return False
+    return True
 
 
 _NONE = type(None)
@@ -131,7 +137,8 @@ def _jax_children(node: Any):
 def flatten(tree: Any, *, sparse_as_dense: bool = False) -> tuple[list[Leaf], TreeDef]:
     """Leaves in a deterministic order (containers' own order), and how to rebuild.
     ``tf.IndexedSlices`` give one leaf, their deduplicated rows (rebuilt sparse), or with
-    ``sparse_as_dense`` the dense gradient (rebuilt dense)."""
+    ``sparse_as_dense`` the dense gradient (rebuilt dense); ``tf.RaggedTensor`` and
+    ``tf.SparseTensor`` one leaf, their stored values (rebuilt with the same layout)."""
     leaves: list[Leaf] = []
     return leaves, _flatten(tree, leaves, sparse_as_dense)
 

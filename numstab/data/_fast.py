@@ -33,6 +33,7 @@ from numstab import frameworks
 from numstab._dispatch import framework_of
 from numstab._validate import is_floating, is_integer
 from numstab.backends import load_backend
+from numstab.data._fields import composite_ops
 from numstab.data._host import SUM_MIN_SIZE, all_finite, find, mask_found, tf_types, tf_view
 
 
@@ -192,19 +193,26 @@ def _walk(node: Any, axis: int, leaf_hooks: tuple, sums: list, sizes: list) -> N
 
 def _other_framework(node: Any, axis: int, sums: list, sizes: list) -> None:
     """TensorFlow and JAX arrays through their backend: one fused sum each, read at once.
-    TensorFlow eager tensors go through ``_tf_eager`` first (no TF op where possible)."""
-    framework = framework_of(node)
+    TensorFlow eager tensors go through ``_tf_eager`` first (no TF op where possible).
+    Ragged and sparse tensors (``_fields.composite_ops``) sum their stored values, and
+    integer ones only give their size (token ids: nothing to read)."""
+    framework, values = framework_of(node), node
     if framework == "host":  # NumPy scalars, bfloat16 ndarrays: the general path
-        raise _Unknown
-    if framework == "tensorflow" and _tf_eager(node, axis, sizes):
+        ops = composite_ops(node)
+        if ops is None or (axis and not ops.splits_at(node, axis)):
+            raise _Unknown  # (a ragged tensor's batch axis is 0: the general path raises)
+        framework, values = ops.framework, ops.values(node)
+    elif framework == "tensorflow" and _tf_eager(node, axis, sizes):
         return
     be = load_backend(framework)
-    shape, dtype = be.shape(node), be.dtype_name(node)
+    shape, dtype = be.shape(node), be.dtype_name(values)
     if len(shape) > axis:
+        if shape[axis] is None:
+            raise _Unknown
         sizes.append(shape[axis])
     if is_floating(dtype):
         acc = "float64" if dtype == "float64" else "float32"
-        total = float(be.to_numpy(be.sum(node if dtype == acc else be.cast(node, acc))))
+        total = float(be.to_numpy(be.sum(values if dtype == acc else be.cast(values, acc))))
         if not math.isfinite(total):
             raise _Suspect
     elif not (is_integer(dtype) or dtype == "bool"):

@@ -183,8 +183,8 @@ def dirty_found(parts: Batch, batch_axis: int, counted: list) -> list | None:
             return None
         found = next((f for leaf, f in counted if leaf is field.value), None)
         if found is None:
-            view = _readable(field.value)
-            if view is None:
+            view = None if field.composite is not None else _readable(field.value)
+            if view is None:  # (a ragged or sparse field: the general path counts it)
                 return None
             found = find(view, batch_axis)
             if found is None:  # finite (or only sums that overflow)

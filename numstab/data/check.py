@@ -109,7 +109,7 @@ def check_batch(batch: Any, *, batch_axis: int = 0, backend: str | None = None) 
     """
     batch_axis = check_batch_axis(batch_axis)
     parts = split_batch(batch, batch_axis)
-    resolve_backend(*[f.value for f in parts.fields if f.backend is not None], backend=backend)
+    resolve_backend(*[f.stored for f in parts.fields if f.backend is not None], backend=backend)
     return report_of(parts, batch_axis)
 
 
@@ -130,8 +130,9 @@ def _field_report(field: Field, size: int | None, batch_axis: int, clean: bool) 
         return FieldReport(field.path, field.dtype, shape, 0, 0, ())
     axis = batch_axis if field.batched else None
     if axis is None:  # no batch axis: count the whole leaf, blame every sample
-        bad = int(np.sum(~np.isfinite(be.to_numpy(x))))
-        nan = int(np.sum(np.isnan(be.to_numpy(x))))
+        values = be.to_numpy(field.stored)
+        bad = int(np.sum(~np.isfinite(values)))
+        nan = int(np.sum(np.isnan(values)))
         samples = tuple(range(size)) if bad and size else ()
         return FieldReport(field.path, field.dtype, shape, nan, bad - nan, samples)
     bad, nan = sample_nonfinite(field, axis)
@@ -146,14 +147,14 @@ def nonfinite_per_sample(batch: Any, *, batch_axis: int = 0, backend: str | None
     field), plus those of the floating fields without one (a 0-d array), which count
     against every sample as in ``check_batch``. Graph-safe: runs under jax.jit,
     tf.function, torch.compile and in tf.data functions. Host leaves are converted to the
-    batch's framework (docs/semantics.md §1.3); integer and bool fields are skipped. Needs
-    at least one batched field.
+    batch's framework (docs/semantics.md §1.3); integer and bool fields are skipped; ragged
+    and sparse fields count their stored values. Needs at least one batched field.
     """
     from numstab.errors import InvalidArgumentError
 
     batch_axis = check_batch_axis(batch_axis)
     parts = split_batch(batch, batch_axis)
-    arrays = [f.value for f in parts.fields if f.backend is not None]
+    arrays = [f.stored for f in parts.fields if f.backend is not None]
     be = resolve_backend(*arrays, backend=backend)
     like = next((x for x in arrays if hasattr(x, "device")), None)
     batched = [f for f in parts.fields if f.batched and f.backend is not None]
@@ -166,14 +167,29 @@ def nonfinite_per_sample(batch: Any, *, batch_axis: int = 0, backend: str | None
     for f in parts.fields:
         if f.kind != "float" or f.backend is None:
             continue
-        x = to_backend(be, f.value, like=like, name="batch")
+        x = f.value if f.composite is not None else to_backend(be, f.value, like=like, name="batch")
         if f.batched:
-            counts = nonfinite_counts(be, x, batch_axis)
+            counts = _batched_counts(be, f, x, batch_axis)
             total = counts if total is None else total + counts
         else:  # no batch axis: its non-finite values count against every sample
-            count = be.count(~be.isfinite(x), None, "int32")
+            stored = x if f.composite is None else f.stored
+            count = be.count(~be.isfinite(stored), None, "int32")
             static = count if static is None else static + count
     if total is None:  # only integer / bool batched fields: zeros, on the batch's device
-        x = to_backend(be, batched[0].value, like=like, name="batch")
-        total = sample_counts(be, x, batch_axis, x != x)
+        f = batched[0]
+        x = f.value if f.composite is not None else to_backend(be, f.value, like=like, name="batch")
+        total = _batched_counts(be, f, x, batch_axis, zeros=True)
     return total if static is None else total + static
+
+
+def _batched_counts(be: Any, f: Field, x: Array, batch_axis: int, zeros: bool = False) -> Array:
+    """Non-finite values per sample of the batched field ``f`` (value ``x``), int32; with
+    ``zeros``, a vector of zeros as long (``x != x`` of an integer field). A ragged or sparse
+    field counts its stored values (``Field.composite``)."""
+    if f.composite is not None:
+        values = f.composite.values(x)
+        mask = values != values if zeros else ~be.isfinite(values)
+        return f.composite.count(x, batch_axis, mask)
+    if zeros:
+        return sample_counts(be, x, batch_axis, x != x)
+    return nonfinite_counts(be, x, batch_axis)

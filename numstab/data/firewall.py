@@ -165,6 +165,8 @@ class Firewall:
             stats.samples_passed += n
             return batch
         self.check_replaceable((f.path or "<batch>", f.dtype) for f in report.bad_fields)
+        if self.quarantine_dir is not None:
+            quarantine.check_fields(parts)
         self._record(report, bad, flagged, first_index, number)
         if self.quarantine_dir is not None:
             reasons = ["nonfinite" if bad[i] else "outlier" for i in flagged]

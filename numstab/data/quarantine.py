@@ -52,6 +52,19 @@ def check_destination(directory: Any, prefix: Any) -> str | None:
     return directory
 
 
+def check_fields(parts: Batch) -> None:
+    """``InvalidArgumentError`` for a batched ragged field, before anything is recorded: its
+    samples have no fixed size, so no plain array holds them (a sparse field is saved
+    dense)."""
+    for field in parts.fields:
+        if field.batched and type(field.value).__name__ == "RaggedTensor":
+            raise InvalidArgumentError(
+                f"Expected fields with fixed-size samples under quarantine_dir (the files hold "
+                f"plain arrays). Received: a ragged tensor at {field.label}; quarantine "
+                "without it, or pad it first"
+            )
+
+
 def write(
     directory: str,
     prefix: str,

@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from numstab.backends._base import Backend
+from numstab.errors import InvalidArgumentError
 from numstab.frameworks.tensorflow import fused
 from numstab.frameworks.tensorflow.fused import cpu_only, in_xla_context
 
@@ -69,6 +70,14 @@ class TensorflowBackend(Backend):
         return tf.cast(x, dtype) if dtype else x
 
     def to_numpy(self, x):
+        if isinstance(x, tf.SparseTensor):  # the dense array (quarantine, outlier features)
+            x = tf.sparse.to_dense(x)
+        elif isinstance(x, tf.RaggedTensor):
+            raise InvalidArgumentError(
+                f"Expected a tensor with fixed-size samples (quarantine files and outlier "
+                f"features are dense arrays). Received: a ragged tensor of shape {x.shape}; "
+                f"pass outlier_fields= a callable for outlier features"
+            )
         if x.dtype == tf.bfloat16:
             x = tf.cast(x, tf.float32)
         return x.numpy()

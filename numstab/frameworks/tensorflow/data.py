@@ -14,6 +14,10 @@ use ``numstab.data.protect(dataset)``, which iterates eagerly and records global
 Elements may be tensors, tuples or dicts (``map`` unpacks tuples into arguments).
 
 ``host_view`` is the firewall's in-place read of an eager tensor in host memory.
+
+Ragged and sparse fields (``composite``, the ``data.composite`` hook of
+``numstab.data._fields``) are read through their stored values, per sample by segment sums,
+here and in the eager firewall alike (docs/semantics.md §17.1).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import tensorflow as tf
 
 from numstab import _validate as v
 from numstab.data._fields import check_batch_axis, check_replacement, split_batch
+from numstab.errors import InvalidArgumentError
 from numstab.frameworks.tensorflow.backend import is_finite
 
 
@@ -53,7 +58,7 @@ class TFDataGuard:
     def is_finite(self, *element: Any) -> tf.Tensor:
         """Scalar bool: every value of every floating field of one sample is finite."""
         parts = split_batch(_element(element), batch_axis=0)
-        flags = [tf.reduce_all(is_finite(f.value)) for f in parts.float_fields]
+        flags = [tf.reduce_all(is_finite(f.stored)) for f in parts.float_fields]
         ok = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
         with tf.control_dependencies(
             [
@@ -70,12 +75,15 @@ class TFDataGuard:
 
     def _bad(self, parts: Any) -> tf.Tensor:
         """``bad_samples`` of a split element: per batched floating field one ``any`` of
-        ``~isfinite`` over its other axes (3 ops), or'ed together."""
+        ``~isfinite`` over its other axes (3 ops), or'ed together; a ragged or sparse one
+        counts its stored values per sample (``composite.counts``)."""
         axis = self.batch_axis
         bad = None
         for f in parts.float_fields:
-            finite = is_finite(f.value)
-            if f.batched:
+            finite = is_finite(f.stored)
+            if f.batched and f.composite is not None:
+                flags = f.composite.count(f.value, axis, tf.logical_not(finite)) > 0
+            elif f.batched:
                 other = [a for a in range(len(f.value.shape)) if a != axis]
                 flags = tf.reduce_any(tf.logical_not(finite), axis=other)
             else:
@@ -84,7 +92,10 @@ class TFDataGuard:
         if bad is not None and bad.shape.rank == 1:
             return bad
         batched = next(f for f in parts.fields if f.batched and f.backend is not None)
-        n = tf.shape(batched.value)[axis]
+        if batched.composite is not None:
+            n = batched.composite.sample_of(batched.value, axis)[1]
+        else:
+            n = tf.shape(batched.value)[axis]
         return tf.fill([n], False if bad is None else bad)
 
     def drop_nonfinite(self, *element: Any) -> Any:
@@ -97,7 +108,9 @@ class TFDataGuard:
         values = [f.value for f in parts.fields]
         with tf.control_dependencies(self._count(bad)):
             for k, f in enumerate(parts.fields):
-                if f.batched and f.backend is not None:
+                if f.batched and f.composite is not None:
+                    values[k] = f.composite.gather(f.value, kept, self.batch_axis)
+                elif f.batched and f.backend is not None:
                     values[k] = tf.gather(f.value, kept, axis=self.batch_axis)
         return parts.rebuild(values)
 
@@ -109,22 +122,125 @@ class TFDataGuard:
             x = f.value
             if f.kind == "float":
                 check_replacement(f.label, f.dtype, self.replace_value)  # at trace time
-                finite = is_finite(x)
+                finite = is_finite(f.stored)
                 replaced += tf.reduce_sum(tf.cast(tf.logical_not(finite), tf.int64))
-                x = tf.where(finite, x, tf.cast(self.replace_value, x.dtype))
+                if f.composite is not None:
+                    x = f.composite.replace(x, self.replace_value)
+                else:
+                    x = tf.where(finite, x, tf.cast(self.replace_value, x.dtype))
             values.append(x)
         has_batch = any(f.batched for f in parts.fields)
         counters = [self.values_replaced.assign_add(replaced)]
         if has_batch and any(f.kind == "float" for f in parts.fields):
             counters += self._count(self._bad(parts))
         with tf.control_dependencies(counters):
-            return parts.rebuild([tf.identity(x) if tf.is_tensor(x) else x for x in values])
+            return parts.rebuild([_identity(x) for x in values])
 
     def _count(self, bad: tf.Tensor) -> list:
         return [
             self.samples_seen.assign_add(tf.size(bad, out_type=tf.int64)),
             self.samples_flagged.assign_add(tf.math.count_nonzero(bad, dtype=tf.int64)),
         ]
+
+
+def _identity(x: Any) -> Any:
+    """``tf.identity`` of a tensor (under the caller's control dependencies), a ragged or
+    sparse tensor's stored values included; anything else as it is."""
+    if isinstance(x, tf.RaggedTensor):
+        return x.with_flat_values(tf.identity(x.flat_values))
+    if isinstance(x, tf.SparseTensor):
+        return x.with_values(tf.identity(x.values))
+    return tf.identity(x) if tf.is_tensor(x) else x
+
+
+class _Composite:
+    """Ragged and sparse fields of a batch (``numstab.data._fields``'s ``data.composite``
+    hook): read through their stored values, ``flat_values`` / ``values``, each of which
+    belongs to one sample. A ragged tensor's samples are its rows (``batch_axis`` 0 only:
+    its other axes have no fixed size); a sparse tensor's are ``indices[:, batch_axis]``
+    (any axis), whose implicit zeros are finite. Graph-safe, eager too."""
+
+    types = (tf.RaggedTensor, tf.SparseTensor)
+    framework = "tensorflow"
+
+    @staticmethod
+    def values(x: Any) -> tf.Tensor:
+        """The stored values: every value that can be non-finite."""
+        return x.flat_values if type(x) is tf.RaggedTensor else x.values
+
+    @staticmethod
+    def splits_at(x: Any, batch_axis: int) -> bool:
+        """Whether ``x``'s samples can lie along ``batch_axis``: any axis of a sparse tensor,
+        a ragged tensor's rows only."""
+        return batch_axis == 0 or type(x) is not tf.RaggedTensor
+
+    def check_axis(self, x: Any, batch_axis: int, label: str) -> None:
+        """``InvalidArgumentError`` for a ragged tensor split along any axis but its rows."""
+        if not self.splits_at(x, batch_axis):
+            raise InvalidArgumentError(
+                f"Expected batch_axis=0 for the ragged field {label}: its samples are its "
+                f"rows, and its other axes have no fixed size. Received: "
+                f"batch_axis={batch_axis}"
+            )
+
+    @staticmethod
+    def sample_of(x: Any, batch_axis: int) -> tuple[tf.Tensor, tf.Tensor]:
+        """(the sample of each stored value, as int64; the number of samples)."""
+        if type(x) is tf.SparseTensor:
+            return x.indices[:, batch_axis], x.dense_shape[batch_axis]
+        rowids = x.nested_value_rowids()  # outermost first
+        sample = rowids[-1]
+        for outer in reversed(rowids[:-1]):
+            sample = tf.gather(outer, sample)
+        return sample, x.nrows()
+
+    def count(self, x: Any, batch_axis: int, mask: tf.Tensor) -> tf.Tensor:
+        """The true entries of ``mask`` (shaped like the stored values) per sample, int32."""
+        sample, n = self.sample_of(x, batch_axis)
+        per_value = tf.cast(mask, tf.int32)
+        if per_value.shape.rank != 1:  # a ragged tensor's uniform inner axes
+            per_value = tf.reduce_sum(per_value, axis=tf.range(1, tf.rank(per_value)))
+        return tf.math.unsorted_segment_sum(per_value, sample, n)
+
+    def counts(self, x: Any, batch_axis: int) -> tuple[tf.Tensor, tf.Tensor]:
+        """Per-sample (non-finite, NaN) counts, int32 vectors."""
+        values = self.values(x)
+        return (
+            self.count(x, batch_axis, tf.logical_not(is_finite(values))),
+            self.count(x, batch_axis, tf.math.not_equal(values, values)),
+        )
+
+    @staticmethod
+    def replace(x: Any, value: float) -> Any:
+        """``x`` with its non-finite stored values set to ``value``, layout kept."""
+        values = _Composite.values(x)
+        new = tf.where(is_finite(values), values, tf.cast(value, values.dtype))
+        return x.with_flat_values(new) if type(x) is tf.RaggedTensor else x.with_values(new)
+
+    @staticmethod
+    def gather(x: Any, kept: Any, batch_axis: int) -> Any:
+        """The samples at the increasing positions ``kept`` (a ragged tensor's rows by
+        ``tf.gather``; a sparse tensor's entries of those samples, re-indexed in order)."""
+        if type(x) is tf.RaggedTensor:
+            return tf.gather(x, kept)
+        kept = tf.cast(kept, tf.int64)
+        sample, n = _Composite.sample_of(x, batch_axis)
+        new_position = tf.tensor_scatter_nd_update(
+            tf.fill([n], tf.constant(-1, tf.int64)),
+            kept[:, None],
+            tf.range(tf.size(kept, out_type=tf.int64)),
+        )
+        moved = tf.gather(new_position, sample)
+        entries = tf.reshape(tf.where(moved >= 0), [-1])
+        rank = tf.shape(x.dense_shape, out_type=tf.int64)[0]
+        column = tf.equal(tf.range(rank), batch_axis)  # the batch axis' entries
+        indices = tf.where(column, moved[:, None], x.indices)
+        shape = tf.where(column, tf.size(kept, out_type=tf.int64), x.dense_shape)
+        return tf.SparseTensor(tf.gather(indices, entries), tf.gather(x.values, entries), shape)
+
+
+#: ``numstab.data._fields``'s hook for ragged and sparse fields
+composite = _Composite()
 
 
 def eager_types() -> tuple[type, frozenset, frozenset]:
