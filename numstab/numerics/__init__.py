@@ -271,12 +271,11 @@ def _summaries(leaves: list, name: str) -> tuple[str, list[tuple[str, Any]]]:
     ``find_nonfinite`` does, host data that is not numbers raises ``InvalidArgumentError``).
     Everything is checked before anything is recorded."""
     framework = detect(*leaves) or "numpy"  # MixedBackendsError for two frameworks
-    host = []
-    for x in leaves:
-        if framework_of(x) == HOST:
-            check_numeric_host(x, "tree leaves")
-            host.append(x)
-    device = [x for x in leaves if framework_of(x) != HOST]
+    host, device = [], []
+    for x in leaves:  # one pass: each leaf is a host or a device leaf
+        (host if framework_of(x) == HOST else device).append(x)
+    for x in host:
+        check_numeric_host(x, "tree leaves")
     if device and any(load_backend(framework).is_tracing(x) for x in device):
         raise _traced_error(name, device[0])
     out = []
