@@ -3,6 +3,7 @@ raises an ``InvalidArgumentError`` naming the argument and what was wrong."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from numstab import _validate as v
@@ -46,7 +47,7 @@ def raise_out_of_range(
     bad = (host < 0) | (host >= num_classes)
     allowed = f"[0, {num_classes})"
     if ignore_index is not None:
-        if host.dtype.kind in "iu" and _holds(np.iinfo(host.dtype), ignore_index):
+        if host.dtype.kind in "iu" and _fits(host.dtype.name, ignore_index):
             bad &= host != ignore_index  # else no label can equal it
         allowed += f" or equal to ignore_index={ignore_index}"
     positions = np.argwhere(bad)
@@ -58,12 +59,18 @@ def raise_out_of_range(
     )
 
 
-def _holds(info: Any, value: int) -> bool:
-    return int(info.min) <= value <= int(info.max)
+@functools.cache
+def _int_bounds(dtype: str) -> tuple[int, int]:
+    import numpy as np
+
+    info = np.iinfo(dtype)
+    return int(info.min), int(info.max)
 
 
-#: the bounds of ``Backend.index_dtype``, the dtype every label is cast to
-_INDEX_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+def _fits(dtype: str, value: int) -> bool:
+    """Whether the integer dtype ``dtype`` holds ``value``."""
+    low, high = _int_bounds(dtype)
+    return low <= value <= high
 
 
 def matchable_ignore_index(be: Backend, ignore_index: int) -> int | None:
@@ -71,8 +78,7 @@ def matchable_ignore_index(be: Backend, ignore_index: int) -> int | None:
     ignored, and the comparison is left out. (A Python int outside the dtype overflows when
     compared with a tensor: JAX's int32, torch's and TensorFlow's int64 arguments, under
     jit / torch.compile / tf.function too.)"""
-    low, high = _INDEX_BOUNDS[be.index_dtype]
-    return ignore_index if low <= ignore_index <= high else None
+    return ignore_index if _fits(be.index_dtype, ignore_index) else None
 
 
 def required(name: str, x: Any) -> Any:
