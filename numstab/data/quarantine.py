@@ -57,7 +57,8 @@ def check_fields(parts: Batch) -> None:
     samples have no fixed size, so no plain array holds them (a sparse field is saved
     dense)."""
     for field in parts.fields:
-        if field.batched and type(field.value).__name__ == "RaggedTensor":
+        ops = field.composite
+        if field.batched and ops is not None and not ops.fixed_size(field.value):
             raise InvalidArgumentError(
                 f"Expected fields with fixed-size samples under quarantine_dir (the files hold "
                 f"plain arrays). Received: a ragged tensor at {field.label}; quarantine "

@@ -169,10 +169,16 @@ class _Composite:
         return x.flat_values if type(x) is tf.RaggedTensor else x.values
 
     @staticmethod
+    def fixed_size(x: Any) -> bool:
+        """Whether ``x``'s samples have one size (a sparse tensor's, saved dense), unlike a
+        ragged tensor's rows."""
+        return type(x) is not tf.RaggedTensor
+
+    @staticmethod
     def splits_at(x: Any, batch_axis: int) -> bool:
         """Whether ``x``'s samples can lie along ``batch_axis``: any axis of a sparse tensor,
         a ragged tensor's rows only."""
-        return batch_axis == 0 or type(x) is not tf.RaggedTensor
+        return batch_axis == 0 or _Composite.fixed_size(x)
 
     def check_axis(self, x: Any, batch_axis: int, label: str) -> None:
         """``InvalidArgumentError`` for a ragged tensor split along any axis but its rows."""
