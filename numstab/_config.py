@@ -43,7 +43,9 @@ class BackendChoice(NamedTuple):
     source: str
 
 
-def _normalise(name: str | None) -> str | None:
+def normalised_backend(name: str | None) -> str | None:
+    """A user-given backend name made canonical (``"auto"`` kept, None passed through), or
+    ``UnknownBackendError`` for one that names no backend."""
     if name is None:
         return None
     if str(name).strip().lower() == AUTO:
@@ -58,13 +60,13 @@ def set_backend(name: str | None) -> None:
     ``None`` clears the selection, so the environment variable and config file apply again.
     """
     global _global_backend
-    _global_backend = _normalise(name)
+    _global_backend = normalised_backend(name)
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[str]:
     """Select a backend inside a ``with`` block (safe across threads and asyncio tasks)."""
-    token = _context_backend.set(_normalise(name))
+    token = _context_backend.set(normalised_backend(name))
     try:
         yield _context_backend.get()
     finally:
@@ -119,7 +121,7 @@ configured_backend._dynamo_marked_constant = True  # type: ignore[attr-defined]
 def backend_choice(explicit: str | None = None) -> BackendChoice:
     """Resolve the configured backend name by the precedence above (without detection)."""
     if explicit is not None:
-        return BackendChoice(_normalise(explicit), "backend= argument")
+        return BackendChoice(normalised_backend(explicit), "backend= argument")
     name = _context_backend.get()
     if name is not None:
         return BackendChoice(name, "use_backend() context")
@@ -138,7 +140,7 @@ def backend_choice(explicit: str | None = None) -> BackendChoice:
 def _choice_from(value: str, source: str) -> BackendChoice:
     """A name from the environment or a file: an unknown one says where it was read."""
     try:
-        return BackendChoice(_normalise(value), source)
+        return BackendChoice(normalised_backend(value), source)
     except UnknownBackendError as exc:
         raise UnknownBackendError(f"{exc} It was read from the {source}.") from None
 

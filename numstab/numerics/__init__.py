@@ -21,10 +21,10 @@ import dataclasses
 import threading
 from typing import Any
 
-from numstab._config import AUTO, configured_backend
+from numstab._config import AUTO, configured_backend, normalised_backend
 from numstab._dispatch import HOST, check_numeric_host, detect, framework_of
 from numstab._validate import check_bool, check_choice
-from numstab.backends import canonical_name, load_backend
+from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError, NonFiniteError, NumstabError
 from numstab.frameworks import FRAMEWORKS, loaded, module
 from numstab.numerics.summary import FiniteSummary, finite_summary
@@ -337,13 +337,7 @@ def check_numerics(
         backward=check_bool("backward", backward),
         mode=_check_mode(mode),
     )
-    if backend is not None:
-        if not isinstance(backend, str):
-            raise InvalidArgumentError(
-                f"Expected backend to be a string or None. Received: backend={backend!r}"
-            )
-        backend = canonical_name(backend) if backend.strip().lower() != AUTO else AUTO
-    return CheckNumerics(settings, backend)
+    return CheckNumerics(settings, normalised_backend(backend))
 
 
 def _check_mode(mode: Any) -> str:

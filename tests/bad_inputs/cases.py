@@ -761,6 +761,11 @@ def backend_cases() -> Iterator[Case]:
         "check_numerics.nan=str", lambda c: ns.check_numerics(nan="yes", backend=c.name), bad("nan")
     )
     yield Case(
+        "check_numerics.backend=int",
+        lambda c: ns.check_numerics(backend=3),
+        bad("3", errors.UnknownBackendError),
+    )
+    yield Case(
         "locate_nonfinite.model=str", lambda c: ns.locate_nonfinite("model", _x(c)), bad("model")
     )
 
