@@ -228,6 +228,22 @@ def test_torch_bad_arguments():
     assert tg.step(np.array(1.0)) and tg.step(np.float32(1.0)) and tg.steps_seen == 2
 
 
+def test_a_step_fn_that_raises_leaves_the_guard_as_before_the_step():
+    # a loop that catches the error (an OOM, say) and goes on must not find the guard one
+    # step ahead with no history row for it
+    model, opt = make()
+    tg = TrainingGuard().for_torch(model, opt)
+    assert tg.step(1.0)
+
+    def oom():
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        tg.step(1.0, step_fn=oom)
+    assert tg.steps_seen == 1 and tg.history.as_arrays()["step"].tolist() == [0]
+    assert tg.step(1.0) and tg.steps_seen == 2
+
+
 def test_rollback_scales_a_scheduler_base_lr_so_the_factor_survives_scheduler_steps():
     model, opt = make()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.01 * s))

@@ -175,7 +175,7 @@ class TorchGuard(RunnerResults):
             if self._device is not None:
                 return self._device.step(pair, norms, step_fn)
             loss_h, norm_h = pair.tolist()  # the one host sync of the step
-        decision, self.state = policy.decide(
+        decision, state = policy.decide(
             self.guard,
             self._host,
             self.state,
@@ -184,9 +184,9 @@ class TorchGuard(RunnerResults):
         )
         d = _host_dict(decision)
         if d["apply"]:
-            (step_fn or self.optimizer.step)()
+            (step_fn or self.optimizer.step)()  # if it raises, the guard's state stays as it was
         self.state = self.runner.after_step(
-            d, self.state, norms if self.guard.track_layers else None, self._torch
+            d, state, norms if self.guard.track_layers else None, self._torch
         )
         return d["apply"]
 
