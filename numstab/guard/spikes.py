@@ -25,6 +25,7 @@ from numstab.backends._base import Backend
 from numstab.errors import InvalidArgumentError
 
 Array = Any
+_INT32_MAX = 2**31 - 1
 
 
 class WindowState(NamedTuple):
@@ -44,7 +45,7 @@ class SpikeDetector:
     """Flags ``x`` as a spike when ``x - mean > sigma * std`` over the last ``window`` values.
 
     Args:
-      window: how many past values the mean and std are taken over (W >= 2).
+      window: how many past values the mean and std are taken over (2 <= W < 2**31).
       sigma: the threshold in standard deviations (finite, > 0).
       warmup: detection starts once ``count + 1 >= warmup``, counting the current value as
         OLMo-core does; default ``max(20, window // 2)``. At least 3 (two past values).
@@ -65,8 +66,10 @@ class SpikeDetector:
 
     def __post_init__(self) -> None:
         window = v.check_int("window", self.window)
-        if window < 2:
-            raise InvalidArgumentError(f"Expected window >= 2. Received: window={window}")
+        if not 2 <= window <= _INT32_MAX:  # count and position are int32 (and jit-friendly)
+            raise InvalidArgumentError(
+                f"Expected window in [2, 2**31 - 1]. Received: window={window}"
+            )
         # at most float32's largest: the windows are float32, where 1e39 became inf and
         # sigma * std NaN at std = 0 (no spike ever, where any x > mean is one)
         v.check_number("sigma", self.sigma, low=0.0, high=3.4028234663852886e38, low_open=True)
