@@ -263,3 +263,24 @@ def test_rollback_scales_a_scheduler_base_lr_so_the_factor_survives_scheduler_st
     assert sched.base_lrs == [pytest.approx(0.025)]
     assert sched.last_epoch == 5 + 2
     assert opt.param_groups[0]["lr"] == pytest.approx(0.025 / (1 + 0.01 * 7))
+
+
+@pytest.mark.parametrize("host_every", [1, 4])
+def test_measure_grads_decides_on_the_gradients_before_clipping(host_every):
+    model, opt = make()
+    tg = TrainingGuard(host_every=host_every).for_torch(model, opt)
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    before = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    tg.measure_grads()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    assert tg.step(1.0)
+    tg.flush()
+    (recorded,) = tg.history.as_arrays()["grad_norm"]
+    assert recorded == pytest.approx(before.item(), rel=1e-5) and recorded > 1e-2
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    assert tg.step(1.0)  # not measured: read at the step, clipped
+    tg.flush()
+    assert tg.history.as_arrays()["grad_norm"][1] == pytest.approx(1e-3, rel=1e-4)

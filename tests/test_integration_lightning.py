@@ -41,7 +41,7 @@ class Regressor(pl.LightningModule):
         return opts[0] if len(opts) == 1 else opts
 
 
-def _fit(precision: str, callbacks: list, module: Regressor | None = None):
+def _fit(precision: str, callbacks: list, module: Regressor | None = None, **trainer_kwargs):
     torch.manual_seed(0)
     model = module or Regressor()
     x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
@@ -57,6 +57,7 @@ def _fit(precision: str, callbacks: list, module: Regressor | None = None):
         enable_progress_bar=False,
         enable_model_summary=False,
         accelerator="cpu",
+        **trainer_kwargs,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -82,6 +83,18 @@ def test_poisoned_batch_is_skipped_and_named(precision):
     assert torch.isfinite(trainer.callback_metrics["numstab/grad_norm"])
     steps = {int(s["step"]) for s in trainer.optimizers[0].state.values()}
     assert steps == {7}  # AdamW never counted the skipped step
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_the_guard_reads_gradients_before_lightning_clips_them(precision):
+    """With gradient_clip_val, the guard read the clipped gradients: every recorded norm was
+    at most the threshold, so a gradient-norm spike could never be seen."""
+    callback = NumstabCallback()
+    model, trainer = _fit(precision, [callback], gradient_clip_val=1e-3)
+    history = callback.step_guard.torch_guard.history.as_arrays()
+    norms = history["grad_norm"][history["applied"]]
+    assert len(norms) == 7 and (norms > 1e-2).all(), norms  # the poisoned step is skipped
+    assert _finite(model) and callback.skipped_steps == 1
 
 
 def test_callback_reused_by_a_second_fit_guards_it():

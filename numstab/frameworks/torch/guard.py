@@ -157,13 +157,12 @@ class TorchGuard(RunnerResults):
             )
         loss = _scalar_loss(self._torch, loss, self._norm_device)
         self.runner.take_pending_snapshot()
-        grads = [
-            e if p.grad is None else p.grad for p, e in zip(self._params, self._empty, strict=True)
-        ]
-        if self._device is not None and self._one_call(loss):
+        grads = self._grads()
+        measured, self._measured = self._measured, None
+        if self._device is not None and measured is None and self._one_call(loss):
             return self._device.step_from_grads(loss, grads, step_fn)
         with torch.no_grad():
-            norms, total = layer_norms(self._torch, grads) if grads else (None, None)
+            norms, total = measured or (layer_norms(self._torch, grads) if grads else (None, None))
             if total is not None and loss.device != total.device:
                 loss = loss.to(total.device)
             pair = torch.stack([loss, total.float() if total is not None else loss * 0])
@@ -189,6 +188,22 @@ class TorchGuard(RunnerResults):
             d, state, norms if self.guard.track_layers else None, self._torch
         )
         return d["apply"]
+
+    _measured: tuple[Any, Any] | None = None
+
+    def measure_grads(self) -> None:
+        """Take this step's gradient norms now, on the device, for the next ``step`` to
+        decide on: for loops that clip between the backward pass and ``optimizer.step()``
+        (Lightning's ``on_before_optimizer_step`` comes before its clipping), so that the
+        guard sees the gradients the backward pass made, not the clipped ones."""
+        grads = self._grads()
+        with torch.no_grad():
+            self._measured = layer_norms(self._torch, grads) if grads else (None, None)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [
+            e if p.grad is None else p.grad for p, e in zip(self._params, self._empty, strict=True)
+        ]
 
     def _one_call(self, loss: Any) -> bool:
         """Whether the device step takes its norms and decision in one compiled call: one

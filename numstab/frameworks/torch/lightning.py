@@ -13,6 +13,9 @@ under "16-mixed".
 - The loss is the one Lightning hands to ``on_before_backward`` (mean over accumulated
   micro-batches); the optimizer's ``step`` is wrapped, so automatic and manual optimization
   both work.
+- The gradients are measured in ``on_before_optimizer_step``, before Lightning clips them
+  (``gradient_clip_val``), and after the GradScaler unscales them under "16-mixed": the
+  gradient-norm rules and ``numstab/grad_norm`` see the norm the backward pass made.
 - "16-mixed": Lightning's GradScaler skips non-finite steps itself (and the guard never sees
   them: the scaler does not call ``step``); the guard skips the spikes.
 - Lightning steps its LR schedulers after every optimizer step it asked for, also a skipped
@@ -59,6 +62,11 @@ class NumstabCallback(GuardedCallback, pl.Callback):
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self.step_guard.record_loss(loss)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # before Lightning clips (gradient_clip_val): the guard decides on the gradients
+        # the backward pass made, not on clipped ones whose norm is never above the threshold
+        self.step_guard.torch_guard.measure_grads()
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int):
         sg = self.step_guard
