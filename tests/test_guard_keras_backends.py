@@ -139,8 +139,9 @@ def test_host_every_skips_logs_at_the_read_and_reads_nothing_per_batch(host_ever
 
 
 # a model that is not built when fit() begins (a subclassed model, a Sequential without an
-# Input): Keras on TensorFlow builds it, its metrics and its optimizer as it traces the first
-# step, after the callbacks' on_train_begin. Guarded, in both modes, fit works as without the
+# Input), or whose compiled metrics are not (a Sequential with an Input): Keras on TensorFlow
+# builds them and its optimizer as it traces the first step, after the callbacks'
+# on_train_begin (the metrics were missing from the undo copy: the epoch's mae was NaN). Guarded, in both modes, fit works as without the
 # guard: NaN batches 0 and 2 are undone (the weights and the epoch's logs are those of a run
 # without them), and a rollback goes back to the state before the first step
 UNBUILT_SCRIPT = r"""
@@ -160,17 +161,21 @@ class Net(keras.Model):
 def sequential():
     return keras.Sequential([keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
 
+def with_input():
+    layers = [keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)]
+    return keras.Sequential([keras.Input((4,)), *layers])
+
 def fit(make, x, y, guard=None):
     keras.utils.set_random_seed(0)
     model = make()
-    assert not model.built
+    assert model.built is (make is with_input)
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
     cbs = [guard.keras_callback()] if guard else []
     h = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=cbs)
     return model, h.history, cbs
 
 keep = np.r_[8:16, 24:64]
-for make in (Net, sequential):
+for make in (Net, sequential, with_input):
     want, want_logs, _ = fit(make, x[keep], y[keep])
     for host_every in (1, 3):
         model, logs, (cb,) = fit(make, bad, y, ns.TrainingGuard(host_every=host_every))

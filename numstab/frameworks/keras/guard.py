@@ -279,14 +279,19 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
 
 
 def _unbuilt(model: Any) -> bool:
-    """Whether a layer of the model is not built at ``on_train_begin`` (a subclassed model, a
-    ``Sequential`` without an ``Input``): Keras on TensorFlow (without a distribution
-    strategy) builds it, its compiled metrics and the optimizer as it traces the first train
-    step; on JAX and torch, and on TensorFlow with a strategy, ``fit`` builds them before the
-    callbacks begin."""
+    """Whether a layer of the model (a subclassed model, a ``Sequential`` without an
+    ``Input``), or its compiled metrics or loss (a model built with an ``Input``, compiled
+    with ``metrics=``), is not built at ``on_train_begin``: Keras on TensorFlow (without a
+    distribution strategy) builds them and the optimizer as it traces the first train step,
+    so the undo copy would miss the metrics' variables (a skipped NaN batch still reached
+    them: the epoch's ``mae`` was NaN); on JAX and torch, and on TensorFlow with a strategy,
+    ``fit`` builds them before the callbacks begin."""
     if keras.backend.backend() != "tensorflow":
         return False
-    return not all(layer.built for layer in model._flatten_layers())
+    compiled = (getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None))
+    return not all(layer.built for layer in model._flatten_layers()) or any(
+        part is not None and not part.built for part in compiled
+    )
 
 
 def _build_from(model: Any, iterator: Any) -> None:
