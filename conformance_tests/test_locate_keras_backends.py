@@ -106,6 +106,25 @@ losses = {
 clean = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
 out["losses"] = {k: outcome(lambda: locate_nonfinite(clean, x, loss_fn=fn))
                  for k, fn in losses.items()}
+
+compiles = []
+if keras.backend.backend() == "jax":
+    import jax.monitoring
+
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+steady = keras.Sequential(
+    [keras.Input((3,)), keras.layers.Dense(3, "relu", name="d1"), keras.layers.Dense(2, name="d2")])
+positive, kernel = np.abs(x), steady.layers[0].kernel
+finite, inf = ops.convert_to_numpy(kernel), np.full((3, 3), np.inf, np.float32)
+reuse = []
+for weights in (finite, inf, finite, inf):  # inf: a step gone wrong
+    if len(reuse) == 2:
+        compiled_first = len(compiles)  # the pass, the reads of a found layer, assign
+    kernel.assign(weights)
+    reuse.append(outcome(lambda: locate_nonfinite(steady, positive, loss_fn=total)))
+out["reuse"] = {"reports": reuse, "recompiles": len(compiles) - compiled_first}
 print("RESULT" + json.dumps(out, default=str))
 """
 
@@ -126,7 +145,7 @@ def _torch_name(name: str) -> str:
 
 @pytest.mark.parametrize("backend", KERAS_BACKENDS)
 def test_planted_faults_reported_as_in_torch(results, backend):
-    extra = ("functional", "unbuilt", "losses")
+    extra = ("functional", "unbuilt", "losses", "reuse")
     catalogue = {k: v for k, v in results[backend].items() if k not in extra}
     for fault, (ours, theirs) in catalogue.items():
         assert ours["framework"] == backend
@@ -191,3 +210,21 @@ def test_loss_fn_return_value_rule(results, backend):
         ), outcome
     constant = losses["constant"]
     assert (constant.get("found"), constant.get("backward_checked")) == (False, True), constant
+
+
+@pytest.mark.parametrize("backend", KERAS_BACKENDS)
+def test_locating_again_reads_the_new_weights(results, backend):
+    """Locating the model again after its weights changed reports on the new weights; on
+    JAX without compiling again (the values are arguments of the cached pass: each call
+    compiled its pass anew)."""
+    reports = results[backend]["reuse"]["reports"]
+    for clean in reports[::2]:
+        assert clean.get("found") is False and clean["layers_checked"] == 4, clean
+    for bad in reports[1::2]:
+        assert (bad.get("layer"), bad.get("phase"), bad["params_finite"]) == (
+            "d1",
+            "forward",
+            False,
+        ), bad
+    if backend == "jax":
+        assert results[backend]["reuse"]["recompiles"] == 0

@@ -79,6 +79,33 @@ def test_clean_run_and_forward_only(library):
     assert not forward_only.found and not forward_only.backward_checked
 
 
+@pytest.mark.parametrize("library", sorted(LIBRARIES))
+def test_a_model_of_the_same_structure_reuses_the_compiled_pass(library):
+    """The model's arrays are arguments of the compiled pass, not constants in it: locating a
+    model again, or another of the same structure (here with an inf weight), compiles nothing
+    (each call compiled its pass again, 3 to 6 s) and reports on that model's own values."""
+    import jax.monitoring
+
+    clean, faulty = _models(library, None)[0], _models(library, "inf_weight")[0]
+    assert not _locate(clean, "jax", None).found  # compiles the pass (and the details' reads)
+    assert _locate(faulty, "jax", "inf_weight").found
+    compiles = []
+
+    def count(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        for model, fault in ((clean, None), (faulty, "inf_weight"), (clean, None)):
+            report = _locate(model, "jax", fault)
+            want = LIBRARIES[library][1](lm.FAULT_LAYER[fault]) if fault else None
+            assert report.found is (fault is not None) and report.layer == want, str(report)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert compiles == []
+
+
 def test_unsupported_model_names_what_is_supported():
     with pytest.raises(InvalidArgumentError, match="Flax NNX Module or bound linen"):
         locate_nonfinite(object(), np.zeros(3))

@@ -19,11 +19,15 @@ runs as ``layer("", ...)``, unless the model makes that call itself, at its top 
 module libraries and Keras do, with the root's own parameters).
 
 Locating jit-compiles one instrumented pass per (model, loss_fn, input structure and shapes)
-and reuses it. Each layer call adds a zero "probe" to its floating parameters, to its other
-floating arguments (as this call sees them) and to its outputs; one backward pass then
-gives, per call, the gradient the layer received (output probe) and the gradients it
-produced itself (input and parameter probes), as torch's full backward hooks do. Only
-maxima and NaN/inf counts come back to the host, in one transfer.
+and reuses it; a module library's model is split into its arrays (arguments of the pass) and
+the rest (the cache key: ``Split``), so another model of the same structure, or the same
+model after training steps, reuses the pass.
+
+Each layer call adds a zero "probe" to its floating parameters, to its other floating
+arguments (as this call sees them) and to its outputs; one backward pass then gives, per
+call, the gradient the layer received (output probe) and the gradients it produced itself
+(input and parameter probes), as torch's full backward hooks do. Only maxima and NaN/inf
+counts come back to the host, in one transfer.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -173,7 +177,22 @@ def _run(model, loss_fn, inputs, targets, probes):
     return recorder, None
 
 
-_CACHE: dict[Any, tuple[Callable, list]] = {}
+class Split(NamedTuple):
+    """A model as its arrays and the rest: ``build(arrays)`` is ``model(*inputs)`` as a
+    function of the inputs, ``key`` everything else that the pass depends on (hashable; None
+    when it is not, and each call then compiles its own pass)."""
+
+    arrays: Any
+    key: Hashable | None
+    build: Callable[[Any], Callable[..., Any]]
+
+    @classmethod
+    def of_function(cls, model: Callable[..., Any]) -> Split:
+        """A plain function of JAX arrays: it holds no arrays (its parameters are inputs)."""
+        return cls((), model, lambda _: model)
+
+
+_CACHE: dict[Any, tuple[Callable, list, list]] = {}
 
 
 def _spec(tree: Any) -> tuple:
@@ -183,24 +202,33 @@ def _spec(tree: Any) -> tuple:
     )
 
 
-def _instrumented(model, loss_fn, inputs, targets):
-    """A jitted ``(inputs, targets) -> per-call maxima and counts`` and a list whose last
-    element is the recorder of its trace (names and order). Cached per model, loss_fn and
-    input structure, shapes and dtypes (the cache holds the last 16)."""
-    key = (model, loss_fn, _spec((inputs, targets)))
-    if key in _CACHE:
-        return _CACHE[key]
+def _instrumented(split: Split, loss_fn, inputs, targets):
+    """A jitted ``(arrays, inputs, targets) -> per-call maxima and counts`` and a list whose
+    last element is the recorder of its trace (names and order). Cached per model key,
+    loss_fn and the structure, shapes and dtypes of the arrays and inputs (the last 16)."""
+    key = None
+    if split.key is not None:
+        key = (split.key, loss_fn, _spec((split.arrays, inputs, targets)))
+        try:
+            if key in _CACHE:
+                return _CACHE[key]
+        except (TypeError, ValueError):  # a part of the model that cannot be a key
+            key = None
 
-    def shapes(inputs, targets):
-        recorder, _ = _run(model, loss_fn, inputs, targets, None)
+    def shapes(arrays, inputs, targets):
+        recorder, _ = _run(split.build(arrays), loss_fn, inputs, targets, None)
         spec = lambda xs: [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
         return [(spec(r.params), spec(r.inputs), spec(r.outputs)) for r in recorder.calls]
 
-    probe_shapes = jax.eval_shape(shapes, inputs, targets) if loss_fn is not None else None
+    probe_shapes = None
+    if loss_fn is not None:
+        probe_shapes = jax.eval_shape(shapes, split.arrays, inputs, targets)
     static: list = []
     layout: list = []
 
-    def analyze(inputs, targets):
+    def analyze(arrays, inputs, targets):
+        model = split.build(arrays)
+
         def forward(probes):
             recorder, loss = _run(model, loss_fn, inputs, targets, probes)
             static.append(recorder)
@@ -239,16 +267,19 @@ def _instrumented(model, loss_fn, inputs, targets):
         return vector, tensors  # the tensors stay on the device for the details
 
     jitted = jax.jit(analyze)
-    _CACHE[key] = (jitted, static, layout)
-    if len(_CACHE) > 16:
-        _CACHE.pop(next(iter(_CACHE)))
+    if key is not None:
+        _CACHE[key] = (jitted, static, layout)
+        if len(_CACHE) > 16:
+            _CACHE.pop(next(iter(_CACHE)))
     return jitted, static, layout
 
 
-def locate(model: Callable, inputs: tuple, loss_fn, targets) -> LocateReport:
+def locate(model: Callable | Split, inputs: tuple, loss_fn, targets) -> LocateReport:
+    """Locate in a plain function of JAX arrays, or in a module library's ``Split`` model."""
     load_backend("jax")
-    jitted, static, layout = _instrumented(model, loss_fn, inputs, targets)
-    vector, tensors = jitted(inputs, targets)
+    split = model if isinstance(model, Split) else Split.of_function(model)
+    jitted, static, layout = _instrumented(split, loss_fn, inputs, targets)
+    vector, tensors = jitted(split.arrays, inputs, targets)
     values = jax.device_get(vector)  # the one host transfer
     recorder = static[-1]
     calls, details = [], {}

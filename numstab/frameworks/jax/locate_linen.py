@@ -21,20 +21,27 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from numstab.errors import InvalidArgumentError
-from numstab.frameworks.jax.locate import deterministic_only, layer, locate
+from numstab.frameworks.jax.locate import Split, deterministic_only, layer, locate
 from numstab.locate._report import LocateReport
 
 
-def as_layers(model: Any) -> Callable[..., Any]:
-    """``model(*inputs)`` with every sub-module ``__call__`` made a ``layer``."""
-    import flax.linen as nn
-
+def split(model: Any) -> Split:
+    """The bound module as its variables (the compiled pass's arguments) and its unbound
+    clone (the cache key), run as layers."""
     if model.scope is None:
         raise InvalidArgumentError(
             "Expected a bound Flax linen module (module.bind(variables)); an unbound module "
             "has no parameters to run. Received: model of type "
             f"{type(model).__name__} with model.scope=None"
         )
+    unbound = model.clone(parent=None)
+    variables = {c: dict(tree) for c, tree in model.variables.items()}
+    return Split(variables, ("linen", unbound), lambda v: as_layers(unbound.bind(v)))
+
+
+def as_layers(model: Any) -> Callable[..., Any]:
+    """``model(*inputs)`` (a bound module) with every sub-module ``__call__`` a ``layer``."""
+    import flax.linen as nn
 
     def run(*inputs: Any) -> Any:
         with nn.intercept_methods(_as_layer):
@@ -80,4 +87,4 @@ def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
     BatchNorm (flax's ``InvalidRngError``, ``ModifyScopeVariableError``) is refused."""
     refused = ("InvalidRngError", "ModifyScopeVariableError")
     with deterministic_only(model, refused, "deterministic=True, use_running_average=True"):
-        return locate(as_layers(model), inputs, loss_fn, targets)
+        return locate(split(model), inputs, loss_fn, targets)

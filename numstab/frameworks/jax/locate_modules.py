@@ -12,7 +12,13 @@ sub-module's parameters include its sub-modules'.
 - Equinox: the module is its own pytree of parameters; names are field paths (``layers[0]``,
   ``mlp.linear1``).
 - Flax NNX: ``nnx.split`` gives the parameters' pytree (``State``) and ``fn`` merges it back;
-  names are NNX attribute paths joined by dots (``layers.0``, ``block.attn``).
+  names are NNX attribute paths joined by dots (``layers.0``, ``block.attn``). A module that
+  changes its state while it runs (Dropout's RNG count, BatchNorm's statistics: training
+  mode) is refused.
+
+The model's arrays are arguments of the compiled pass and the rest its cache key (Equinox:
+the non-array leaves and the tree structure; NNX: the ``GraphDef``), so a model of the same
+structure, with other values, reuses the pass (``locate.Split``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import contextvars
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from numstab.frameworks.jax.locate import deterministic_only, layer, locate
+from numstab.frameworks.jax.locate import Split, deterministic_only, layer, locate
 from numstab.locate._report import LocateReport
 
 #: id of each direct child of the running module -> its name relative to that module
@@ -95,6 +101,15 @@ class Library:
         """``params_of`` for the parameters outside the module's sub-modules only."""
         raise NotImplementedError
 
+    def split(self, model: Any) -> Split:
+        """The model as its arrays and a hashable rest, run as layers (``as_layers``)."""
+        raise NotImplementedError
+
+    def run(self, module: Any, call: Callable[[], Any]) -> Any:
+        """``call()``, the module's own code; a library whose modules hold state checks here
+        that it is left unchanged."""
+        return call()
+
     def call_as_layer(self, name: str, call: Callable, module: Any, args: tuple, kw: dict):
         """``call(module, *args, **kw)`` as ``layer(name, ...)``, with the (probed) module's
         own children named while it runs; the root (``name == ""``) with its own parameters."""
@@ -104,7 +119,7 @@ class Library:
             probed = rebuild(params)
             token = _CHILDREN.set(self.children(probed))
             try:
-                return call(probed, *a, **k)
+                return self.run(probed, lambda: call(probed, *a, **k))
             finally:
                 _CHILDREN.reset(token)
 
@@ -148,6 +163,18 @@ class Equinox(Library):
 
         return own, rebuild
 
+    def split(self, model: Any) -> Split:
+        import equinox
+        import jax
+
+        arrays, rest = equinox.partition(model, equinox.is_array)
+        leaves, treedef = jax.tree_util.tree_flatten(rest)
+        return Split(
+            arrays,
+            ("equinox", treedef, tuple(leaves)),
+            lambda arrays: as_layers(self, equinox.combine(arrays, rest)),
+        )
+
 
 class FlaxNNX(Library):
     def __init__(self) -> None:
@@ -177,6 +204,31 @@ class FlaxNNX(Library):
 
         graphdef, state, rest = self.nnx.split(module, own, ...)
         return state, lambda probed: self.nnx.merge(graphdef, probed, rest)
+
+    def split(self, model: Any) -> Split:
+        graphdef, state = self.nnx.split(model)
+        return Split(
+            state,
+            ("nnx", graphdef),
+            lambda state: as_layers(self, self.nnx.merge(graphdef, state)),
+        )
+
+    def run(self, module: Any, call: Callable[[], Any]) -> Any:
+        import jax
+
+        before = jax.tree_util.tree_leaves(self.nnx.state(module))
+        out = call()
+        after = jax.tree_util.tree_leaves(self.nnx.state(module))
+        if len(after) != len(before) or any(a is not b for a, b in zip(after, before, strict=True)):
+            raise StateChanged(
+                f"{type(module).__name__} changed its state while running (Dropout's RNG "
+                "count, BatchNorm's statistics)"
+            )
+        return out
+
+
+class StateChanged(Exception):
+    """An NNX module wrote its state while located: it runs in training mode."""
 
 
 def library_of(model: Any) -> Library | None:
@@ -236,6 +288,7 @@ def _layer_call(library: Library, call: Callable) -> Callable:
 def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
     """The registry's entry point: an Equinox or Flax NNX module, located as ``layer`` calls.
     An NNX module in training mode (Dropout's RNG counts, BatchNorm's running statistics)
-    mutates its state from inside the traced pass (flax's ``TraceContextError``)."""
-    with deterministic_only(model, ("TraceContextError",), "model.eval()"):
-        return locate(as_layers(library_of(model), model), inputs, loss_fn, targets)
+    changes its state inside the traced pass (``StateChanged``; flax's ``TraceContextError``
+    for state it reaches outside the model)."""
+    with deterministic_only(model, ("StateChanged", "TraceContextError"), "model.eval()"):
+        return locate(library_of(model).split(model), inputs, loss_fn, targets)

@@ -85,9 +85,9 @@ def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
     build(model, inputs)
     if framework == "jax":
         from numstab.frameworks.jax.locate import locate as locate_jax
-        from numstab.frameworks.keras.locate_jax import as_layers
+        from numstab.frameworks.keras.locate_jax import split
 
-        return locate_jax(as_layers(model), inputs, loss_fn, targets)
+        return locate_jax(split(model), inputs, loss_fn, targets)
     return locate(model, inputs, loss_fn, targets, framework)
 
 

@@ -7,7 +7,9 @@ them (the model's own at the top, the probed ones of the enclosing layer below),
 runs the original ``call`` inside a ``keras.StatelessScope`` that maps each variable to the
 value it is handed, so the probes reach the layer's own computation and its sub-layers. The
 model itself is the layer ``""``; names are Keras layer names joined by ".", parameter paths
-Keras variable paths, as on TensorFlow.
+Keras variable paths, as on TensorFlow. The variables' values are arguments of the compiled
+pass and the model its cache key (``split``): locating the model again, after training steps,
+reuses the pass.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
+from numstab.frameworks.jax.locate import Split
 from numstab.frameworks.jax.locate import layer as as_layer
 from numstab.frameworks.keras.layers import wrapped_calls
 
@@ -25,12 +28,21 @@ _VALUES: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
 )
 
 
-def as_layers(model: Any) -> Callable[..., Any]:
-    """``model(*inputs)`` with every layer call made a ``layer``."""
+def split(model: Any) -> Split:
+    """The model as its variables' values and itself (a Keras model is one object, whose
+    variables are fixed once it is built), run as layers."""
+    variables = list(model.variables)
+    # the stored values, read outside any layer (inside one, Keras may autocast them)
+    values = [v.value for v in variables]
+    return Split(values, ("keras", model), lambda values: as_layers(model, variables, values))
+
+
+def as_layers(model: Any, variables: list, values: list) -> Callable[..., Any]:
+    """``model(*inputs)`` with every layer call made a ``layer``, ``variables`` mapped to
+    ``values``."""
 
     def run(*inputs: Any) -> Any:
-        # the stored values, read outside any layer (inside one, Keras may autocast them)
-        token = _VALUES.set({id(v): v.value for v in model.variables})
+        token = _VALUES.set({id(v): x for v, x in zip(variables, values, strict=True)})
         try:
             with wrapped_calls(model, _layer_call):
                 return model(*inputs)
