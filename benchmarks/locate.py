@@ -8,10 +8,15 @@ repeated runs, wall and CPU time (``time.process_time``: every thread of this pr
 less disturbed by other processes; with several intra-op threads, as XLA and TensorFlow use,
 it sums them); ratios against the plain step measured in the same run. Goal: locate within
 3 plain steps. JAX: the instrumented pass is compiled once per model and shapes; its
-compile time is reported separately, next to the plain step's. ``--json PATH`` writes the
-rows (ratio, goal, meets_goal; the ratio is the wall time over the plain step's).
+compile time is reported separately, next to the plain step's. Equinox and Flax NNX: the
+same network as their modules, located after every "training step" (new weights, as in a
+run: each timed call gets a model with other values), so the rows show that the compiled
+pass is reused (its arrays are arguments; before, every call compiled again). ``--json
+PATH`` writes the rows (ratio, goal, meets_goal; the ratio is the wall time over the plain
+step's).
 
-    python benchmarks/locate.py [--quick] [--backends torch,tensorflow,jax] [--repeats N]
+    python benchmarks/locate.py [--quick] [--backends torch,tensorflow,jax,equinox,nnx]
+                                [--repeats N]
                                 [--torch-threads N] [--json PATH]
 """
 
@@ -127,16 +132,73 @@ def bench_jax(size: dict, repeats: int) -> dict:
     }
 
 
+def bench_module_library(library: str, size: dict, repeats: int) -> dict:
+    """An Equinox or NNX model: the plain step is the library's jitted value-and-grad; each
+    locate call gets the model after one more (scaled-weights) step."""
+    import jax
+    import jax.numpy as jnp
+
+    ids = jnp.asarray(lm.tokens(False, **size["t"]))
+    targets = (jnp.asarray(lm.targets(**size["t"])), 1.0)
+    model = getattr(lm, f"{library}_model")(lm.weights(**size["w"]))
+    scale = lambda x: x * 0.999 if jnp.issubdtype(getattr(x, "dtype", int), jnp.floating) else x
+    if library == "equinox":
+        import equinox as eqx
+
+        grad = eqx.filter_jit(eqx.filter_value_and_grad(lambda m: lm.jax_loss(m(ids), targets)))
+        models = [model]
+        for _ in range(repeats + 1):
+            models.append(jax.tree_util.tree_map(scale, models[-1]))
+        stepped = iter(models[1:])
+    else:
+        from flax import nnx
+
+        grad = nnx.jit(nnx.value_and_grad(lambda m: lm.jax_loss(m(ids), targets)))
+        states = iter([nnx.state(model)] * (repeats + 1))
+
+        class Stepped:  # the same module, its values changed in place (as nnx.Optimizer does)
+            def __next__(self):
+                nnx.update(model, jax.tree_util.tree_map(scale, next(states)))
+                return model
+
+        stepped = Stepped()
+
+    def step():
+        jax.block_until_ready(grad(model))
+
+    def locate(m=None):
+        report = locate_nonfinite(m or next(stepped), ids, loss_fn=lm.jax_loss, targets=targets)
+        assert not report.found
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    step()
+    plain_first = (time.perf_counter() - t0, time.process_time() - c0)
+    t0, c0 = time.perf_counter(), time.process_time()
+    locate(model)
+    locate_first = (time.perf_counter() - t0, time.process_time() - c0)
+    return {
+        **_medians({"plain step": step, "locate_nonfinite": locate}, repeats),
+        "plain step, first call (compile)": plain_first,
+        "locate_nonfinite, first call (compile)": locate_first,
+    }
+
+
 GOAL = 3.0  # locate_nonfinite within 3 plain steps (wall)
 args_threads = 0  # --torch-threads: intra-op threads (0 = torch's default)
 
-BENCHES = {"torch": bench_torch, "tensorflow": bench_tensorflow, "jax": bench_jax}
+BENCHES = {
+    "torch": bench_torch,
+    "tensorflow": bench_tensorflow,
+    "jax": bench_jax,
+    "equinox": lambda size, repeats: bench_module_library("equinox", size, repeats),
+    "nnx": lambda size, repeats: bench_module_library("nnx", size, repeats),
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
-    parser.add_argument("--backends", default="torch,tensorflow,jax")
+    parser.add_argument("--backends", default="torch,tensorflow,jax,equinox,nnx")
     parser.add_argument(
         "--torch-threads", type=int, default=0, help="torch intra-op threads (0: default)"
     )
