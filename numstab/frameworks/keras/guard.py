@@ -68,13 +68,14 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         model = self.model
         self._restore_train_function()  # (still ours after a fit cut short before a step)
-        self._set_up_pending = _unbuilt(model)
-        if self._set_up_pending:
-            # Keras on TensorFlow builds the model and the optimizer as it traces the first
-            # train step: the guard builds them, then sets up, as that step begins
+        self._set_up_pending = _layers_unbuilt(model)
+        if self._set_up_pending or _compiled_unbuilt(model):
+            # Keras on TensorFlow builds the model, its compiled metrics and the optimizer as
+            # it traces the first train step: the guard builds them, then sets up (again,
+            # with the metrics, where the layers were built), as that step begins
             self._unbuilt_train_function = model.train_function
             model.train_function = self._build_then_train
-        else:
+        if not self._set_up_pending:
             self._set_up()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -128,7 +129,7 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
     # -- helpers ---------------------------------------------------------------------------------
     def _set_up(self) -> None:
         """The variables, the undo copy and (at the first ``fit``) the runner; the model built
-        (``_unbuilt``), its optimizer built here where it is not."""
+        (``_layers_unbuilt``), its optimizer built here where it is not."""
         model = self.model
         opt = model.optimizer
         if not opt.built:
@@ -168,9 +169,10 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
 
     def _build_then_train(self, *args: Any) -> Any:
         """``model.train_function`` for the first step of a ``fit`` that began with the
-        model not built (``_unbuilt``): builds it from the spec of the step's data
-        (``_build_from``), sets the guard up (its undo copy and first snapshot: the state
-        before this step), then runs the step."""
+        model or its compiled metrics not built (``_layers_unbuilt``, ``_compiled_unbuilt``):
+        builds them from the spec of the step's data (``_build_from``), sets the guard up
+        (its undo copy, metrics included, and first snapshot: the state before this step),
+        then runs the step."""
         self._restore_train_function()
         _build_from(self._model, args[0])
         self._set_up_pending = False
@@ -278,20 +280,26 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         return values
 
 
-def _unbuilt(model: Any) -> bool:
-    """Whether a layer of the model (a subclassed model, a ``Sequential`` without an
-    ``Input``), or its compiled metrics or loss (a model built with an ``Input``, compiled
-    with ``metrics=``), is not built at ``on_train_begin``: Keras on TensorFlow (without a
-    distribution strategy) builds them and the optimizer as it traces the first train step,
-    so the undo copy would miss the metrics' variables (a skipped NaN batch still reached
-    them: the epoch's ``mae`` was NaN); on JAX and torch, and on TensorFlow with a strategy,
-    ``fit`` builds them before the callbacks begin."""
+def _layers_unbuilt(model: Any) -> bool:
+    """Whether a layer of the model is not built at ``on_train_begin`` (a subclassed model, a
+    ``Sequential`` without an ``Input``): Keras on TensorFlow (without a distribution
+    strategy) builds it, its compiled metrics and the optimizer as it traces the first train
+    step; on JAX and torch, and on TensorFlow with a strategy, ``fit`` builds them before the
+    callbacks begin."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    return not all(layer.built for layer in model._flatten_layers())
+
+
+def _compiled_unbuilt(model: Any) -> bool:
+    """Whether the compiled metrics or loss are not built at ``on_train_begin`` (a model
+    built with an ``Input``, compiled with ``metrics=``, on TensorFlow): the undo copy made
+    then misses the metrics' variables (a skipped NaN batch still reached them: the epoch's
+    ``mae`` was NaN), so the guard sets up again once they are built."""
     if keras.backend.backend() != "tensorflow":
         return False
     compiled = (getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None))
-    return not all(layer.built for layer in model._flatten_layers()) or any(
-        part is not None and not part.built for part in compiled
-    )
+    return any(part is not None and not part.built for part in compiled)
 
 
 def _build_from(model: Any, iterator: Any) -> None:
