@@ -113,6 +113,36 @@ def test_out_of_range_label_names_value_and_position(eager_target):
         ns.cross_entropy(logits, labels)
 
 
+@pytest.mark.parametrize(
+    ("label", "dtype"),
+    [(2**32 + 1, "int64"), (2**32 - 100, "uint32"), (-(2**32) + 2, "int64")],
+    ids=["int64_wraps_to_1", "uint32_wraps_to_ignore_index", "negative_wraps_to_2"],
+)
+@pytest.mark.parametrize("where", ["host", "framework"])
+def test_a_label_beyond_the_index_dtype_is_out_of_range_not_wrapped(
+    eager_target, label, dtype, where
+):
+    """JAX indexes with int32: a corrupt id the cast wrapped around became a valid class, or
+    ignore_index (a silently ignored row); it now saturates, out of range as on the int64
+    backends. (A framework int64 array exists on JAX under x64 only; uint32 does.)"""
+    h = eager_target.h
+    labels = np.array([0, label], dtype)
+    if where == "framework":
+        if eager_target.name == "jax" and dtype == "int64":
+            pytest.skip("JAX without x64 holds no int64 array (it wraps when converting)")
+        labels = h.asarray(labels)
+    logits = h.asarray(np.zeros((2, 4)), "float32")
+    for call in (
+        lambda: ns.cross_entropy(logits, labels),
+        lambda: ns.smooth_labels(labels, 0.1, num_classes=4, backend=eager_target.name),
+        lambda: ns.fused_linear_cross_entropy(
+            logits, h.asarray(np.ones((4, 4)), "float32"), labels
+        ),
+    ):
+        with pytest.raises(ns.InvalidArgumentError, match=r"Received: labels\[1\]="):
+            call()
+
+
 # (labels, ignore_index, the bad label named or None): the eager check reads the min and max
 # of the counted labels and whether any is ignored (on CPU torch, min and max first, which
 # settle labels not spanning ignore_index). Every way must reach the same verdict and loss.

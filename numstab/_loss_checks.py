@@ -7,6 +7,8 @@ import functools
 from typing import Any
 
 from numstab import _validate as v
+from numstab._dispatch import HOST, framework_of, to_backend
+from numstab.backends import load_backend
 from numstab.backends._base import Array, Backend
 from numstab.errors import InvalidArgumentError
 
@@ -71,6 +73,35 @@ def _fits(dtype: str, value: int) -> bool:
     """Whether the integer dtype ``dtype`` holds ``value``."""
     low, high = _int_bounds(dtype)
     return low <= value <= high
+
+
+def to_labels(be: Backend, labels: Any, like: Any = None) -> Array:
+    """``labels`` as an array of ``be`` (``to_backend``). Host integer ids go through
+    ``class_ids``' rule first, on the host: JAX without x64 converts int64 to int32 by
+    wrapping around."""
+    labels = required("labels", labels)
+    if be.index_dtype == "int32" and framework_of(labels) == HOST:
+        kind = getattr(getattr(labels, "dtype", None), "kind", None)
+        if kind in ("i", "u") and labels.dtype.name != "int32":
+            labels = class_ids(load_backend("numpy"), labels, "int32")
+    return to_backend(be, labels, like=like, name="labels")
+
+
+def class_ids(be: Backend, labels: Array, index_dtype: str | None = None) -> Array:
+    """Integer ``labels`` as ``index_dtype`` (the backend's by default). Where that is int32
+    (JAX), a wider label (int64, uint32, uint64) saturates to int32's bounds instead of
+    wrapping around: a corrupt id 2**32 + 7 stays out of range (it became the valid class 7).
+    Where it is int64 only uint64 is wider; ids >= 2**63 wrap to negative ones, out of range
+    too (torch has no comparison or clip for uint64)."""
+    index_dtype = index_dtype or be.index_dtype
+    dtype = be.dtype_name(labels)
+    if dtype == index_dtype:
+        return labels
+    low, high = _int_bounds(dtype)
+    index_low, index_high = _int_bounds(index_dtype)
+    if index_dtype == "int32" and (low < index_low or high > index_high):
+        labels = be.clip(labels, max(low, index_low), min(high, index_high))
+    return be.cast(labels, index_dtype)
 
 
 def matchable_ignore_index(be: Backend, ignore_index: int) -> int | None:

@@ -22,7 +22,13 @@ from typing import Any
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend
 from numstab._dispatch import to_backend as _to_backend
-from numstab._loss_checks import matchable_ignore_index, raise_out_of_range, required
+from numstab._loss_checks import (
+    class_ids,
+    matchable_ignore_index,
+    raise_out_of_range,
+    required,
+    to_labels,
+)
 from numstab.backends._base import Backend, has_native, native_op
 from numstab.errors import InvalidArgumentError
 from numstab.losses import REDUCTIONS, _safe_divide
@@ -91,13 +97,13 @@ def fused_linear_cross_entropy(
     be = resolve_backend(hidden, weight, labels, bias, backend=backend)
     hidden = _to_backend(be, required("hidden", hidden), name="hidden")
     weight = _to_backend(be, required("weight", weight), like=hidden, name="weight")
-    labels = _to_backend(be, required("labels", labels), like=hidden, name="labels")
+    labels = to_labels(be, labels, like=hidden)
     bias = _to_backend(be, bias, like=hidden, name="bias")
     rows, width, vocab, batch_shape = _check_inputs(be, hidden, weight, labels, bias)
     cdt = v.compute_dtype(be.dtype_name(hidden))
 
     h = be.reshape(hidden, (rows, width))
-    y = be.reshape(be.cast(labels, be.index_dtype), (rows,))
+    y = be.reshape(class_ids(be, labels), (rows,))
     matchable = matchable_ignore_index(be, ignore_index)  # None: no label can equal it
     out_of_range = (y < 0) | (y >= vocab)
     if matchable is not None:

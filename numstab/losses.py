@@ -17,9 +17,11 @@ from numstab._dispatch import to_backend as _to_backend
 from numstab._loss_checks import (
     check_label_shape,
     class_count,
+    class_ids,
     matchable_ignore_index,
     raise_out_of_range,
     required,
+    to_labels,
 )
 from numstab.backends import load_backend
 from numstab.backends._base import Backend, native_op
@@ -91,7 +93,7 @@ def smooth_labels(
     """
     alpha = v.check_number("alpha", alpha, low=0.0, high=1.0)
     be = resolve_backend(labels, backend=backend)
-    labels = _to_backend(be, required("labels", labels), name="labels")
+    labels = to_labels(be, labels)
     dtype = be.dtype_name(labels)
     if v.is_integer(dtype):
         if num_classes is None:
@@ -103,7 +105,7 @@ def smooth_labels(
             raise InvalidArgumentError(
                 f"Expected num_classes >= 1. Received: num_classes={num_classes}"
             )
-        ids = be.cast(labels, be.index_dtype)
+        ids = class_ids(be, labels)
         out_of_range = (ids < 0) | (ids >= num_classes)
         if not be.is_tracing(out_of_range) and be.any(out_of_range):
             raise_out_of_range(be, labels, num_classes, ignore_index=None)
@@ -170,7 +172,7 @@ def cross_entropy(
     ignore_index = v.check_int("ignore_index", ignore_index)
     be = resolve_backend(logits, labels, weight, backend=backend)
     logits = _to_backend(be, required("logits", logits), name="logits")
-    labels = _to_backend(be, required("labels", labels), like=logits, name="labels")
+    labels = to_labels(be, labels, like=logits)
     weight = _to_backend(be, weight, like=logits, name="weight")
 
     shape = be.shape(logits)
@@ -185,7 +187,7 @@ def cross_entropy(
         x2 = x if len(shape) == 2 else be.reshape(x, (-1, num_classes))
         if v.is_integer(label_dtype):
             check_label_shape(label_shape, batch_shape, shape, "labels of shape")
-            y = labels if label_dtype == be.index_dtype else be.cast(labels, be.index_dtype)
+            y = labels if label_dtype == be.index_dtype else class_ids(be, labels)
             y = y if len(label_shape) == 1 else be.reshape(y, (-1,))
             loss = _hard_label_loss(
                 be, x2, y, labels, eps, ignore_index, weight, z_loss, cdt, reduction
