@@ -141,9 +141,10 @@ def test_host_every_skips_logs_at_the_read_and_reads_nothing_per_batch(host_ever
 # a model that is not built when fit() begins (a subclassed model, a Sequential without an
 # Input), or whose compiled metrics are not (a Sequential with an Input): Keras on TensorFlow
 # builds them and its optimizer as it traces the first step, after the callbacks'
-# on_train_begin (the metrics were missing from the undo copy: the epoch's mae was NaN). Guarded, in both modes, fit works as without the
-# guard: NaN batches 0 and 2 are undone (the weights and the epoch's logs are those of a run
-# without them), and a rollback goes back to the state before the first step
+# on_train_begin (the metrics were missing from the undo copy: the epoch's mae was NaN).
+# Guarded, in both modes, fit works as without the guard: NaN batches 0 and 2 are undone (the
+# weights and the epoch's logs are those of a run without them), and a rollback goes back to
+# the state before the first step
 UNBUILT_SCRIPT = r"""
 import numpy as np, keras, numstab as ns
 rng = np.random.default_rng(0)

@@ -90,7 +90,7 @@ def test_the_guard_reads_gradients_before_lightning_clips_them(precision):
     """With gradient_clip_val, the guard read the clipped gradients: every recorded norm was
     at most the threshold, so a gradient-norm spike could never be seen."""
     callback = NumstabCallback()
-    model, trainer = _fit(precision, [callback], gradient_clip_val=1e-3)
+    model, _ = _fit(precision, [callback], gradient_clip_val=1e-3)
     history = callback.step_guard.torch_guard.history.as_arrays()
     norms = history["grad_norm"][history["applied"]]
     assert len(norms) == 7 and (norms > 1e-2).all(), norms  # the poisoned step is skipped
