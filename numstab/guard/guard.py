@@ -124,9 +124,12 @@ class TrainingGuard:
         scheduler: Any = None,
         sharded: bool = False,
         process_group: Any = None,
+        scaler: Any = None,
     ) -> Any:
         """A :class:`numstab.frameworks.torch.guard.TorchGuard` for a PyTorch loop; under
-        ``torch.distributed`` every rank decides on the mean loss and the global norm."""
+        ``torch.distributed`` every rank decides on the mean loss and the global norm.
+        ``scaler``: the loop's ``torch.amp.GradScaler``, whose overflows (while enabled) are
+        skipped without counting toward a rollback."""
         return frameworks.module("torch", "guard").TorchGuard(
             self,
             model,
@@ -134,6 +137,7 @@ class TrainingGuard:
             scheduler=scheduler,
             sharded=sharded,
             process_group=process_group,
+            scaler=scaler,
         )
 
     def for_optax(self) -> Any:
@@ -154,17 +158,26 @@ class TrainingGuard:
         return policy.init_state(self, _backend(be), like)
 
     def decide(
-        self, state: policy.GuardState, loss: Any, grad_norm: Any, be: Backend | str = "numpy"
+        self,
+        state: policy.GuardState,
+        loss: Any,
+        grad_norm: Any,
+        be: Backend | str = "numpy",
+        *,
+        loss_scaled: bool = False,
     ) -> tuple[policy.Decision, policy.GuardState]:
         """The decision on one step from its scalar ``loss`` and ``grad_norm`` (None: no
-        gradient check): numbers or one-element float arrays of ``be``."""
+        gradient check): numbers or one-element float arrays of ``be``. ``loss_scaled``: a
+        dynamic loss scaler handles gradient overflow (skipped, not counted toward a
+        rollback)."""
+        v.check_bool("loss_scaled", loss_scaled)
         be = _backend(be)
         policy.check_state(self, be, state)
         like = state.step
         loss = policy.scalar_input(be, "loss", loss, like)
         if grad_norm is not None:
             grad_norm = policy.scalar_input(be, "grad_norm", grad_norm, like)
-        return policy.decide(self, be, state, loss, grad_norm)
+        return policy.decide(self, be, state, loss, grad_norm, loss_scaled=loss_scaled)
 
 
 def _backend(be: Backend | str) -> Backend:

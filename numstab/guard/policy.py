@@ -3,7 +3,9 @@
     finite   = isfinite(loss) and isfinite(grad_norm)
     spike    = loss_spikes.score(loss) or grad_norm_spikes.score(grad_norm)
     apply    = finite and not spike                    # otherwise the step is skipped
-    bad[t]   = not apply, kept for the last `rollback_window` steps
+    bad[t]   = not apply, kept for the last `rollback_window` steps; with a dynamic loss
+               scaler, not an overflow (finite loss, non-finite gradients): the scaler's to
+               handle (it skips the step and backs off), routine while its scale comes down
     rollback = sum(bad) >= rollback_after              # the host restores the last snapshot
     snapshot = apply and (good steps since the last snapshot) == snapshot_every
 
@@ -168,9 +170,17 @@ def check_state(guard: TrainingGuard, be: Backend, state: Any, name: str = "stat
 
 
 def decide(
-    guard: TrainingGuard, be: Backend, state: GuardState, loss: Array, grad_norm: Array | None
+    guard: TrainingGuard,
+    be: Backend,
+    state: GuardState,
+    loss: Array,
+    grad_norm: Array | None,
+    *,
+    loss_scaled: bool = False,
 ) -> tuple[Decision, GuardState]:
-    """One step's :class:`Decision` and the next state; ``grad_norm=None``: loss only."""
+    """One step's :class:`Decision` and the next state; ``grad_norm=None``: loss only.
+    ``loss_scaled``: a dynamic loss scaler handles gradient overflow (a step with a finite
+    loss and non-finite gradients is skipped, not counted as bad)."""
     loss = be.cast(loss, "float32")
     norm = be.cast(grad_norm if grad_norm is not None else be.asarray(0.0, like=loss), "float32")
     finite_loss = be.isfinite(loss)
@@ -191,8 +201,11 @@ def decide(
         + 8 * be.cast(norm_spike, "int32")
     )
 
+    bad = ~apply
+    if loss_scaled:
+        bad = bad & ~(finite_loss & ~finite_norm)
     slot = be.arange(guard.rollback_window, like=state.bad_flags) == state.bad_position
-    bad_flags = be.where(slot, be.cast(~apply, "int32"), state.bad_flags)
+    bad_flags = be.where(slot, be.cast(bad, "int32"), state.bad_flags)
     rollback = be.sum(bad_flags) >= guard.rollback_after
     good = state.good_since_snapshot + be.cast(apply, "int32")
     snapshot = apply & (good >= guard.snapshot_every)

@@ -78,6 +78,7 @@ class TorchGuard(RunnerResults):
         scheduler: Any = None,
         sharded: bool = False,
         process_group: Any = None,
+        scaler: Any = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise InvalidArgumentError(
@@ -94,6 +95,11 @@ class TorchGuard(RunnerResults):
                 f"Expected scheduler to be a torch LR scheduler or None. Received: "
                 f"scheduler of type {type(scheduler).__name__}"
             )
+        if scaler is not None and not callable(getattr(scaler, "is_enabled", None)):
+            raise InvalidArgumentError(
+                f"Expected scaler to be a torch.amp.GradScaler (or numstab's) or None. "
+                f"Received: scaler of type {type(scaler).__name__}"
+            )
         v.check_bool("sharded", sharded)
         group_type = getattr(dist, "ProcessGroup", None)
         if process_group is not None and not (group_type and isinstance(process_group, group_type)):
@@ -103,6 +109,7 @@ class TorchGuard(RunnerResults):
             )
         self.guard, self.model, self.optimizer = guard, model, optimizer
         self.scheduler, self.sharded, self.process_group = scheduler, sharded, process_group
+        self.scaler = scaler
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in named]
         self._empty = [p.new_empty(0) for p in self._params]  # norm 0 for a missing grad
@@ -180,6 +187,7 @@ class TorchGuard(RunnerResults):
             self.state,
             np.float32(loss_h),
             np.float32(norm_h) if grads else None,
+            loss_scaled=self.loss_scaled(),
         )
         d = _host_dict(decision)
         if d["apply"]:
@@ -190,6 +198,12 @@ class TorchGuard(RunnerResults):
         return d["apply"]
 
     _measured: tuple[Any, Any] | None = None
+
+    def loss_scaled(self) -> bool:
+        """Whether an enabled dynamic loss scaler (``scaler``) handles gradient overflow:
+        such a step (finite loss, non-finite gradients) is skipped, not counted toward a
+        rollback (as it comes down, a fresh scaler overflows on several steps in a row)."""
+        return self.scaler is not None and bool(self.scaler.is_enabled())
 
     def measure_grads(self) -> None:
         """Take this step's gradient norms now, on the device, for the next ``step`` to

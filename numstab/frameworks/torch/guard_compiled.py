@@ -73,8 +73,10 @@ def _signature(tensors: list[torch.Tensor]) -> tuple:
 class DevicePolicy:
     """``policy.decide`` on a torch ``GuardState`` kept on ``device``, and the rows ring."""
 
-    def __init__(self, guard: TrainingGuard, device: torch.device, capacity: int) -> None:
-        self.guard = guard
+    def __init__(
+        self, guard: TrainingGuard, device: torch.device, capacity: int, loss_scaled: bool
+    ) -> None:
+        self.guard, self.loss_scaled = guard, loss_scaled
         self.be = load_backend("torch")
         like = torch.zeros((), device=device)
         self.state_now = policy.init_state(guard, self.be, like)  # its tensors, updated in place
@@ -89,6 +91,7 @@ class DevicePolicy:
             guard.snapshot_every,
             capacity,
             str(device),
+            loss_scaled,
         )
         example = [*self._flat(), torch.zeros(2, device=device), self.rows]
         self._key = key
@@ -103,7 +106,7 @@ class DevicePolicy:
         row at ``step % k`` and the next state in place; ``(apply, 1 - apply as float)``."""
         *flat, x, rows = args
         state = policy.unflatten_state(self.state_now, flat)
-        d, new = policy.decide(self.guard, self.be, state, x[0], x[1])
+        d, new = policy.decide(self.guard, self.be, state, x[0], x[1], loss_scaled=self.loss_scaled)
         row = torch.stack([getattr(d, c).to(torch.float32) for c in ROW_COLUMNS])
         slot = torch.remainder(state.step, rows.shape[0]).reshape(1).to(torch.int64)
         rows.index_copy_(0, slot, row.reshape(1, -1))

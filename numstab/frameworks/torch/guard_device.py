@@ -45,7 +45,7 @@ class DeviceSteps:
     def __init__(self, owner: Any, guard: TrainingGuard, device: torch.device) -> None:
         self.owner = owner  # the TorchGuard: its runner and its guard state
         self.guard = guard
-        self.decider = DevicePolicy(guard, device, guard.host_every)
+        self.decider = DevicePolicy(guard, device, guard.host_every, owner.loss_scaled())
         self.skipper = Skipper(owner.optimizer, owner._params)
         self.norms: list[Any] = []
         self.pending = 0  # rows written and not read

@@ -15,7 +15,7 @@ guard decides on the gradients alone (a loss of 0 is passed).
 
 fp16 with a ``torch.amp.GradScaler``: non-finite gradients are the scaler's to handle (it
 skips the step and lowers the scale), so the real step still runs and the guard only records
-the skip; a finite step the guard skips (a spike) ends the scaler's iteration with its scale
+the skip, without counting it toward a rollback; a finite step the guard skips (a spike) ends the scaler's iteration with its scale
 unchanged (``scaler.update(new_scale=scale)``).
 
 On the first non-finite step, ``locate_nonfinite`` runs once on the step's last batch
@@ -136,6 +136,7 @@ class StepGuard:
         loss = torch.stack(self._losses).mean() if self._losses else 0.0
         self._losses.clear()
         tg = self.torch_guard
+        tg.scaler = scaler  # its overflows (the Trainer's fp16) do not count toward rollbacks
         applied = tg.step(loss, real_step)
         if applied:
             return True
