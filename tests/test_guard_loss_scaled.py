@@ -95,3 +95,66 @@ def test_scaler_argument_is_checked():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(InvalidArgumentError, match="scaler to be a torch.amp.GradScaler"):
         TrainingGuard().for_torch(model, opt, scaler="fp16")
+
+
+@pytest.mark.parametrize("host_every", [1, 3])
+def test_optax_guard_around_loss_scaled_lets_the_scaler_back_off(host_every):
+    """The guard skipped the overflow and put the whole old optimizer state back, the scale
+    included: the scaler never backed off, every step overflowed, rollbacks until the guard
+    gave up. Now the scale comes down and training goes on; the recorded norm is unscaled."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    optax = pytest.importorskip("optax")
+    import numstab as ns
+    from numstab.integrations.optax import current_scale, loss_scaled, scale_loss
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 8)) * 30
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 4)) * 0.5, "b": jnp.zeros(4)}
+    scaler = ns.LossScaler(init_scale=2.0**126, growth_interval=10**6)
+    tx = loss_scaled(optax.sgd(1e-4), scaler)
+    og = TrainingGuard(host_every=host_every).for_optax()
+    opt = tx.init(params)
+    gstate = og.init(params, opt)
+
+    def loss_fn(p):
+        return jnp.mean((x @ p["w"] + p["b"] - 1.0) ** 2)
+
+    @jax.jit
+    def step(params, opt, gstate):
+        scaled = lambda p: (scale_loss(loss_fn(p), opt), loss_fn(p))
+        (_, loss), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        return og.step(tx, params, opt, gstate, loss, grads)
+
+    norms = []
+    for _ in range(OVERFLOWS + 8):
+        norms.append(float(optax.global_norm(jax.grad(loss_fn)(params))))
+        params, opt, gstate, d = step(params, opt, gstate)
+        params, opt, gstate = og.after_step(d, params, opt, gstate)
+    params, opt, gstate = og.flush(params, opt, gstate)
+    events = [e["event"] for e in og.events]
+    assert "rollback" not in events and events.count("skip") >= 3, events
+    assert float(current_scale(opt)) < 2.0**120
+    history = og.history.as_arrays()
+    applied = history["applied"]
+    assert applied[-4:].all(), history["applied"]
+    recorded = history["grad_norm"][applied]
+    assert recorded == pytest.approx([n for n, a in zip(norms, applied, strict=True) if a], rel=1e-4)
+
+
+def test_decide_takes_the_scalers_verdict():
+    from numstab.errors import InvalidArgumentError
+
+    guard = TrainingGuard(rollback_after=2)
+    for overflow, rollbacks in ((True, False), (False, True), (None, True)):
+        state = guard.init_state()
+        for _ in range(2):
+            d, state = guard.decide(state, 1.0, math.inf, scaler_overflow=overflow)
+            assert not d.apply
+        assert bool(d.rollback) is rollbacks, overflow
+    state = guard.init_state()
+    for _ in range(2):  # a non-finite loss is no overflow of the scaler's: it counts
+        d, state = guard.decide(state, math.nan, math.inf, scaler_overflow=True)
+    assert bool(d.rollback)
+    for bad in ("yes", 1, [True, False]):
+        with pytest.raises(InvalidArgumentError, match="scaler_overflow to be a bool"):
+            guard.decide(guard.init_state(), 1.0, 1.0, scaler_overflow=bad)

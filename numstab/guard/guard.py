@@ -164,20 +164,22 @@ class TrainingGuard:
         grad_norm: Any,
         be: Backend | str = "numpy",
         *,
-        loss_scaled: bool = False,
+        scaler_overflow: Any = None,
     ) -> tuple[policy.Decision, policy.GuardState]:
         """The decision on one step from its scalar ``loss`` and ``grad_norm`` (None: no
-        gradient check): numbers or one-element float arrays of ``be``. ``loss_scaled``: a
-        dynamic loss scaler handles gradient overflow (skipped, not counted toward a
-        rollback)."""
-        v.check_bool("loss_scaled", loss_scaled)
+        gradient check): numbers or one-element float arrays of ``be``. ``scaler_overflow``:
+        whether a dynamic loss scaler found this step's gradients non-finite (a bool or a
+        0-d bool array; None: no scaler): such a step is skipped, not counted toward a
+        rollback."""
         be = _backend(be)
         policy.check_state(self, be, state)
         like = state.step
         loss = policy.scalar_input(be, "loss", loss, like)
         if grad_norm is not None:
             grad_norm = policy.scalar_input(be, "grad_norm", grad_norm, like)
-        return policy.decide(self, be, state, loss, grad_norm, loss_scaled=loss_scaled)
+        if scaler_overflow is not None:
+            scaler_overflow = policy.flag_input(be, "scaler_overflow", scaler_overflow, like)
+        return policy.decide(self, be, state, loss, grad_norm, scaler_overflow=scaler_overflow)
 
 
 def _backend(be: Backend | str) -> Backend:

@@ -3,9 +3,9 @@
     finite   = isfinite(loss) and isfinite(grad_norm)
     spike    = loss_spikes.score(loss) or grad_norm_spikes.score(grad_norm)
     apply    = finite and not spike                    # otherwise the step is skipped
-    bad[t]   = not apply, kept for the last `rollback_window` steps; with a dynamic loss
-               scaler, not an overflow (finite loss, non-finite gradients): the scaler's to
-               handle (it skips the step and backs off), routine while its scale comes down
+    bad[t]   = not apply, kept for the last `rollback_window` steps; not a loss scaler's
+               overflow (finite loss, gradients the scaler found non-finite): the scaler's
+               to handle (it skips the step and backs off), routine while its scale comes down
     rollback = sum(bad) >= rollback_after              # the host restores the last snapshot
     snapshot = apply and (good steps since the last snapshot) == snapshot_every
 
@@ -126,6 +126,25 @@ def scalar_input(be: Backend, name: str, x: Any, like: Array | None = None) -> A
     return be.cast(scalar_array(be, name, x, like), "float32")
 
 
+def flag_input(be: Backend, name: str, x: Any, like: Array | None = None) -> Array:
+    """A step's flag as a 0-d bool array of ``be``: a Python or NumPy bool, or a one-element
+    bool array; anything else raises ``InvalidArgumentError`` naming ``name``."""
+    from numstab._dispatch import to_backend
+    from numstab.errors import InvalidArgumentError
+
+    dtype = getattr(x, "dtype", None)
+    if not (isinstance(x, bool) or str(dtype).removeprefix("torch.") == "bool"):
+        raise InvalidArgumentError(
+            f"Expected {name} to be a bool or a one-element bool array. Received: {name}={x!r}"
+        )
+    x = to_backend(be, x, like=like, name=name)
+    if any(n != 1 for n in be.shape(x)):
+        raise InvalidArgumentError(
+            f"Expected {name} to be one element. Received: {name}.shape={be.shape(x)}"
+        )
+    return be.reshape(x, ())
+
+
 def state_shapes(guard: TrainingGuard) -> dict[str, tuple[int, ...]]:
     """The shape of every array of ``init_state(guard, ...)``, by its field path."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -176,11 +195,12 @@ def decide(
     loss: Array,
     grad_norm: Array | None,
     *,
-    loss_scaled: bool = False,
+    scaler_overflow: Array | None = None,
 ) -> tuple[Decision, GuardState]:
     """One step's :class:`Decision` and the next state; ``grad_norm=None``: loss only.
-    ``loss_scaled``: a dynamic loss scaler handles gradient overflow (a step with a finite
-    loss and non-finite gradients is skipped, not counted as bad)."""
+    ``scaler_overflow``: a dynamic loss scaler found this step's gradients non-finite and
+    handles it (a bool array; None: no scaler); with a finite loss the step is skipped but
+    not counted as bad."""
     loss = be.cast(loss, "float32")
     norm = be.cast(grad_norm if grad_norm is not None else be.asarray(0.0, like=loss), "float32")
     finite_loss = be.isfinite(loss)
@@ -202,8 +222,8 @@ def decide(
     )
 
     bad = ~apply
-    if loss_scaled:
-        bad = bad & ~(finite_loss & ~finite_norm)
+    if scaler_overflow is not None:
+        bad = bad & ~(finite_loss & scaler_overflow)
     slot = be.arange(guard.rollback_window, like=state.bad_flags) == state.bad_position
     bad_flags = be.where(slot, be.cast(bad, "int32"), state.bad_flags)
     rollback = be.sum(bad_flags) >= guard.rollback_after

@@ -49,6 +49,7 @@ from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.jax.guard_state import GuardStateLike, choose_packing, like, unpacked
 from numstab.frameworks.jax.guard_state import packed as packed_state
+from numstab.frameworks.jax.optax import LossScaledState
 from numstab.guard import policy
 from numstab.guard.deferred import ROW_COLUMNS, decisions_from_rows
 from numstab.guard.runner import GuardRunner, check_fits, check_payload
@@ -344,8 +345,16 @@ def check(
 
 
 def _check(
-    guard: TrainingGuard, gstate: GuardStateLike, loss: jax.Array, grads: Any
+    guard: TrainingGuard,
+    gstate: GuardStateLike,
+    loss: jax.Array,
+    grads: Any,
+    scale: jax.Array | None = None,
+    scaler_overflow: jax.Array | None = None,
 ) -> tuple[policy.Decision, policy.GuardState]:
+    """``check``; ``scale``: the loss scale the gradients carry (the norms are those of the
+    unscaled gradients, in float32: scaled ones overflowed the sum of squares far sooner);
+    ``scaler_overflow``: the scaler found them non-finite (``policy.decide``)."""
     leaves = jax.tree.leaves(grads)
     for i, leaf in enumerate(leaves):
         dtype = getattr(leaf, "dtype", None)
@@ -359,8 +368,11 @@ def _check(
     state = unpacked(gstate)
     policy.check_state(guard, be, state, "gstate")
     loss = policy.scalar_input(be, "loss", loss)
+    if scale is not None:  # fused into the norms' reductions under jit
+        inverse = 1.0 / scale
+        leaves = [x.astype(jnp.promote_types(x.dtype, jnp.float32)) * inverse for x in leaves]
     norms, total = layer_norms(be, leaves)
-    decision, state = policy.decide(guard, be, state, loss, total)
+    decision, state = policy.decide(guard, be, state, loss, total, scaler_overflow=scaler_overflow)
     if guard.track_layers:
         decision = decision._replace(layer_norms=norms)
     return decision, state
@@ -378,9 +390,20 @@ def guarded_step(
     """``check``, then ``tx.update`` (updates times ``gstate.lr_factor``) and
     ``optax.apply_updates``, kept only when the step is good; otherwise params and opt_state
     are returned as they were. Returns (params, opt_state, gstate, decision), gstate in the
-    form it came in."""
-    decision, state = _check(guard, gstate, loss, grads)
+    form it came in.
+
+    With a ``loss_scaled`` transformation (a ``LossScaledState`` in ``opt_state``) the
+    gradients are scaled: their norms are taken unscaled, an overflow is the scaler's (not
+    counted toward a rollback), and on it the scaler's own state (the scale backing off) is
+    kept where everything else stays as it was: before, the guard put the old scale back, so
+    the scaler never backed off and every later step overflowed."""
     updates, new_opt = tx.update(grads, opt_state, params)
+    scaled = _loss_scaled_states(opt_state)
+    scale, overflow = None, None
+    if scaled:  # the scaler's own verdict: its new state's last_finite
+        scale = scaled[0].loss_scale.scale if len(scaled) == 1 else None
+        overflow = ~jnp.all(jnp.stack([n.last_finite for n in _loss_scaled_states(new_opt)]))
+    decision, state = _check(guard, gstate, loss, grads, scale, overflow)
     factor = state.lr_factor
     updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
     new_params = optax.apply_updates(params, updates)
@@ -393,6 +416,27 @@ def guarded_step(
     # for ``apply``, a reduction over all the gradients, as in any guard that can skip a
     # step (benchmarks/guard.py's floor "norms + skip select"); computing the updates
     # before it (lax.optimization_barrier) then selecting measured no faster on XLA:CPU.
+    def pick_state(new: Any, old: Any) -> Any:
+        if not isinstance(new, LossScaledState):
+            return pick(new, old)
+        # the scaler's bookkeeping: new where it decided (its own skip of an overflow too)
+        keep = decision.apply | ~new.last_finite
+        own = jax.tree.map(
+            lambda n, o: jnp.where(keep, n, o).astype(jnp.result_type(n)),
+            new._replace(inner_state=None),
+            old._replace(inner_state=None),
+        )
+        return own._replace(inner_state=jax.tree.map(pick, new.inner_state, old.inner_state))
+
     params = jax.tree.map(pick, new_params, params)
-    opt_state = jax.tree.map(pick, new_opt, opt_state)
+    opt_state = jax.tree.map(pick_state, new_opt, opt_state, is_leaf=_is_loss_scaled)
     return params, opt_state, like(gstate, state), PackedDecision.pack(decision)
+
+
+def _is_loss_scaled(x: Any) -> bool:
+    return isinstance(x, LossScaledState)
+
+
+def _loss_scaled_states(opt_state: Any) -> list[LossScaledState]:
+    """The ``LossScaledState`` nodes of ``opt_state`` (numstab's ``loss_scaled``)."""
+    return [n for n in jax.tree.leaves(opt_state, is_leaf=_is_loss_scaled) if _is_loss_scaled(n)]

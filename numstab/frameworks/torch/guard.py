@@ -187,7 +187,7 @@ class TorchGuard(RunnerResults):
             self.state,
             np.float32(loss_h),
             np.float32(norm_h) if grads else None,
-            loss_scaled=self.loss_scaled(),
+            scaler_overflow=np.bool_(not np.isfinite(norm_h)) if self.loss_scaled() else None,
         )
         d = _host_dict(decision)
         if d["apply"]:

@@ -74,7 +74,7 @@ class DevicePolicy:
     """``policy.decide`` on a torch ``GuardState`` kept on ``device``, and the rows ring."""
 
     def __init__(
-        self, guard: TrainingGuard, device: torch.device, capacity: int, loss_scaled: bool
+        self, guard: TrainingGuard, device: torch.device, capacity: int, loss_scaled: bool = False
     ) -> None:
         self.guard, self.loss_scaled = guard, loss_scaled
         self.be = load_backend("torch")
@@ -106,7 +106,8 @@ class DevicePolicy:
         row at ``step % k`` and the next state in place; ``(apply, 1 - apply as float)``."""
         *flat, x, rows = args
         state = policy.unflatten_state(self.state_now, flat)
-        d, new = policy.decide(self.guard, self.be, state, x[0], x[1], loss_scaled=self.loss_scaled)
+        overflow = ~torch.isfinite(x[1]) if self.loss_scaled else None
+        d, new = policy.decide(self.guard, self.be, state, x[0], x[1], scaler_overflow=overflow)
         row = torch.stack([getattr(d, c).to(torch.float32) for c in ROW_COLUMNS])
         slot = torch.remainder(state.step, rows.shape[0]).reshape(1).to(torch.int64)
         rows.index_copy_(0, slot, row.reshape(1, -1))

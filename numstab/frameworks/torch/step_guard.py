@@ -15,8 +15,8 @@ guard decides on the gradients alone (a loss of 0 is passed).
 
 fp16 with a ``torch.amp.GradScaler``: non-finite gradients are the scaler's to handle (it
 skips the step and lowers the scale), so the real step still runs and the guard only records
-the skip, without counting it toward a rollback; a finite step the guard skips (a spike) ends the scaler's iteration with its scale
-unchanged (``scaler.update(new_scale=scale)``).
+the skip, without counting it toward a rollback; a finite step the guard skips (a spike) ends
+the scaler's iteration with its scale unchanged (``scaler.update(new_scale=scale)``).
 
 On the first non-finite step, ``locate_nonfinite`` runs once on the step's last batch
 (``replay``: the model's forward as the loop called it, or Lightning's ``training_step``) and
