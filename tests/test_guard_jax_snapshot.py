@@ -64,3 +64,51 @@ def test_snapshot_survives_donation_and_rollback_restores_it_bit_exactly():
         a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
         for a, b in zip(restored, jax.tree.leaves(og.runner.ring.latest().payload), strict=True)
     )
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2, 3))
+def step_donating_all(guard, params, opt_state, gstate, x):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    return guarded_step(guard, TX, params, opt_state, gstate, loss, grads)
+
+
+@pytest.mark.parametrize("host_every", [1, 2])
+def test_donating_the_guard_state_too_survives_rollbacks(host_every):
+    """The snapshots kept the loop's own guard-state arrays, and a rollback handed the
+    snapshot's back: a step donating gstate deleted them (XLA's "buffer has been deleted or
+    donated" at the next rollback, unpacked form)."""
+    guard = TrainingGuard(snapshot_every=2, rollback_after=1, host_every=host_every)
+    params = {"w": jnp.arange(12.0).reshape(4, 3) / 10, "b": jnp.ones(3)}
+    opt_state = TX.init(params)
+    og = guard.for_optax()
+    gstate = og.init(params, opt_state, packed=False)
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    for i in range(10):
+        if og.skip_batch():
+            continue
+        batch = x.at[0, 0].set(jnp.nan) if i in (3, 7) else x
+        params, opt_state, gstate, d = step_donating_all(guard, params, opt_state, gstate, batch)
+        params, opt_state, gstate = og.after_step(d, params, opt_state, gstate)
+    params, opt_state, gstate = og.flush(params, opt_state, gstate)
+    assert [e["event"] for e in og.events].count("rollback") == 2
+    assert np.isfinite(np.asarray(params["w"])).all()
+
+
+def test_steps_stacked_by_scan_are_refused_by_name():
+    from numstab.errors import InvalidArgumentError
+
+    og = GUARD.for_optax()
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    opt_state = TX.init(params)
+    gstate = og.init(params, opt_state)
+
+    def body(carry, x):
+        p, o, g = carry
+        loss, grads = jax.value_and_grad(loss_fn)(p, x)
+        p, o, g, d = guarded_step(GUARD, TX, p, o, g, loss, grads)
+        return (p, o, g), d
+
+    xs = jnp.ones((3, 2, 4))
+    (params, opt_state, gstate), decisions = jax.lax.scan(body, (params, opt_state, gstate), xs)
+    with pytest.raises(InvalidArgumentError, match=r"one step's decision.*shape \(3,\)"):
+        og.after_step(decisions, params, opt_state, gstate)  # a raw TypeError before

@@ -47,7 +47,13 @@ import optax
 from numstab import _validate as v
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
-from numstab.frameworks.jax.guard_state import GuardStateLike, choose_packing, like, unpacked
+from numstab.frameworks.jax.guard_state import (
+    GuardStateLike,
+    PackedDecision,
+    choose_packing,
+    like,
+    unpacked,
+)
 from numstab.frameworks.jax.guard_state import packed as packed_state
 from numstab.frameworks.jax.optax import LossScaledState
 from numstab.guard import policy
@@ -83,7 +89,7 @@ class OptaxGuard:
         state = policy.init_state(self.guard, self._jax)
         self.runner = GuardRunner(self.guard, self, self._jax, names)
         self._current = (params, opt_state)
-        self.runner.snapshot(0, state)
+        self.runner.snapshot(0, copy_tree(state))  # the snapshot's own buffers: see _kept
         self._packed = pack
         return packed_state(state) if pack else state
 
@@ -123,6 +129,13 @@ class OptaxGuard:
                 f"Expected the decision that guarded_step or check returned. Received: "
                 f"decision of type {type(decision).__name__}"
             )
+        if jnp.ndim(decision.step) != 0:
+            raise InvalidArgumentError(
+                "Expected one step's decision: the guard acts between steps (snapshots, "
+                "rollbacks), so steps stacked by jax.lax.scan cannot be guarded after the "
+                "fact; scan over the batches of one step, or call step and after_step per "
+                f"step. Received: a decision of shape {jnp.shape(decision.step)}"
+            )
         if self.guard.host_every > 1:  # keep the decision on the device; read k at a time
             if isinstance(decision, policy.Decision):  # one form to stack (check's, unpack())
                 decision = PackedDecision.pack(decision)
@@ -136,10 +149,10 @@ class OptaxGuard:
         self._current = (params, opt_state)
         self._steps_seen = host["step"] + 1
         acts = host["rollback"] or host["snapshot"]  # the only uses of the state
-        state = unpacked(gstate) if acts else None
+        state = _kept(unpacked(gstate)) if acts else None
         state = runner.after_step(host, state, layers, load_backend("numpy"))  # type: ignore[arg-type]
         params, opt_state = self._current
-        return params, opt_state, like(gstate, state) if host["rollback"] else gstate
+        return params, opt_state, like(gstate, _kept(state)) if host["rollback"] else gstate
 
     def flush(
         self, params: Any, opt_state: Any, gstate: GuardStateLike
@@ -157,10 +170,14 @@ class OptaxGuard:
         self._steps_seen = decisions[-1]["step"] + 1
         self._current = (params, opt_state)
         rolled = runner.after_steps(
-            decisions, layers, load_backend("numpy"), lambda: unpacked(gstate), self._steps_seen
+            decisions,
+            layers,
+            load_backend("numpy"),
+            lambda: _kept(unpacked(gstate)),
+            self._steps_seen,
         )
         params, opt_state = self._current
-        return params, opt_state, gstate if rolled is None else like(gstate, rolled)
+        return params, opt_state, gstate if rolled is None else like(gstate, _kept(rolled))
 
     @property
     def history(self) -> Any:
@@ -185,7 +202,7 @@ class OptaxGuard:
             raise
         self._steps_seen = step
         self._pending = []
-        return (*self._current, packed_state(gstate) if self._packed else gstate)
+        return (*self._current, packed_state(gstate) if self._packed else _kept(gstate))
 
     def _require(self) -> GuardRunner:
         if self.runner is None:
@@ -229,6 +246,14 @@ class OptaxGuard:
             )
             out.append(jax.tree.unflatten(treedef, [jnp.asarray(x) for x in saved]))
         return out[0], out[1]
+
+
+def _kept(state: policy.GuardState) -> policy.GuardState:
+    """A copy of a guard state in new buffers, between the snapshots and the loop: a snapshot
+    kept the loop's own arrays, and a rollback handed the snapshot's back, so a jitted step
+    that donates ``gstate`` deleted them (XLA's "buffer has been deleted or donated" at the
+    next rollback). On snapshot and rollback steps only."""
+    return copy_tree(state)
 
 
 def _check_trees(**trees: Any) -> None:
@@ -282,54 +307,6 @@ def _host_decisions(d: PackedDecision | policy.Decision, n: int) -> tuple[list[d
     for host, step in zip(decisions, d.step.tolist(), strict=True):
         host["step"] = step
     return decisions, (list(d.row[:, len(ROW_COLUMNS) :]) if d.tracked else None)
-
-
-@jax.tree_util.register_pytree_node_class
-class PackedDecision:
-    """A ``policy.Decision`` in 3 arrays instead of 10: the float32 ``row``
-    (``numstab.guard.deferred.ROW_COLUMNS``, then the layer norms when tracked), the int32
-    ``step`` and the bool ``apply``. The row is exact: flags are 0/1, ``reasons`` <= 15, the
-    loss, norm and z-scores float32 already. ``apply`` is its own output so that XLA computes
-    it once, not inside every select. Each Decision field reads as an attribute (sliced;
-    traced under jit); ``unpack()`` gives the ``policy.Decision``."""
-
-    def __init__(self, row: Any, step: Any, apply: Any, tracked: bool) -> None:
-        self.row, self.step, self.apply, self.tracked = row, step, apply, tracked
-
-    def tree_flatten(self) -> tuple[tuple[Any, Any, Any], bool]:
-        return (self.row, self.step, self.apply), self.tracked
-
-    @classmethod
-    def tree_unflatten(cls, tracked: bool, leaves: Any) -> PackedDecision:
-        return cls(*leaves, tracked)
-
-    @classmethod
-    def pack(cls, d: policy.Decision) -> PackedDecision:
-        row = [jnp.stack([jnp.asarray(getattr(d, k), jnp.float32) for k in ROW_COLUMNS])]
-        if d.layer_norms is not None:
-            row.append(d.layer_norms.astype(jnp.float32))
-        return cls(jnp.concatenate(row), d.step, d.apply, d.layer_norms is not None)
-
-    def unpack(self) -> policy.Decision:
-        col = {k: self.row[..., j] for j, k in enumerate(ROW_COLUMNS)}
-        for flag in ("rollback", "snapshot"):
-            col[flag] = col[flag] != 0
-        col["apply"], col["reasons"] = self.apply, col["reasons"].astype(jnp.int32)
-        layers = self.row[..., len(ROW_COLUMNS) :] if self.tracked else None
-        return policy.Decision(**col, step=self.step, layer_norms=layers)
-
-    @property
-    def reason_names(self) -> list[str]:
-        """``reasons`` as names (reads the value: not inside jit)."""
-        return self.unpack().reason_names
-
-    def __getattr__(self, name: str) -> Any:
-        if name in policy.Decision._fields:
-            return getattr(self.unpack(), name)
-        raise AttributeError(name)
-
-    def __repr__(self) -> str:
-        return repr(self.unpack())
 
 
 # -- the traced functions, usable with the (hashable) TrainingGuard as a static jit argument --

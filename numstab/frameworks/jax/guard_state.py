@@ -1,4 +1,5 @@
-"""The training guard's state on JAX in two arrays, for jitted steps on a GPU or TPU.
+"""The training guard's state (and its decision: ``PackedDecision``) on JAX in few arrays, for
+jitted steps on a GPU or TPU.
 
 A ``policy.GuardState`` is 11 arrays. Each is one more buffer in and out of the user's jitted
 step (host dispatch time), and XLA:GPU updates most of them in their own tiny kernel: the
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 
 from numstab.errors import InvalidArgumentError
 from numstab.guard import policy
+from numstab.guard.deferred import ROW_COLUMNS
 from numstab.guard.spikes import WindowState
 
 Sizes = tuple[int, int, int]  # the loss window, the grad-norm window, rollback_window
@@ -126,3 +128,51 @@ def on_accelerator(tree: Any) -> bool:
 
 _pack = jax.jit(PackedGuardState.pack)
 _unpack = jax.jit(PackedGuardState.unpack)
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedDecision:
+    """A ``policy.Decision`` in 3 arrays instead of 10: the float32 ``row``
+    (``numstab.guard.deferred.ROW_COLUMNS``, then the layer norms when tracked), the int32
+    ``step`` and the bool ``apply``. The row is exact: flags are 0/1, ``reasons`` <= 15, the
+    loss, norm and z-scores float32 already. ``apply`` is its own output so that XLA computes
+    it once, not inside every select. Each Decision field reads as an attribute (sliced;
+    traced under jit); ``unpack()`` gives the ``policy.Decision``."""
+
+    def __init__(self, row: Any, step: Any, apply: Any, tracked: bool) -> None:
+        self.row, self.step, self.apply, self.tracked = row, step, apply, tracked
+
+    def tree_flatten(self) -> tuple[tuple[Any, Any, Any], bool]:
+        return (self.row, self.step, self.apply), self.tracked
+
+    @classmethod
+    def tree_unflatten(cls, tracked: bool, leaves: Any) -> PackedDecision:
+        return cls(*leaves, tracked)
+
+    @classmethod
+    def pack(cls, d: policy.Decision) -> PackedDecision:
+        row = [jnp.stack([jnp.asarray(getattr(d, k), jnp.float32) for k in ROW_COLUMNS])]
+        if d.layer_norms is not None:
+            row.append(d.layer_norms.astype(jnp.float32))
+        return cls(jnp.concatenate(row), d.step, d.apply, d.layer_norms is not None)
+
+    def unpack(self) -> policy.Decision:
+        col = {k: self.row[..., j] for j, k in enumerate(ROW_COLUMNS)}
+        for flag in ("rollback", "snapshot"):
+            col[flag] = col[flag] != 0
+        col["apply"], col["reasons"] = self.apply, col["reasons"].astype(jnp.int32)
+        layers = self.row[..., len(ROW_COLUMNS) :] if self.tracked else None
+        return policy.Decision(**col, step=self.step, layer_norms=layers)
+
+    @property
+    def reason_names(self) -> list[str]:
+        """``reasons`` as names (reads the value: not inside jit)."""
+        return self.unpack().reason_names
+
+    def __getattr__(self, name: str) -> Any:
+        if name in policy.Decision._fields:
+            return getattr(self.unpack(), name)
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        return repr(self.unpack())
