@@ -2,7 +2,8 @@
 
 Containers: dict (any Mapping subclass whose constructor takes pairs, and defaultdict), list,
 tuple, namedtuple, dataclass instances, and — when JAX is loaded — any registered JAX pytree
-node (flax / equinox / optax states). Everything else is a leaf; ``None`` leaves (a torch parameter
+node (flax / equinox / optax states; a dataclass JAX knows, such as an Equinox module, as JAX
+flattens it, without its static fields). Everything else is a leaf; ``None`` leaves (a torch parameter
 without a gradient) are kept in place and skipped by the numerical functions.
 
 Paths are spelled like ``jax.tree_util.keystr``: ``['opt_state'][0].mu['w']``.
@@ -57,6 +58,11 @@ def _children(
         cls = type(node)
         return [(f"[{i}]", c) for i, c in enumerate(node)], lambda vs: cls(vs)
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        # a dataclass JAX knows (an Equinox module, a flax struct): its own flatten, which
+        # leaves static fields out (an MLP's int sizes were leaves: "integer gradients")
+        registered = _jax_children(node)
+        if registered is not None:
+            return registered
         names = [f.name for f in dataclasses.fields(node) if f.init]
         return [(f".{n}", getattr(node, n)) for n in names], lambda vs: dataclasses.replace(
             node, **dict(zip(names, vs, strict=True))

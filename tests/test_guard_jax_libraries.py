@@ -126,3 +126,21 @@ def test_check_numerics_inside_the_libraries_jitted_steps(library):
     assert jnp.isnan(step(model, x))  # unchecked: a silent NaN
     with pytest.raises(ns.NonFiniteError, match="forward"), ns.check_numerics(backend="jax"):
         step(model, x)
+
+
+def test_loss_scaled_takes_the_whole_equinox_model_as_params():
+    """optax's own transformations take ``update(grads, state, model)``; loss_scaled raised
+    "Expected gradients with the structure of params" (filter_grad's None where the model
+    holds a function), and numstab's trees read an Equinox module's static int fields as
+    leaves ("Expected floating-point gradients ... dtype=int32")."""
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(4, 1, 8, 2, key=jax.random.PRNGKey(0))
+    x = jnp.ones((5, 4))
+    tx = loss_scaled(optax.adam(1e-3))
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    loss = lambda m: scale_loss(jnp.mean(jax.vmap(m)(x) ** 2), opt_state)
+    grads = eqx.filter_grad(loss)(model)
+    updates, opt_state = tx.update(grads, opt_state, model)
+    stepped = eqx.apply_updates(model, updates)
+    assert bool(opt_state.last_finite)
+    assert not jnp.array_equal(stepped.layers[0].weight, model.layers[0].weight)

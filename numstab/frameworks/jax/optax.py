@@ -217,25 +217,32 @@ def _pvary(x: jax.Array, axes: frozenset) -> jax.Array:
 
 def _check_matches(grads: Any, params: Any) -> None:
     """InvalidArgumentError unless grads and params (when given) have one structure and shapes.
+    A None gradient matches any params subtree: Equinox's ``filter_grad`` gives None where
+    the model holds no array (an activation function), and the model itself is passed as
+    params, as optax's own transformations accept.
 
     Integer or other non-floating gradients are rejected by ``LossScaler.unscale``.
     """
     if params is None:
         return
-    g_leaves, g_def = jax.tree_util.tree_flatten_with_path(grads)
-    p_leaves, p_def = jax.tree.flatten(params)
-    if g_def != p_def:
-        raise InvalidArgumentError(
-            f"Expected gradients with the structure of params. Received: grads {g_def}, "
-            f"params {p_def}"
-        )
-    for (path, g), p in zip(g_leaves, p_leaves, strict=True):
-        if jnp.shape(g) != jnp.shape(p):
+
+    def check(path: Any, g: Any, p: Any) -> None:
+        if g is not None and jnp.shape(g) != jnp.shape(p):
             raise InvalidArgumentError(
                 f"Expected gradient shapes equal to param shapes. Received: at "
                 f"{jax.tree_util.keystr(path)} grad shape {jnp.shape(g)}, param shape "
                 f"{jnp.shape(p)}"
             )
+
+    try:
+        jax.tree_util.tree_map_with_path(check, grads, params, is_leaf=lambda x: x is None)
+    except InvalidArgumentError:
+        raise
+    except (ValueError, TypeError) as error:  # JAX's structure mismatch
+        raise InvalidArgumentError(
+            f"Expected gradients with the structure of params. Received: grads "
+            f"{jax.tree.structure(grads)}, params {jax.tree.structure(params)}"
+        ) from error
 
 
 def _clip_across(
