@@ -320,6 +320,12 @@ def test_tf_data_guard_and_graph_mode_functions():
     g = TFDataGuard()
     kept = [int(e["y"]) for e in ds.filter(spy(g.is_finite))]
     assert kept == list(good) and g.stats()["samples_flagged"] == 3
+    # a sample's fields need not agree on any axis: x (D,), a label (1,), a one-hot (3,)
+    # (their first axes were read as a batch axis: "Expected every field to hold D samples")
+    g = TFDataGuard()
+    labels = (y[:, None].astype(np.float32), np.eye(3, dtype=np.float32)[y % 3])
+    pairs = tf.data.Dataset.from_tensor_slices((x, labels)).filter(spy(g.is_finite))
+    assert [int(e[1][0][0]) for e in pairs] == list(good) and g.stats()["samples_seen"] == n
 
     g = TFDataGuard()
     batches = list(ds.batch(B).map(spy(g.drop_nonfinite)))

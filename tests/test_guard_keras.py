@@ -124,3 +124,25 @@ def test_a_snapshot_of_other_variables_is_refused_by_name(tmp_path):
     assert repr(model.optimizer.variables[0].path) in str(err.value), err.value
     step, _ = cb.runner.load_from_disk()
     assert step > old
+
+
+def test_rollback_scales_the_lr_of_a_wrapped_optimizer_and_not_a_wrapped_schedule():
+    """The learning rate sits in the innermost of several wrapping optimizers (Keras'
+    LossScaleOptimizer around numstab's ZClipOptimizer): a rollback multiplies it by the
+    factor; a LearningRateSchedule there cannot be, and no longer raises Keras' TypeError."""
+    from numstab.integrations.keras_clipping import ZClipOptimizer
+
+    x = np.tile(X, (4, 1))
+    x[20 * BATCH : 23 * BATCH, 0] = np.nan
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 100, 0.9)
+    for lr, applied in ((0.05, True), (schedule, False)):
+        inner = ZClipOptimizer(keras.optimizers.Adam(lr), warmup_steps=3)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.LossScaleOptimizer(inner), "mse", jit_compile=False)
+        cb = TrainingGuard(snapshot_every=10, rollback_after=3).keras_callback()
+        fit_args = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+        model.fit(x[: 24 * BATCH], np.tile(Y, (4, 1))[: 24 * BATCH], **fit_args)
+        assert [e["step"] for e in cb.events if e["event"] == "rollback"] == [22]
+        assert cb.lr_factor_applied is applied
+        if applied:
+            assert float(model.optimizer.learning_rate) == pytest.approx(0.025)

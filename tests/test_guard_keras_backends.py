@@ -31,6 +31,31 @@ callback = ns.TrainingGuard(snapshot_every=1000).keras_callback()
 model = run([callback])
 assert all(np.isfinite(w).all() for w in model.get_weights())
 assert callback.runner.skipped == 2, callback.runner.skipped  # batch 2, in each epoch
+
+# a learning rate set by another callback as each epoch begins stays through the undo of the
+# epoch's first batch (the undo puts back what the step changed only), in both modes; in the
+# host mode the undone batch's logs, which Keras hands every callback, are the metrics after
+# the undo: TerminateOnNaN after the guard goes on
+class Seen(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        losses.append(logs["loss"])
+    def on_epoch_end(self, epoch, logs=None):
+        lrs.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+first = x.copy(); first[0, 1] = np.nan  # batch 0 (and 2) of each epoch
+schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.01 / 10**epoch)
+for host_every, watch in ((1, [keras.callbacks.TerminateOnNaN()]), (2, [])):
+    lrs, losses = [], []
+    guard = ns.TrainingGuard(snapshot_every=1000, rollback_after=8, host_every=host_every)
+    callback = guard.keras_callback()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    model.fit(first, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+              callbacks=[callback, *watch, schedule, Seen()])
+    assert np.allclose(lrs, [1e-2, 1e-3]), (host_every, lrs)
+    assert int(model.optimizer.iterations) == 12, (host_every, int(model.optimizer.iterations))
+    assert host_every > 1 or np.isfinite(losses).all(), losses
 print("ok", keras.backend.backend())
 """
 

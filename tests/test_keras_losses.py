@@ -1,5 +1,6 @@
 """numstab's Keras Loss classes on every Keras backend (one subprocess per backend: Keras
-fixes its backend at import) against Keras' own losses, inside model.fit, and saved."""
+fixes its backend at import) against Keras' own losses, inside model.fit, and saved and
+reloaded (keras.models.load_model)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,16 @@ z = SparseCategoricalCrossentropy(z_loss=1e-2)(ids, logits)
 plain = SparseCategoricalCrossentropy()(ids, logits)
 np.testing.assert_allclose(float(z) - float(plain), 1e-2 * np.mean(lse**2), rtol=1e-5)
 
-config = SparseCategoricalCrossentropy(label_smoothing=0.1, ignore_index=3).get_config()
-again = SparseCategoricalCrossentropy.from_config(config)
-assert (again.label_smoothing, again.ignore_index) == (0.1, 3), config
+# every argument round-trips through get_config, dtype included (Keras' own leaves it out)
+for cls, extra in ((SparseCategoricalCrossentropy, {"ignore_index": 3}),
+                   (CategoricalCrossentropy, {})):
+    args = dict(label_smoothing=0.1, z_loss=1e-3, reduction="sum", name="ce", dtype="float16",
+                **extra)
+    config = cls(**args).get_config()
+    assert config == args, config
+    again = cls.from_config(config)
+    assert again.get_config() == config and again.dtype == "float16", again.get_config()
+    assert cls().get_config()["dtype"] is None
 
 keras.utils.set_random_seed(0)
 x = rng.normal(size=(64, 6)).astype("float32")
@@ -53,6 +61,15 @@ model.compile(optimizer=keras.optimizers.Adam(1e-2),
               loss=SparseCategoricalCrossentropy(label_smoothing=0.05, z_loss=1e-4))
 history = model.fit(x, y, batch_size=16, epochs=5, verbose=0).history["loss"]
 assert np.isfinite(history).all() and history[-1] < history[0], history
+
+# saved and reloaded: keras.models.load_model finds the (registered) losses
+import os, tempfile
+path = os.path.join(tempfile.mkdtemp(), "model.keras")
+model.save(path)
+loaded = keras.models.load_model(path)
+assert type(loaded.loss) is SparseCategoricalCrossentropy, loaded.loss
+assert loaded.loss.get_config() == model.loss.get_config()
+np.testing.assert_allclose(loaded.evaluate(x, y, verbose=0), model.evaluate(x, y, verbose=0))
 print("ok", keras.backend.backend())
 """
 

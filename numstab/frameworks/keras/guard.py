@@ -4,10 +4,15 @@
 
 A callback runs after Keras applied the step, so a "skip" is an undo: the callback keeps a
 copy of the previous good state (every model weight, every optimizer variable, ``iterations``
-and the learning rate included, and the metric variables) on the device, and a bad step
-restores it. The step then never happened: weights, optimizer slots, schedules (which follow
-``iterations``) and the epoch's running loss are as before it. The copy costs one device
-copy of the weights and optimizer variables per step.
+included, and the metric variables) on the device, and a bad step restores it. The step then
+never happened: weights, optimizer slots, schedules (which follow ``iterations``) and the
+epoch's running loss are as before it. The copy costs one device copy of the weights and
+optimizer variables per step. The learning-rate variables (of the optimizer and of those it
+wraps, ``inner_optimizer``), which a step does not change, are not put back: a learning rate
+set between steps (``LearningRateScheduler``, ``ReduceLROnPlateau``) stays (``_lr_places``).
+After an undo (in this, the per-batch host mode) the batch's ``logs`` are rewritten in place
+with the metrics after the undo (``_mend_logs``), so the callbacks after this one (Keras
+hands them the same dict: ``TerminateOnNaN``, the progress bar) see the state that stays.
 
 Per batch, with one host transfer:
 - the batch's own loss, from the loss tracker's ``total`` and ``count`` (Keras logs the
@@ -18,13 +23,14 @@ Per batch, with one host transfer:
   update, and the ``grad_norm_spikes`` detector watches the update norm.
 
 Rollbacks restore the snapshot's weights and optimizer variables, then multiply the
-optimizer's learning rate by the LR factor (a ``LearningRateSchedule`` cannot be rescaled:
-the rollback is logged with ``"lr_factor_applied": false``). With ``steps_per_execution > 1``
-the callback sees, and undoes, whole executions. On the TensorFlow, JAX and torch backends;
-the per-batch copy and read are one backend call each (``host_ops.py``). On JAX, Keras
-keeps the training state off the variables between steps; a steady batch reads that state,
-and the callback syncs it back (``model.jax_state_sync()``) only before it undoes, snapshots
-or restores.
+optimizer's learning rate by the LR factor: the learning rate of the innermost optimizer,
+through wrappers (``inner_optimizer``). A ``LearningRateSchedule`` (or a callable) cannot be
+rescaled, wrapped or not: the callback's ``lr_factor_applied`` becomes False. With
+``steps_per_execution > 1`` the callback sees, and undoes, whole executions. On the
+TensorFlow, JAX and torch backends; the per-batch copy and read are one backend call each
+(``host_ops.py``). On JAX, Keras keeps the training state off the variables between steps;
+a steady batch reads that state, and the callback syncs it back (``model.jax_state_sync()``)
+only before it undoes, snapshots or restores.
 A model not built when ``fit`` begins (a subclassed model, a ``Sequential`` without an
 ``Input``), which Keras on TensorFlow builds as it traces the first step: the callback builds
 it from the spec of that step's data, and sets up, as the step begins (``_build_then_train``).
@@ -96,6 +102,7 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         if runner.consume_skip_batch(steps_seen):
             self._to_variables()
             self._undo()
+            self._mend_logs(logs)
             return
         n, k = len(self._weights), len(self._tracker)
         now = None
@@ -119,6 +126,7 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         else:
             self._to_variables()
             self._undo()
+            self._mend_logs(logs)
         rollbacks = runner.rollbacks
         self.state = runner.after_step(
             d, self.state, layers if self.guard.track_layers else None, self._host
@@ -144,6 +152,7 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         where = {id(v): i for i, v in enumerate(everything)}  # positions in `everything`
         self._weight_at = [where[id(w)] for w in self._weights]
         self._tracker_at = [where.get(id(t)) for t in self._tracker]  # None: not a metric
+        self._lr_at = _lr_places(opt, everything)
         # where Keras on JAX keeps each of them between steps (None: off JAX, or a tracker
         # outside the metrics, which only the variables hold)
         self._jax_at = (
@@ -236,9 +245,23 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
 
     def _undo(self) -> None:
         # copies: the variables must not hold the shadow's buffers, which Keras on JAX
-        # donates to the next train step
-        for var, value in zip(self._state_vars + self._metric_vars, self._shadow, strict=True):
-            var.assign(ops.copy(value))
+        # donates to the next train step; the learning rate stays (``_lr_places``)
+        everything = self._state_vars + self._metric_vars
+        for j, (var, value) in enumerate(zip(everything, self._shadow, strict=True)):
+            if j not in self._lr_at:
+                var.assign(ops.copy(value))
+
+    def _mend_logs(self, logs: dict | None) -> None:
+        """The undone batch's ``logs`` (the dict Keras hands every callback) rewritten in
+        place with the metrics after the undo: the running means before the batch (0 for
+        an epoch's first batch, as Keras reports a mean of nothing). One read, after an
+        undo only."""
+        if not logs:
+            return
+        for key, x in self.model.get_metrics_result().items():
+            if key in logs:
+                x = ops.convert_to_numpy(x)
+                logs[key] = float(x) if np.ndim(x) == 0 else x
 
     # -- the Adapter protocol of GuardRunner -------------------------------------------------------
     def capture(self) -> list[Any]:
@@ -252,7 +275,9 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
 
     def scale_lr(self, ratio: float) -> None:
         opt = self.model.optimizer
-        if isinstance(opt._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        while getattr(opt, "inner_optimizer", None) is not None:  # (wrappers delegate to it)
+            opt = opt.inner_optimizer
+        if not isinstance(opt._learning_rate, keras.Variable):  # a schedule, a callable
             self.lr_factor_applied = False
             return
         opt.learning_rate = float(ops.convert_to_numpy(opt.learning_rate)) * ratio
@@ -278,6 +303,20 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
                 )
             values.append(saved)
         return values
+
+
+def _lr_places(optimizer: Any, variables: list[Any]) -> frozenset[int]:
+    """The positions in ``variables`` of the learning-rate variables of ``optimizer`` and of
+    the optimizers it wraps (``inner_optimizer``: Keras' ``LossScaleOptimizer``, numstab's
+    ``ZClipOptimizer``, ``AGCOptimizer``, ...). A step does not change them; other callbacks
+    set them between steps. The undo leaves them as they are (a snapshot's restore does not)."""
+    ids = set()
+    while optimizer is not None:
+        lr = getattr(optimizer, "_learning_rate", None)
+        if isinstance(lr, keras.Variable):
+            ids.add(id(lr))
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return frozenset(j for j, v in enumerate(variables) if id(v) in ids)
 
 
 def _layers_unbuilt(model: Any) -> bool:

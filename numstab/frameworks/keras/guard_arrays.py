@@ -56,6 +56,7 @@ def device_step(
     state: policy.GuardState,
     tracker_at: list[int],
     weight_at: list[int],
+    fresh_at: tuple[int, ...] = (),
 ) -> tuple[list[Any], policy.GuardState, Any]:
     """One batch's check on the device: ``(kept values, next guard state, row)``.
 
@@ -63,7 +64,9 @@ def device_step(
             (0 where the count did not grow, as ``tf.math.divide_no_nan``);
     norms = ||w - w'|| per trainable variable (the composite, which a compiler fuses),
             their global norm (None without one);
-    kept  = where(decision.apply, values, undo), per variable;
+    kept  = where(decision.apply, values, undo), per variable; ``values`` at ``fresh_at``
+            (the learning rate: a step does not change it, a callback may have set it
+            since the undo copy was taken), as ``where(apply, values, values)``;
     row   = the Decision's fields (``FIELDS``) as float32, then the per-variable norms.
     """
 
@@ -76,6 +79,7 @@ def device_step(
     deltas = [f32(values[j]) - f32(undo[j]) for j in weight_at]
     norms, total = layer_norms(be, deltas, compiled=True)
     decision, state = policy.decide(guard, be, state, loss, total if deltas else None)
+    undo = [values[j] if j in fresh_at else u for j, u in enumerate(undo)]
     kept = [be.where(decision.apply, v, u) for v, u in zip(values, undo, strict=True)]
     row = be.concat([be.stack([f32(getattr(decision, k)) for k in FIELDS]), f32(norms)])
     return kept, state, row
@@ -99,7 +103,7 @@ class ArrayGuardCallback(DeferredGuardCallback):
         self._rows: list[Any] = getattr(self, "_rows", [])
         self._values = _value_reader(self._state_vars + self._metric_vars)
         self._hand_on()
-        at = (self._tracker_at, self._weight_at)
+        at = (self._tracker_at, self._weight_at, tuple(sorted(self._lr_at)))
         if getattr(self, "_fn_for", None) == at:  # a later fit() of the same variables
             return
         self._fn_for, args = at, (self.guard, self._be)
@@ -189,7 +193,8 @@ class ArrayGuardCallback(DeferredGuardCallback):
         ):
             return None
         guard, be, places = self.guard, self._be, self._jax_at
-        at, train_step = (self._tracker_at, self._weight_at), model.train_step
+        at = (self._tracker_at, self._weight_at, tuple(sorted(self._lr_at)))
+        train_step = model.train_step
         key = (model, train_step, *map(tuple, (places, *at)))  # a recompile moves them
         cached = getattr(self, "_fused_for", (None, None))
         if cached[0] == key:
@@ -287,7 +292,7 @@ def _value_reader(variables: list[Any]) -> Callable[[], list[Any]]:
     return lambda: [v.value for v in variables]
 
 
-def _torch_check(guard: Any, be: Backend, at: tuple[list[int], list[int]]) -> Any:
+def _torch_check(guard: Any, be: Backend, at: tuple) -> Any:
     """The check on Keras' torch backend: one call, compiled by inductor per set of shapes
     (``guard_compiled.compiled_or_eager``: eager where torch cannot compile), that writes
     the kept values into the variables' tensors and the undo copy (Keras' own assign is a

@@ -84,7 +84,7 @@ class DeviceGuardCallback(DeferredGuardCallback):
         decision, new = policy.decide(self.guard, load_backend("tensorflow"), state, loss, norm)
         for name, x in self._layout.pack(new, tf).items():
             self._packed[name].assign(x)
-        pairs = list(zip(everything, shadow, strict=True))
+        pairs = self._undone_pairs(shadow)
 
         def undo() -> tf.Tensor:  # a bad step: put the copy back
             return tf.group([v.assign(s) for v, s in pairs])
@@ -128,9 +128,15 @@ class DeviceGuardCallback(DeferredGuardCallback):
         return self._layout.unpack({k: v.numpy() for k, v in self._packed.items()}, copy=True)
 
     def _undo(self) -> None:
-        everything = self._state_vars + self._metric_vars
-        for var, shadow in zip(everything, self._shadow_vars, strict=True):
+        for var, shadow in self._undone_pairs(self._shadow_vars):
             var.assign(shadow.value())
+
+    def _undone_pairs(self, shadow: list[Any]) -> list[tuple[Any, Any]]:
+        """(variable, its undo copy) of every variable an undo puts back: all but the
+        learning rate (``guard._lr_places``), which a step does not change."""
+        everything = self._state_vars + self._metric_vars
+        pairs = enumerate(zip(everything, shadow, strict=True))
+        return [pair for j, pair in pairs if j not in self._lr_at]
 
 
 def _concrete(fn: Any) -> Any:

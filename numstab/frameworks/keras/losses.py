@@ -3,7 +3,10 @@ JAX, torch): ``model.compile(loss=SparseCategoricalCrossentropy(label_smoothing=
 
 They follow Keras' conventions: ``call(y_true, y_pred)`` (that order), logits in ``y_pred``
 (``from_logits`` is always true: numstab's losses take logits), per-sample losses reduced by
-Keras (``reduction``, ``sample_weight``, masks), ``get_config`` for saving.
+Keras (``reduction``, ``sample_weight``, masks). Serialisable: registered with Keras
+(``package="numstab"``, as ``numstab>SparseCategoricalCrossentropy``), so a model compiled
+with them is reloaded by ``keras.models.load_model``; ``get_config`` holds every argument
+(``dtype`` included, which Keras' own losses leave out).
 
 - ``SparseCategoricalCrossentropy``: integer class ids of shape ``(batch,)`` or, as Keras'
   own sparse loss accepts, ``(batch, 1)``. Keras converts ``y_true`` to the loss's float
@@ -43,6 +46,7 @@ class _NumstabCrossentropy(keras.losses.Loss):
                 f"Expected reduction and dtype as keras.losses.Loss takes them. Received: "
                 f"reduction={reduction!r}, dtype={dtype!r} (Keras: {err})"
             ) from None
+        self._dtype_arg = dtype  # (``get_config``: Keras' own leaves the dtype out)
         self.label_smoothing = v.check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
         self.z_loss = v.check_number("z_loss", z_loss, low=0.0)
 
@@ -57,13 +61,16 @@ class _NumstabCrossentropy(keras.losses.Loss):
         )
 
     def get_config(self) -> dict[str, Any]:
+        dtype = self._dtype_arg
         return {
             **super().get_config(),
+            "dtype": None if dtype is None else self._dtype_policy.name,
             "label_smoothing": self.label_smoothing,
             "z_loss": self.z_loss,
         }
 
 
+@keras.saving.register_keras_serializable(package="numstab")
 class SparseCategoricalCrossentropy(_NumstabCrossentropy):
     """Cross-entropy of integer class ids; see the module docstring."""
 
@@ -97,6 +104,7 @@ class SparseCategoricalCrossentropy(_NumstabCrossentropy):
         return {**super().get_config(), "ignore_index": self.ignore_index}
 
 
+@keras.saving.register_keras_serializable(package="numstab")
 class CategoricalCrossentropy(_NumstabCrossentropy):
     """Cross-entropy of probability (or one-hot) targets; see the module docstring."""
 

@@ -56,9 +56,11 @@ class TFDataGuard:
         }
 
     def is_finite(self, *element: Any) -> tf.Tensor:
-        """Scalar bool: every value of every floating field of one sample is finite."""
-        parts = split_batch(_element(element), batch_axis=0)
-        flags = [tf.reduce_all(is_finite(f.stored)) for f in parts.float_fields]
+        """Scalar bool: every value of every floating field of one sample is finite. Each
+        field is read whole: a sample's fields need not agree on any axis (``x`` of shape
+        ``(4,)`` with ``y`` of shape ``(1,)``), so none is read as a batch axis."""
+        fields = [f for leaf in tf.nest.flatten(_element(element)) for f in _fields_of(leaf)]
+        flags = [tf.reduce_all(is_finite(f.stored)) for f in fields if f.kind == "float"]
         ok = tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
         with tf.control_dependencies(
             [
@@ -141,6 +143,12 @@ class TFDataGuard:
             self.samples_seen.assign_add(tf.size(bad, out_type=tf.int64)),
             self.samples_flagged.assign_add(tf.math.count_nonzero(bad, dtype=tf.int64)),
         ]
+
+
+def _fields_of(leaf: Any) -> list:
+    """The field of one leaf of a per-sample element (``split_batch`` of that leaf alone:
+    no other field to agree with); a ragged or sparse tensor is a leaf of ``tf.nest``."""
+    return split_batch(leaf, batch_axis=0).fields
 
 
 def _identity(x: Any) -> Any:
