@@ -3,8 +3,8 @@
 Containers: dict (any Mapping subclass whose constructor takes pairs, and defaultdict), list,
 tuple, namedtuple, dataclass instances, and — when JAX is loaded — any registered JAX pytree
 node (flax / equinox / optax states; a dataclass JAX knows, such as an Equinox module, as JAX
-flattens it, without its static fields). Everything else is a leaf; ``None`` leaves (a torch parameter
-without a gradient) are kept in place and skipped by the numerical functions.
+flattens it, without its static fields). Everything else is a leaf; ``None`` leaves (a torch
+parameter without a gradient) are kept in place and skipped by the numerical functions.
 
 Paths are spelled like ``jax.tree_util.keystr``: ``['opt_state'][0].mu['w']``.
 """

@@ -93,7 +93,7 @@ def test_scaler_argument_is_checked():
 
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(InvalidArgumentError, match="scaler to be a torch.amp.GradScaler"):
+    with pytest.raises(InvalidArgumentError, match=r"scaler to be a torch\.amp\.GradScaler"):
         TrainingGuard().for_torch(model, opt, scaler="fp16")
 
 
@@ -138,7 +138,8 @@ def test_optax_guard_around_loss_scaled_lets_the_scaler_back_off(host_every):
     applied = history["applied"]
     assert applied[-4:].all(), history["applied"]
     recorded = history["grad_norm"][applied]
-    assert recorded == pytest.approx([n for n, a in zip(norms, applied, strict=True) if a], rel=1e-4)
+    want = [n for n, a in zip(norms, applied, strict=True) if a]
+    assert recorded == pytest.approx(want, rel=1e-4)
 
 
 def test_decide_takes_the_scalers_verdict():
