@@ -284,3 +284,105 @@ def test_measure_grads_decides_on_the_gradients_before_clipping(host_every):
     assert tg.step(1.0)  # not measured: read at the step, clipped
     tg.flush()
     assert tg.history.as_arrays()["grad_norm"][1] == pytest.approx(1e-3, rel=1e-4)
+
+
+@pytest.mark.parametrize(("host_every", "optim"), [(1, "adam"), (4, "adam"), (4, "sgd")])
+def test_a_layer_unfrozen_after_the_guard_was_built_is_checked_and_undone(
+    host_every, optim, monkeypatch
+):
+    """Gradual unfreezing: the guard took the trainable parameters at construction, so a NaN
+    gradient in a layer unfrozen later was applied (host mode) or, in device mode, the
+    skipped step was undone everywhere but there (it was not in the backup)."""
+    from numstab.frameworks.torch import guard_compiled
+
+    monkeypatch.setattr(guard_compiled, "_compiled", lambda *a: None)  # eager: no compile time
+    model, _ = make()
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=0.05)
+        if optim == "adam"
+        else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    )
+    model[0].requires_grad_(False)
+    tg = TrainingGuard(host_every=host_every).for_torch(model, opt)
+    for step in range(6):
+        if step == 2:
+            model[0].requires_grad_(True)
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == 4:
+            model[0].weight.grad[0, 0] = math.nan  # the unfrozen layer's gradient only
+        tg.step(torch.nn.functional.mse_loss(model(x), y))
+    tg.flush()
+    assert [e["step"] for e in tg.events if e["event"] == "skip"] == [4]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert tg.history.names == ["0.weight", "0.bias", "2.weight", "2.bias"]  # frozen ones too
+    layers = tg.history.as_arrays()["layer_norms"]
+    assert layers[0, 0] == 0 and layers[2, 0] > 0  # frozen: no gradient, norm 0
+
+
+def test_a_rollback_after_add_param_group_keeps_the_added_group():
+    """Lightning's BackboneFinetuning adds a param group: rolling back to a snapshot taken
+    before raised torch's ValueError (a different number of parameter groups)."""
+    model, _ = make()
+    opt = torch.optim.Adam(model[2].parameters(), lr=0.05)
+    tg = TrainingGuard(rollback_after=1, rollback_window=2).for_torch(model, opt)
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    for step in range(2):  # one applied step on the head alone, then the group is added
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == 1:
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": 0.01})
+        assert tg.step(torch.nn.functional.mse_loss(model(x), y))
+    x, y = batch(2, nan_steps={2})
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    assert not tg.step(torch.nn.functional.mse_loss(model(x), y))
+    assert [e["to_step"] for e in tg.events if e["event"] == "rollback"] == [0]
+    for p, before in zip(model.parameters(), snapshot, strict=True):
+        torch.testing.assert_close(p.detach(), before, rtol=0, atol=0)
+    assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.025), pytest.approx(0.005)]
+    assert not opt.state  # as at the snapshot: no state for either group
+    x, y = batch(3)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    assert tg.step(torch.nn.functional.mse_loss(model(x), y))  # the run goes on, both groups
+    assert model[0].weight.detach().ne(snapshot[0]).any() and len(opt.state) == 4
+    opt.param_groups[0]["params"].pop()  # any other change of the groups: a typed error
+    with pytest.raises(InvalidArgumentError, match=r"changed to sizes \[1, 2\]"):
+        tg.restore(tg.runner.ring.latest().payload)
+
+
+def test_step_guard_names_the_skip_after_a_rollback_and_locates_only_once(caplog):
+    """The skip message read the last event, a rollback's: "skipped step 2 ()"; a
+    locate_nonfinite that failed (a compiled module) was tried again on every bad step; and
+    the step logged locate's message in place of its own skip message."""
+    from numstab.frameworks.torch.step_guard import StepGuard
+
+    model, opt = make()
+    sg = StepGuard(TrainingGuard(rollback_after=2, rollback_window=2))
+    sg.attach(model, opt, hook_loss=False)
+    sg.wrap(opt)
+    replays = []
+
+    def replay():
+        replays.append(1)
+        raise RuntimeError("cannot replay a compiled module")
+
+    for step in range(4):
+        x, y = batch(step, nan_steps={1, 2})
+        sg.replay = replay
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        sg.record_loss(loss)
+        opt.step()
+    assert [e["event"] for e in sg.torch_guard.events][-2:] == ["skip", "rollback"]
+    assert sg.messages == [
+        "numstab: skipped step 1 (nonfinite_loss, nonfinite_grad)",
+        "numstab: locate_nonfinite failed: RuntimeError('cannot replay a compiled module')",
+        "numstab: skipped step 2 (nonfinite_loss, nonfinite_grad)",
+    ]
+    assert len(replays) == 1 and sg.skipped == 2
+    assert [r.getMessage() for r in caplog.records if r.name == "numstab"] == sg.messages

@@ -41,12 +41,24 @@ class Regressor(pl.LightningModule):
         return opts[0] if len(opts) == 1 else opts
 
 
-def _fit(precision: str, callbacks: list, module: Regressor | None = None, **trainer_kwargs):
-    torch.manual_seed(0)
-    model = module or Regressor()
+def _data(poison: bool = True):
     x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
     y = torch.randn(32, 1, generator=torch.Generator().manual_seed(2))
-    x[13, 0] = float("nan")  # batch 3 of 8
+    if poison:
+        x[13, 0] = float("nan")  # batch 3 of 8
+    return x, y
+
+
+def _fit(
+    precision: str | None,
+    callbacks: list,
+    module: Regressor | None = None,
+    poison: bool = True,
+    **trainer_kwargs,
+):
+    torch.manual_seed(0)
+    model = module or Regressor()
+    x, y = _data(poison)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
     trainer = pl.Trainer(
         max_epochs=1,
@@ -95,6 +107,39 @@ def test_the_guard_reads_gradients_before_lightning_clips_them(precision):
     norms = history["grad_norm"][history["applied"]]
     assert len(norms) == 7 and (norms > 1e-2).all(), norms  # the poisoned step is skipped
     assert _finite(model) and callback.skipped_steps == 1
+
+
+@pytest.mark.parametrize("case", ["accumulate", "16-mixed"])
+def test_the_guard_records_the_mean_micro_batch_loss(case):
+    """Lightning hands on_before_backward the loss divided by accumulate_grad_batches (and
+    times the GradScaler's scale under "16-mixed"): the guard recorded that, and a
+    GradientAccumulationScheduler switch made the loss jump, so clean steps were skipped."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    torch.manual_seed(0)
+    module = Regressor()
+    x, y = _data(poison=False)
+    with torch.no_grad():  # each batch's loss with the initial weights
+        losses = [
+            torch.nn.functional.mse_loss(module.net(x[i : i + 4]), y[i : i + 4])
+            for i in range(0, 16, 4)
+        ]
+    callback = NumstabCallback(locate=False)
+    if case == "accumulate":
+        _fit("32-true", [callback], module, poison=False, accumulate_grad_batches=4)
+        expected, rtol = torch.stack(losses).mean(), 1e-5  # the first step's 4 micro-batches
+    else:
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        _fit(
+            None,
+            [callback],
+            module,
+            poison=False,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
+        )
+        expected, rtol = losses[0], 1e-2  # fp16 matmuls
+    loss = callback.step_guard.torch_guard.history.as_arrays()["loss"][0]
+    assert loss == pytest.approx(expected.item(), rel=rtol)
 
 
 def test_callback_reused_by_a_second_fit_guards_it():

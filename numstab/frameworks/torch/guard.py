@@ -37,12 +37,19 @@ host read; the host reads the decisions every k steps and at ``flush()`` (docs/s
 Snapshots copy ``model.state_dict()`` (buffers included), ``optimizer.state_dict()`` and the
 scheduler's state on the device. A rollback loads them back (in place: the optimizer keeps
 its parameters), then multiplies every param group's ``lr`` (and ``initial_lr``, and the
-scheduler's ``base_lrs``) by the LR factor.
+scheduler's ``base_lrs``) by the LR factor. Param groups added after the snapshot
+(``add_param_group``) stay, with their settings as now and no optimizer state.
+
+The gradients checked are those of the parameters the step can update (trainable, or with a
+``.grad``; a missing ``.grad`` has norm 0); a frozen parameter joins them as soon as it
+requires grad (gradual unfreezing, read every step), and in device mode is backed up from
+then on. The history has one column per floating parameter of the model, 0 while frozen.
 """
 
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -110,9 +117,14 @@ class TorchGuard(RunnerResults):
         self.guard, self.model, self.optimizer = guard, model, optimizer
         self.scheduler, self.sharded, self.process_group = scheduler, sharded, process_group
         self.scaler = scaler
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._params = [p for _, p in named]
-        self._empty = [p.new_empty(0) for p in self._params]  # norm 0 for a missing grad
+        # every parameter that can ever take a gradient, trainable now or not: the history
+        # has a column for each; a step checks those it can update (``_grads``), so one
+        # unfrozen later (gradual unfreezing) is checked from then on
+        named = [
+            (n, p) for n, p in model.named_parameters() if p.is_floating_point() or p.is_complex()
+        ]
+        self._all = [p for _, p in named]
+        self._norm_device = self._all[0].device if self._all else None
         self._host = load_backend("numpy")
         self._torch = load_backend("torch")
         self.state = guard.init_state(self._host)
@@ -122,19 +134,9 @@ class TorchGuard(RunnerResults):
         self.runner = GuardRunner(guard, self, self._host, names, defer_snapshots=True)
         self.runner.snapshot(0, self.state)
         self._device: DeviceSteps | None = None
-        if guard.host_every > 1 and self._params:
-            self._device = DeviceSteps(self, guard, self._params[0].device)
-        # the device step's norms: torch._foreach_norm, then one compiled call (guard_device)
-        first = self._params[0] if self._params else None
-        self._one_kernel = (
-            first is not None
-            and has_native(self._torch, "leaf_norms")
-            and all(
-                p.device == first.device and p.dtype in _FUSED_DTYPES and not is_dtensor(p)
-                for p in self._params
-            )
-        )
-        self._norm_device = first.device if first is not None else None
+        self._use_params([_updatable(p) for p in self._all])
+        if guard.host_every > 1 and self._all:
+            self._device = DeviceSteps(self, guard, self._norm_device)
 
     # -- the loop ----------------------------------------------------------------------------
     @property
@@ -193,7 +195,7 @@ class TorchGuard(RunnerResults):
         if d["apply"]:
             (step_fn or self.optimizer.step)()  # if it raises, the guard's state stays as it was
         self.state = self.runner.after_step(
-            d, state, norms if self.guard.track_layers else None, self._torch
+            d, state, self.layer_row(norms) if self.guard.track_layers else None, self._torch
         )
         return d["apply"]
 
@@ -215,9 +217,47 @@ class TorchGuard(RunnerResults):
             self._measured = layer_norms(self._torch, grads) if grads else (None, None)
 
     def _grads(self) -> list[torch.Tensor]:
+        """The gradients of the parameters checked (an empty tensor, norm 0, for one without
+        ``.grad``). A frozen one joins them once it requires grad (gradual unfreezing: read
+        every step, one attribute per frozen parameter); one frozen later stays (norm 0)."""
+        if self._frozen and any(map(_REQUIRES_GRAD, self._frozen)):
+            checked = zip(self._all, self._checked, strict=True)
+            self._use_params([u or p.requires_grad for p, u in checked])
         return [
             e if p.grad is None else p.grad for p, e in zip(self._params, self._empty, strict=True)
         ]
+
+    def _use_params(self, checked: list[bool]) -> None:
+        """Check (and in device mode back up) the parameters flagged in ``checked``."""
+        self._checked = checked
+        self._params = [p for p, u in zip(self._all, checked, strict=True) if u]
+        self._frozen = [p for p, u in zip(self._all, checked, strict=True) if not u]
+        self._empty = [p.new_empty(0) for p in self._params]  # norm 0 for a missing grad
+        self._index = (  # where their norms go in a history row (None: everywhere)
+            None
+            if not self._frozen
+            else torch.tensor([i for i, u in enumerate(checked) if u], device=self._norm_device)
+        )
+        # the device step's norms: torch._foreach_norm, then one compiled call (guard_device)
+        self._one_kernel = (
+            bool(self._params)
+            and has_native(self._torch, "leaf_norms")
+            and all(
+                p.device == self._norm_device and p.dtype in _FUSED_DTYPES and not is_dtensor(p)
+                for p in self._params
+            )
+        )
+        if self._device is not None:
+            self._device.skipper.use(self._params)
+
+    def layer_row(self, norms: torch.Tensor | None) -> torch.Tensor | None:
+        """A step's per-parameter norms as its history row: one per parameter of the model,
+        0 for those the step could not update (frozen)."""
+        if self._index is None:
+            return norms
+        if norms is None:
+            return torch.zeros(len(self._all), device=self._norm_device)
+        return norms.new_zeros(len(self._all)).index_copy_(0, self._index.to(norms.device), norms)
 
     def _one_call(self, loss: Any) -> bool:
         """Whether the device step takes its norms and decision in one compiled call: one
@@ -257,9 +297,10 @@ class TorchGuard(RunnerResults):
         return payload
 
     def restore(self, payload: dict[str, Any]) -> None:
-        self.model.load_state_dict(payload["model"])
         # a copy: load_state_dict may keep the given tensors, which later steps update in place
-        self.optimizer.load_state_dict(copy.deepcopy(payload["optimizer"]))
+        optimizer = _fitted(copy.deepcopy(payload["optimizer"]), self.optimizer)
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(optimizer)
         if self.scheduler is not None and "scheduler" in payload:
             self.scheduler.load_state_dict(copy.deepcopy(payload["scheduler"]))
 
@@ -304,6 +345,34 @@ class TorchGuard(RunnerResults):
             [(name, (len(p),)) for name, p in groups(self.optimizer.param_groups)],
         )
         return _tensors(tree)
+
+
+def _updatable(p: torch.Tensor) -> bool:
+    """Whether the optimizer can update ``p`` (torch's skip parameters without ``.grad``)."""
+    return p.requires_grad or p.grad is not None
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _fitted(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state ``saved`` (a snapshot's) for ``optimizer`` as it is now. Groups
+    added since (``add_param_group``: Lightning's ``BackboneFinetuning``) are kept with their
+    settings as now and no state, as their parameters had none when the snapshot was taken
+    (torch's ``load_state_dict`` raised ``ValueError``). Any other change of the groups:
+    ``InvalidArgumentError``."""
+    then = [len(g["params"]) for g in saved["param_groups"]]
+    now = [len(g["params"]) for g in optimizer.param_groups]
+    if then == now:
+        return saved
+    if len(then) < len(now) and now[: len(then)] == then:
+        added = optimizer.state_dict()["param_groups"][len(then) :]  # ids follow the old ones
+        return {**saved, "param_groups": saved["param_groups"] + copy.deepcopy(added)}
+    raise InvalidArgumentError(
+        f"Expected the optimizer's parameter groups of the snapshot to roll back to (sizes "
+        f"{then}), or those and groups added after them (add_param_group). Received: an "
+        f"optimizer whose parameter groups changed to sizes {now}"
+    )
 
 
 def _tensors(tree: Any) -> Any:

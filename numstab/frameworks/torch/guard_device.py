@@ -10,16 +10,17 @@
   AdamW, SGD, Adagrad), as ``torch.amp.GradScaler`` does: the fused kernel skips the update
   and the step count when ``found_inf`` is 1. Costs torch's ``_foreach_sub_`` of the step
   counts (part of any ``found_inf`` step).
-* any other optimizer (or a ``step_fn``): the parameters and every tensor of the optimizer's
-  state are copied before the step (one ``_foreach_copy_``) and put back after it where the
-  step is bad (``torch.where``, compiled into one call, bound once to the tensors while the
-  optimizer updates the same ones in place: ``guard_compiled.undo_plan``): the step runs,
-  then is undone on the device. Costs two passes over the parameters and the
-  optimizer state per step. State tensors on another device than the flag (Adam's CPU step
-  counters beside CUDA parameters without ``capturable=True``) are restored with one copy of
-  the flag per device and step: one sync per step, with a warning, once, naming the cure; a
-  step that adds or replaces non-tensor state, or creates the state (the first step), reads
-  the flag on the host once.
+* any other optimizer (or a ``step_fn``): the parameters the step can change (trainable now,
+  or holding a gradient: the TorchGuard reads which every step, so a layer unfrozen later is
+  in it) and every tensor of the optimizer's state are copied before the step (one
+  ``_foreach_copy_``) and put back after it where the step is bad (``torch.where``, compiled
+  into one call, bound once to the tensors while the optimizer updates the same ones in
+  place: ``guard_compiled.undo_plan``): the step runs, then is undone on the device. Costs
+  two passes over the parameters and the optimizer state per step. State tensors on another
+  device than the flag (Adam's CPU step counters beside CUDA parameters without
+  ``capturable=True``) are restored with one copy of the flag per device and step: one sync
+  per step, with a warning, once, naming the cure; a step that adds or replaces non-tensor
+  state, or creates the state (the first step), reads the flag on the host once.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class DeviceSteps:
         self, apply: torch.Tensor, found_inf: torch.Tensor, norms: Any, step_fn: Any
     ) -> LazyApplied:
         read_now = self.skipper.run(apply, found_inf, step_fn)
-        self.norms.append(norms)
+        self.norms.append(self.owner.layer_row(norms) if self.guard.track_layers else None)
         self.pending += 1
         self.steps += 1
         if read_now or self.pending >= self.guard.host_every:
@@ -122,7 +123,7 @@ class Skipper:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
         self.optimizer = optimizer
-        self.params = params
+        self.params = params  # those the step can change (the TorchGuard's ``use``s them)
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._backup: list[torch.Tensor] = []
         self._backed_up: list[torch.Tensor] = []  # the tensors the buffers were made for
@@ -184,6 +185,11 @@ class Skipper:
         self._plan = self._undo_replaced(apply, tensors, new_entries)
         self._layout_then, self._entries_then = after, (new_entries, new_others)
         return False
+
+    def use(self, params: list[torch.Tensor]) -> None:
+        """Back up ``params`` from the next step on (a layer unfrozen, or frozen): new
+        buffers, a new undo."""
+        self.params, self._plan, self._layout_then = params, None, []
 
     def _layout(self) -> list[Any]:
         """Each parameter's state dict (or None), then its keys and values, in order: where

@@ -10,9 +10,11 @@ batch's ``training_step``); rollbacks as ``TrainingGuard`` says. Logged with ``s
 every step: ``numstab/grad_norm``, ``numstab/skipped_steps``, and ``numstab/loss_scale``
 under "16-mixed".
 
-- The loss is the one Lightning hands to ``on_before_backward`` (mean over accumulated
-  micro-batches); the optimizer's ``step`` is wrapped, so automatic and manual optimization
-  both work.
+- The loss is the one Lightning hands to ``on_before_backward``, divided by the GradScaler's
+  scale ("16-mixed") and, under automatic optimization, times ``accumulate_grad_batches``
+  (Lightning divides it by that number): the mean micro-batch loss of the step, whatever
+  the accumulation and the scale; the optimizer's ``step`` is wrapped, so automatic and
+  manual optimization both work.
 - The gradients are measured in ``on_before_optimizer_step``, before Lightning clips them
   (``gradient_clip_val``), and after the GradScaler unscales them under "16-mixed": the
   gradient-norm rules and ``numstab/grad_norm`` see the norm the backward pass made.
@@ -30,6 +32,7 @@ import functools
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.step_guard import GuardedCallback
@@ -61,6 +64,13 @@ class NumstabCallback(GuardedCallback, pl.Callback):
         self.step_guard.replay = functools.partial(pl_module.training_step, batch, batch_idx)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
+        # the loss as Lightning hands it over: multiplied by the GradScaler's scale
+        # ("16-mixed"), and divided by accumulate_grad_batches (its current value, which
+        # GradientAccumulationScheduler changes) under automatic optimization; manual
+        # optimization divides nothing (and allows no accumulate_grad_batches)
+        loss = loss.detach() / _scale(getattr(trainer.precision_plugin, "scaler", None))
+        if pl_module.automatic_optimization:
+            loss = loss * trainer.accumulate_grad_batches
         self.step_guard.record_loss(loss)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -79,3 +89,14 @@ class NumstabCallback(GuardedCallback, pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.step_guard.torch_guard.flush()
+
+
+def _scale(scaler: Any) -> Any:
+    """The scale the loss was multiplied by: a tensor where the scaler keeps one (no host
+    read: torch's ``GradScaler``, numstab's), else ``get_scale()``; 1 without a scaler."""
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    scale = getattr(scaler, "_scale", None)  # torch.amp.GradScaler
+    if scale is None:
+        scale = getattr(getattr(scaler, "_state", None), "scale", None)  # numstab's
+    return scale if isinstance(scale, torch.Tensor) else scaler.get_scale()

@@ -20,7 +20,8 @@ the scaler's iteration with its scale unchanged (``scaler.update(new_scale=scale
 
 On the first non-finite step, ``locate_nonfinite`` runs once on the step's last batch
 (``replay``: the model's forward as the loop called it, or Lightning's ``training_step``) and
-its report (the first bad layer) is kept in ``first_nonfinite_report`` and logged.
+its report (the first bad layer) is kept in ``first_nonfinite_report`` and logged; where it
+fails (a compiled module), the failure is logged once and it is not tried again.
 """
 
 from __future__ import annotations
@@ -147,13 +148,14 @@ class StepGuard:
                 real_step()  # the scaler sees the inf, skips the step and backs off
             else:
                 scaler.update(new_scale=scaler.get_scale())  # ends its iteration, scale kept
-        event = tg.events[-1] if tg.events else {}
+        # this step's skip event: after a rollback the last event is the rollback
+        event = next((e for e in reversed(tg.events) if e["event"] == "skip"), {})
         self.messages.append(
             f"numstab: skipped step {event.get('step')} ({', '.join(event.get('reasons', []))})"
         )
+        log.warning(self.messages[-1])  # before locate's messages (it logged theirs instead)
         if nonfinite and self.locate and self.first_nonfinite_report is None:
             self._locate()
-        log.warning(self.messages[-1])
         return False
 
     @property
@@ -163,6 +165,7 @@ class StepGuard:
 
     # -- hooks ----------------------------------------------------------------------------------
     _locating = False
+    _locate_failed = False  # tried once and failed (a compiled module): not tried again
 
     def _training_call(self, module: Any) -> bool:
         """A forward of the training loop: not an evaluation (no grad or eval mode: the
@@ -186,13 +189,15 @@ class StepGuard:
         """``locate_nonfinite`` on the last batch; the model is called as the loop called it."""
         from numstab.locate import locate_nonfinite
 
-        if self.replay is None:
+        if self.replay is None or self._locate_failed:
             return
         self._locating = True  # locating calls the model again: the hooks must not record
         try:
             report = locate_nonfinite(_Replay(self.model, self.replay), loss_fn=_loss_of)
         except Exception as exc:  # locating is a diagnosis: it must never end the run
+            self._locate_failed = True  # it would fail the same way on every bad step
             self.messages.append(f"numstab: locate_nonfinite failed: {exc!r}")
+            log.warning(self.messages[-1])
             return
         finally:
             self._locating = False
