@@ -146,10 +146,18 @@ def test_decide_takes_the_scalers_verdict():
     from numstab.errors import InvalidArgumentError
 
     guard = TrainingGuard(rollback_after=2)
-    for overflow, rollbacks in ((True, False), (False, True), (None, True)):
-        state = guard.init_state()
+    np = pytest.importorskip("numpy")
+    cases = (
+        (True, False, "numpy"),
+        (np.bool_(True), False, "numpy"),
+        (torch.tensor(True), False, "torch"),
+        (torch.tensor(False), True, "torch"),
+        (None, True, "numpy"),
+    )
+    for overflow, rollbacks, be in cases:
+        state = guard.init_state(be)
         for _ in range(2):
-            d, state = guard.decide(state, 1.0, math.inf, scaler_overflow=overflow)
+            d, state = guard.decide(state, 1.0, math.inf, be, scaler_overflow=overflow)
             assert not d.apply
         assert bool(d.rollback) is rollbacks, overflow
     state = guard.init_state()

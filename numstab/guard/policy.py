@@ -132,17 +132,13 @@ def flag_input(be: Backend, name: str, x: Any, like: Array | None = None) -> Arr
     from numstab._dispatch import to_backend
     from numstab.errors import InvalidArgumentError
 
-    dtype = getattr(x, "dtype", None)
-    if not (isinstance(x, bool) or str(dtype).removeprefix("torch.") == "bool"):
-        raise InvalidArgumentError(
-            f"Expected {name} to be a bool or a one-element bool array. Received: {name}={x!r}"
-        )
-    x = to_backend(be, x, like=like, name=name)
-    if any(n != 1 for n in be.shape(x)):
-        raise InvalidArgumentError(
-            f"Expected {name} to be one element. Received: {name}.shape={be.shape(x)}"
-        )
-    return be.reshape(x, ())
+    if isinstance(x, bool) or hasattr(x, "dtype"):
+        x = to_backend(be, x, like=like, name=name)
+        if be.dtype_name(x) == "bool" and all(n == 1 for n in be.shape(x)):
+            return be.reshape(x, ())
+    raise InvalidArgumentError(
+        f"Expected {name} to be a bool or a one-element bool array. Received: {name}={x!r}"
+    )
 
 
 def state_shapes(guard: TrainingGuard) -> dict[str, tuple[int, ...]]:
