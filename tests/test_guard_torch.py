@@ -386,3 +386,31 @@ def test_step_guard_names_the_skip_after_a_rollback_and_locates_only_once(caplog
     ]
     assert len(replays) == 1 and sg.skipped == 2
     assert [r.getMessage() for r in caplog.records if r.name == "numstab"] == sg.messages
+
+
+def test_device_mode_history_stays_in_step_after_a_step_fn_that_raised(monkeypatch):
+    """With host_every > 1 the device state counts a step whose step_fn raised; the host's
+    count did not, so every later row was read as the step before's (the NaN batch's skip
+    logged one step early)."""
+    from numstab.frameworks.torch import guard_compiled
+
+    monkeypatch.setattr(guard_compiled, "_compiled", lambda *a: None)  # eager: no compile time
+    model, opt = make()
+    tg = TrainingGuard(host_every=4).for_torch(model, opt)
+
+    def oom():
+        raise RuntimeError("out of memory")
+
+    for step in range(8):
+        x, y = batch(step, nan_steps={5})
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == 2:
+            with pytest.raises(RuntimeError, match="out of memory"):
+                tg.step(loss, step_fn=oom)
+            continue
+        tg.step(loss)
+    tg.flush()
+    assert tg.history.as_arrays()["step"].tolist() == list(range(8))
+    assert [e["step"] for e in tg.events if e["event"] == "skip"] == [5]

@@ -71,10 +71,12 @@ class DeviceSteps:
     def _finish(
         self, apply: torch.Tensor, found_inf: torch.Tensor, norms: Any, step_fn: Any
     ) -> LazyApplied:
-        read_now = self.skipper.run(apply, found_inf, step_fn)
-        self.norms.append(self.owner.layer_row(norms) if self.guard.track_layers else None)
-        self.pending += 1
-        self.steps += 1
+        try:
+            read_now = self.skipper.run(apply, found_inf, step_fn)
+        finally:  # a step_fn that raised: the device state has counted the step, so do we
+            self.norms.append(self.owner.layer_row(norms) if self.guard.track_layers else None)
+            self.pending += 1
+            self.steps += 1
         if read_now or self.pending >= self.guard.host_every:
             self.read()
         return LazyApplied(apply)
