@@ -152,6 +152,7 @@ def test_decide_takes_the_scalers_verdict():
         (np.bool_(True), False, "numpy"),
         (torch.tensor(True), False, "torch"),
         (torch.tensor(False), True, "torch"),
+        (torch.tensor(True), False, "numpy"),  # a foreign bool: raised torch's own error
         (None, True, "numpy"),
     )
     for overflow, rollbacks, be in cases:

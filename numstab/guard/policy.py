@@ -135,7 +135,7 @@ def flag_input(be: Backend, name: str, x: Any, like: Array | None = None) -> Arr
     if isinstance(x, bool) or hasattr(x, "dtype"):
         x = to_backend(be, x, like=like, name=name)
         if be.dtype_name(x) == "bool" and all(n == 1 for n in be.shape(x)):
-            return be.reshape(x, ())
+            return be.cast(be.reshape(x, ()), "bool")  # (a foreign array: this backend's)
     raise InvalidArgumentError(
         f"Expected {name} to be a bool or a one-element bool array. Received: {name}={x!r}"
     )
