@@ -55,7 +55,7 @@ from numstab.frameworks.jax.guard_state import (
     unpacked,
 )
 from numstab.frameworks.jax.guard_state import packed as packed_state
-from numstab.frameworks.jax.optax import LossScaledState
+from numstab.frameworks.jax.optax import LossScaledState, loss_scaled_states
 from numstab.guard import policy
 from numstab.guard.deferred import ROW_COLUMNS, decisions_from_rows
 from numstab.guard.runner import GuardRunner, check_fits, check_payload
@@ -375,11 +375,11 @@ def guarded_step(
     kept where everything else stays as it was: before, the guard put the old scale back, so
     the scaler never backed off and every later step overflowed."""
     updates, new_opt = tx.update(grads, opt_state, params)
-    scaled = _loss_scaled_states(opt_state)
+    scaled = loss_scaled_states(opt_state)
     scale, overflow = None, None
     if scaled:  # the scaler's own verdict: its new state's last_finite
         scale = scaled[0].loss_scale.scale if len(scaled) == 1 else None
-        overflow = ~jnp.all(jnp.stack([n.last_finite for n in _loss_scaled_states(new_opt)]))
+        overflow = ~jnp.all(jnp.stack([n.last_finite for n in loss_scaled_states(new_opt)]))
     decision, state = _check(guard, gstate, loss, grads, scale, overflow)
     factor = state.lr_factor
     updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
@@ -406,14 +406,7 @@ def guarded_step(
         return own._replace(inner_state=jax.tree.map(pick, new.inner_state, old.inner_state))
 
     params = jax.tree.map(pick, new_params, params)
-    opt_state = jax.tree.map(pick_state, new_opt, opt_state, is_leaf=_is_loss_scaled)
+    opt_state = jax.tree.map(
+        pick_state, new_opt, opt_state, is_leaf=lambda x: isinstance(x, LossScaledState)
+    )
     return params, opt_state, like(gstate, state), PackedDecision.pack(decision)
-
-
-def _is_loss_scaled(x: Any) -> bool:
-    return isinstance(x, LossScaledState)
-
-
-def _loss_scaled_states(opt_state: Any) -> list[LossScaledState]:
-    """The ``LossScaledState`` nodes of ``opt_state`` (numstab's ``loss_scaled``)."""
-    return [n for n in jax.tree.leaves(opt_state, is_leaf=_is_loss_scaled) if _is_loss_scaled(n)]

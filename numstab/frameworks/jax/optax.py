@@ -269,17 +269,19 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState:
         return opt_state.loss_scale
     if isinstance(opt_state, LossScaleState):
         return opt_state
-    found = [
-        node
-        for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaledState))
-        if isinstance(node, LossScaledState)
-    ]
+    found = loss_scaled_states(opt_state)
     if len(found) != 1:
         raise InvalidArgumentError(
             f"Expected an optimizer state holding exactly one LossScaledState (from "
             f"numstab.integrations.optax.loss_scaled). Received: one holding {len(found)}"
         )
     return found[0].loss_scale
+
+
+def loss_scaled_states(opt_state: Any) -> list[LossScaledState]:
+    """Every :class:`LossScaledState` node of ``opt_state`` (a static walk of its tree)."""
+    is_scaled = lambda x: isinstance(x, LossScaledState)
+    return [n for n in jax.tree.leaves(opt_state, is_leaf=is_scaled) if is_scaled(n)]
 
 
 def current_scale(opt_state: Any) -> jax.Array:
