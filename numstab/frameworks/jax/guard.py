@@ -24,9 +24,16 @@ the learning rate times the factor, without recompiling.
 
 ``after_step`` (host): one ``jax.device_get`` of the decision, then history, log, snapshots
 (copies of params and optimizer state, so donated buffers are safe) and rollbacks, which
-return the restored params and optimizer state. With ``TrainingGuard(host_every=k)``, k > 1,
-``after_step`` only keeps the decision (no read) and acts on the k kept decisions every k
-steps, in one stacked transfer; ``flush`` does it at the end (docs/semantics.md §16.12).
+return the restored params and optimizer state.
+
+State the optimizer does not update (BatchNorm statistics: Flax ``batch_stats``, NNX
+``BatchStat``, Equinox ``eqx.nn.State``) is ``extra``: given to ``init``, it is snapshotted
+and restored with params, and ``after_step``/``flush``/``load_snapshot`` take it and return
+it fourth; inside the step, ``select(decision, new, old)`` keeps its old value on a skip.
+
+With ``TrainingGuard(host_every=k)``, k > 1, ``after_step`` only keeps the decision (no
+read) and acts on the k kept decisions every k steps, in one stacked transfer; ``flush``
+does it at the end (docs/semantics.md §16.12).
 
 The decision leaves the jitted step packed (:class:`PackedDecision`: 3 arrays, not 10),
 since every leaf out of a jitted call costs host dispatch time, and ``after_step`` keeps or
@@ -51,13 +58,14 @@ from numstab.frameworks.jax.guard_state import (
     GuardStateLike,
     PackedDecision,
     choose_packing,
+    host_decision,
+    host_decisions,
     like,
     unpacked,
 )
 from numstab.frameworks.jax.guard_state import packed as packed_state
 from numstab.frameworks.jax.optax import LossScaledState, loss_scaled_states
 from numstab.guard import policy
-from numstab.guard.deferred import ROW_COLUMNS, decisions_from_rows
 from numstab.guard.runner import GuardRunner, check_fits, check_payload
 
 if TYPE_CHECKING:
@@ -72,23 +80,28 @@ class OptaxGuard:
         self.guard = guard
         self._jax = load_backend("jax")
         self.runner: GuardRunner | None = None
-        self._current: tuple[Any, Any] | None = None
+        self._current: tuple[Any, Any, Any] | None = None  # params, opt_state, extra
         self._pending: list[PackedDecision] = []
+        self._has_extra = False
 
-    def init(self, params: Any, opt_state: Any, packed: bool | None = None) -> GuardStateLike:
+    def init(
+        self, params: Any, opt_state: Any, packed: bool | None = None, *, extra: Any = None
+    ) -> GuardStateLike:
         """The initial guard state (a pytree of jax arrays); takes the first snapshot.
 
         ``packed``: the state as a ``PackedGuardState`` (2 arrays) rather than a
         ``policy.GuardState`` (11); default: packed when ``params`` live on an accelerator.
+        ``extra``: model state outside params and optimizer (BatchNorm statistics), kept in
+        the snapshots; ``after_step``, ``flush`` and ``load_snapshot`` then take it too.
         """
-        _check_trees(params=params, opt_state=opt_state)
+        _check_trees(params=params, opt_state=opt_state, extra=extra)
         pack = choose_packing("packed", packed, params)  # (rejected before anything changes)
         names = [
             jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)
         ]
         state = policy.init_state(self.guard, self._jax)
         self.runner = GuardRunner(self.guard, self, self._jax, names)
-        self._current = (params, opt_state)
+        self._current, self._has_extra = (params, opt_state, extra), extra is not None
         self.runner.snapshot(0, copy_tree(state))  # the snapshot's own buffers: see _kept
         self._packed = pack
         return packed_state(state) if pack else state
@@ -112,6 +125,12 @@ class OptaxGuard:
         """``check``, then the optimizer step, kept only if it is good (a select)."""
         return guarded_step(self.guard, tx, params, opt_state, gstate, loss, grads)
 
+    @staticmethod
+    def select(decision: PackedDecision | policy.Decision, new: Any, old: Any) -> Any:
+        """``new`` where the step is applied, ``old`` where it is skipped (traced): for state
+        the forward pass writes (BatchNorm statistics), so a skipped NaN batch leaves it."""
+        return select(decision, new, old)
+
     # -- host ------------------------------------------------------------------------------------
     def skip_batch(self) -> bool:
         """True while the batches right after a rollback are skipped (logged)."""
@@ -119,11 +138,19 @@ class OptaxGuard:
         return runner.consume_skip_batch(self._steps_seen)
 
     def after_step(
-        self, decision: PackedDecision, params: Any, opt_state: Any, gstate: GuardStateLike
-    ) -> tuple[Any, Any, GuardStateLike]:
+        self,
+        decision: PackedDecision,
+        params: Any,
+        opt_state: Any,
+        gstate: GuardStateLike,
+        *,
+        extra: Any = None,
+    ) -> tuple[Any, ...]:
         """Act on the decision: log, snapshot, roll back. Returns (params, opt_state,
-        gstate), restored from the last good snapshot after a rollback."""
+        gstate), and ``extra`` fourth when ``init`` was given one, restored from the last good
+        snapshot after a rollback."""
         runner = self._require()
+        self._check_extra(extra)
         if not isinstance(decision, (PackedDecision, policy.Decision)):
             raise InvalidArgumentError(
                 f"Expected the decision that guarded_step or check returned. Received: "
@@ -140,35 +167,36 @@ class OptaxGuard:
             if isinstance(decision, policy.Decision):  # one form to stack (check's, unpack())
                 decision = PackedDecision.pack(decision)
             self._pending.append(decision)
-            self._current = (params, opt_state)
+            self._current = (params, opt_state, extra)
             self._steps_seen += 1
             if len(self._pending) >= self.guard.host_every:
-                return self.flush(params, opt_state, gstate)
-            return params, opt_state, gstate
-        host, layers = _host_decision(jax.device_get(decision), ())  # one transfer
-        self._current = (params, opt_state)
+                return self.flush(params, opt_state, gstate, extra=extra)
+            return self._out(gstate)
+        host, layers = host_decision(jax.device_get(decision), ())  # one transfer
+        self._current = (params, opt_state, extra)
         self._steps_seen = host["step"] + 1
         acts = host["rollback"] or host["snapshot"]  # the only uses of the state
         state = _kept(unpacked(gstate)) if acts else None
         state = runner.after_step(host, state, layers, load_backend("numpy"))  # type: ignore[arg-type]
-        params, opt_state = self._current
-        return params, opt_state, like(gstate, _kept(state)) if host["rollback"] else gstate
+        return self._out(like(gstate, _kept(state)) if host["rollback"] else gstate)
 
     def flush(
-        self, params: Any, opt_state: Any, gstate: GuardStateLike
-    ) -> tuple[Any, Any, GuardStateLike]:
+        self, params: Any, opt_state: Any, gstate: GuardStateLike, *, extra: Any = None
+    ) -> tuple[Any, ...]:
         """``host_every`` > 1: read the decisions kept since the last read (one stacked
         transfer) and act on them, oldest first: history, log, the first rollback among them,
-        a snapshot that fell due (taken now). Returns (params, opt_state, gstate), restored
-        after a rollback. Call it at the end of training too."""
+        a snapshot that fell due (taken now). Returns (params, opt_state, gstate) and
+        ``extra`` as ``after_step`` does, restored after a rollback. Call it at the end of
+        training too."""
         runner = self._require()
+        self._check_extra(extra)
         pending, self._pending = self._pending, []
+        self._current = (params, opt_state, extra)
         if not pending:
-            return params, opt_state, gstate
+            return self._out(gstate)
         stacked = jax.device_get(stack_trees(pending))  # one dispatch, then one transfer
-        decisions, layers = _host_decisions(stacked, len(pending))
+        decisions, layers = host_decisions(stacked, len(pending))
         self._steps_seen = decisions[-1]["step"] + 1
-        self._current = (params, opt_state)
         rolled = runner.after_steps(
             decisions,
             layers,
@@ -176,8 +204,7 @@ class OptaxGuard:
             lambda: _kept(unpacked(gstate)),
             self._steps_seen,
         )
-        params, opt_state = self._current
-        return params, opt_state, gstate if rolled is None else like(gstate, _kept(rolled))
+        return self._out(gstate if rolled is None else like(gstate, _kept(rolled)))
 
     @property
     def history(self) -> Any:
@@ -188,13 +215,14 @@ class OptaxGuard:
         return self._require().log.events
 
     def load_snapshot(
-        self, params: Any, opt_state: Any, step: int | None = None
-    ) -> tuple[Any, Any, GuardStateLike]:
-        """Restore from the newest (or ``step``) snapshot file; ``params`` and ``opt_state``
-        give the tree structure. Returns (params, opt_state, gstate), gstate in the form
-        ``init`` chose."""
+        self, params: Any, opt_state: Any, step: int | None = None, *, extra: Any = None
+    ) -> tuple[Any, ...]:
+        """Restore from the newest (or ``step``) snapshot file; ``params``, ``opt_state``
+        (and ``extra``) give the tree structure. Returns (params, opt_state, gstate), gstate
+        in the form ``init`` chose, and ``extra`` as ``after_step`` does."""
         runner = self._require()
-        previous, self._current = self._current, (params, opt_state)  # the structure to load
+        self._check_extra(extra)
+        previous, self._current = self._current, (params, opt_state, extra)  # the structure
         try:
             step, gstate = runner.load_from_disk(step)
         except BaseException:
@@ -202,37 +230,54 @@ class OptaxGuard:
             raise
         self._steps_seen = step
         self._pending = []
-        return (*self._current, packed_state(gstate) if self._packed else _kept(gstate))
+        return self._out(packed_state(gstate) if self._packed else _kept(gstate))
 
     def _require(self) -> GuardRunner:
         if self.runner is None:
             raise InvalidArgumentError("Expected OptaxGuard.init(params, opt_state) first")
         return self.runner
 
+    def _check_extra(self, extra: Any) -> None:
+        """``extra`` given exactly when ``init`` was given one (it sets the return arity)."""
+        if (extra is not None) != self._has_extra:
+            raise InvalidArgumentError(
+                "Expected extra= in every call when init was given extra=, and only then. "
+                f"Received: init {'with' if self._has_extra else 'without'} extra, this call "
+                f"{'with' if extra is not None else 'without'}"
+            )
+
+    def _out(self, gstate: GuardStateLike) -> tuple[Any, ...]:
+        """(params, opt_state, gstate), and extra when ``init`` had one (after a rollback:
+        the restored ones)."""
+        params, opt_state, extra = self._current  # type: ignore[misc]
+        out = (params, opt_state, gstate, extra)
+        return out if self._has_extra else out[:3]
+
     _steps_seen = 0
     _packed = False
 
     # -- the Adapter protocol of GuardRunner -------------------------------------------------------
-    def capture(self) -> tuple[Any, Any]:
+    def capture(self) -> tuple[Any, Any, Any]:
         return copy_tree(self._current)
 
-    def restore(self, payload: tuple[Any, Any]) -> None:
+    def restore(self, payload: tuple[Any, Any, Any]) -> None:
         self._current = copy_tree(payload)
 
     def scale_lr(self, ratio: float) -> None:
         """Nothing to do: the factor lives in the guard state and scales the updates."""
 
-    def to_host(self, payload: tuple[Any, Any]) -> dict[str, Any]:
-        params, opt_state = jax.device_get(payload)
-        return {"params": jax.tree.leaves(params), "opt_state": jax.tree.leaves(opt_state)}
+    def to_host(self, payload: tuple[Any, Any, Any]) -> dict[str, Any]:
+        trees = zip(self._payload_names(), jax.device_get(payload), strict=False)
+        return {name: jax.tree.leaves(tree) for name, tree in trees}
 
-    def from_host(self, tree: dict[str, Any]) -> tuple[Any, Any]:
-        """The saved leaves in the structure of the current ``params`` and ``opt_state``,
-        after checking their number and shapes (``check_fits``: before, JAX's "Too many
-        leaves for PyTreeDef", or other shapes loaded silently)."""
-        check_payload(tree, ("params", "opt_state"), "optax")
+    def from_host(self, tree: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """The saved leaves in the structure of the current ``params``, ``opt_state`` (and
+        ``extra``), after checking their number and shapes (``check_fits``: before, JAX's
+        "Too many leaves for PyTreeDef", or other shapes loaded silently)."""
+        keys = self._payload_names()
+        check_payload(tree, keys, "optax")
         out = []
-        for name, current in zip(("params", "opt_state"), self._current, strict=True):
+        for name, current in zip(keys, self._current, strict=False):
             paths, treedef = jax.tree_util.tree_flatten_with_path(current)
             names = [name + jax.tree_util.keystr(path) for path, _ in paths]
             saved = list(tree[name])
@@ -245,7 +290,10 @@ class OptaxGuard:
                 [(n, jnp.shape(x)) for n, (_, x) in zip(names, paths, strict=True)],
             )
             out.append(jax.tree.unflatten(treedef, [jnp.asarray(x) for x in saved]))
-        return out[0], out[1]
+        return out[0], out[1], (out[2] if self._has_extra else None)
+
+    def _payload_names(self) -> tuple[str, ...]:
+        return ("params", "opt_state", "extra") if self._has_extra else ("params", "opt_state")
 
 
 def _kept(state: policy.GuardState) -> policy.GuardState:
@@ -254,6 +302,17 @@ def _kept(state: policy.GuardState) -> policy.GuardState:
     that donates ``gstate`` deleted them (XLA's "buffer has been deleted or donated" at the
     next rollback). On snapshot and rollback steps only."""
     return copy_tree(state)
+
+
+def select(decision: PackedDecision | policy.Decision, new: Any, old: Any) -> Any:
+    """``new`` where the step is applied, ``old`` where it is skipped, leaf by leaf (traced):
+    state that the forward pass writes (BatchNorm statistics) keeps its old value when the
+    guard skips the step (before, a skipped NaN batch still wrote NaN statistics)."""
+    return jax.tree.map(lambda n, o: _where(decision.apply, n, o), new, old)
+
+
+def _where(apply: jax.Array, new: Any, old: Any) -> Any:
+    return jnp.where(apply, new, old).astype(jnp.result_type(new))
 
 
 def _check_trees(**trees: Any) -> None:
@@ -281,32 +340,6 @@ def stack_trees(decisions: list[Any]) -> Any:
     """The decisions (or rows) of several steps as one of stacked arrays, in one dispatch
     (compiled once per number of steps; eagerly ``jnp.stack`` dispatches once per array)."""
     return jax.tree.map(lambda *xs: jnp.stack(xs), *decisions)
-
-
-def _host_decision(d: PackedDecision | policy.Decision, i: int | tuple) -> tuple[dict, Any]:
-    """Step ``i`` of a decision read as NumPy (``()``: not stacked) as (the host dict the
-    runner acts on, its layer norms or None)."""
-    if isinstance(d, PackedDecision):
-        row = d.row[i]
-        host = decisions_from_rows(row[: len(ROW_COLUMNS)], int(d.step[i]))[0]
-        return host, (row[len(ROW_COLUMNS) :] if d.tracked else None)
-    host = {k: getattr(d, k)[i].item() for k in policy.Decision._fields if k != "layer_norms"}
-    for key in ("apply", "rollback", "snapshot"):
-        host[key] = bool(host[key])
-    return host, (None if d.layer_norms is None else d.layer_norms[i])
-
-
-def _host_decisions(d: PackedDecision | policy.Decision, n: int) -> tuple[list[dict], Any]:
-    """The ``n`` steps of stacked decisions read as NumPy: (their host dicts, their layer
-    norms or None); a packed block becomes dicts in one pass over its rows."""
-    if not isinstance(d, PackedDecision):
-        pairs = [_host_decision(d, i) for i in range(n)]
-        layers = None if pairs[0][1] is None else [layer for _, layer in pairs]
-        return [host for host, _ in pairs], layers
-    decisions = decisions_from_rows(d.row[:, : len(ROW_COLUMNS)], 0)
-    for host, step in zip(decisions, d.step.tolist(), strict=True):
-        host["step"] = step
-    return decisions, (list(d.row[:, len(ROW_COLUMNS) :]) if d.tracked else None)
 
 
 # -- the traced functions, usable with the (hashable) TrainingGuard as a static jit argument --
@@ -386,7 +419,7 @@ def guarded_step(
     new_params = optax.apply_updates(params, updates)
 
     def pick(new: Any, old: Any) -> Any:  # old exactly where the step is bad
-        return jnp.where(decision.apply, new, old).astype(jnp.result_type(new))
+        return _where(decision.apply, new, old)
 
     # a select, not a lax.cond: it fuses into the update's own elementwise kernels, where a
     # cond copies every buffer (3-6% of a small step on CPU). Every leaf's update so waits
@@ -399,7 +432,7 @@ def guarded_step(
         # the scaler's bookkeeping: new where it decided (its own skip of an overflow too)
         keep = decision.apply | ~new.last_finite
         own = jax.tree.map(
-            lambda n, o: jnp.where(keep, n, o).astype(jnp.result_type(n)),
+            lambda n, o: _where(keep, n, o),
             new._replace(inner_state=None),
             old._replace(inner_state=None),
         )

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from numstab.errors import InvalidArgumentError
 from numstab.guard import policy
-from numstab.guard.deferred import ROW_COLUMNS
+from numstab.guard.deferred import ROW_COLUMNS, decisions_from_rows
 from numstab.guard.spikes import WindowState
 
 Sizes = tuple[int, int, int]  # the loss window, the grad-norm window, rollback_window
@@ -176,3 +176,29 @@ class PackedDecision:
 
     def __repr__(self) -> str:
         return repr(self.unpack())
+
+
+def host_decision(d: PackedDecision | policy.Decision, i: int | tuple) -> tuple[dict, Any]:
+    """Step ``i`` of a decision read as NumPy (``()``: not stacked) as (the host dict the
+    runner acts on, its layer norms or None)."""
+    if isinstance(d, PackedDecision):
+        row = d.row[i]
+        host = decisions_from_rows(row[: len(ROW_COLUMNS)], int(d.step[i]))[0]
+        return host, (row[len(ROW_COLUMNS) :] if d.tracked else None)
+    host = {k: getattr(d, k)[i].item() for k in policy.Decision._fields if k != "layer_norms"}
+    for key in ("apply", "rollback", "snapshot"):
+        host[key] = bool(host[key])
+    return host, (None if d.layer_norms is None else d.layer_norms[i])
+
+
+def host_decisions(d: PackedDecision | policy.Decision, n: int) -> tuple[list[dict], Any]:
+    """The ``n`` steps of stacked decisions read as NumPy: (their host dicts, their layer
+    norms or None); a packed block becomes dicts in one pass over its rows."""
+    if not isinstance(d, PackedDecision):
+        pairs = [host_decision(d, i) for i in range(n)]
+        layers = None if pairs[0][1] is None else [layer for _, layer in pairs]
+        return [host for host, _ in pairs], layers
+    decisions = decisions_from_rows(d.row[:, : len(ROW_COLUMNS)], 0)
+    for host, step in zip(decisions, d.step.tolist(), strict=True):
+        host["step"] = step
+    return decisions, (list(d.row[:, len(ROW_COLUMNS) :]) if d.tracked else None)
