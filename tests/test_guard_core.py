@@ -380,7 +380,7 @@ class FakeAdapter:
         self.value, self.lr = payload  # the LR comes back with the optimizer state
         self.restored.append(self.value)
 
-    def scale_lr(self, ratio):
+    def scale_lr(self, ratio, ratio_now):  # ratio: the LR restore put back
         self.lr *= ratio
 
     def to_host(self, payload):

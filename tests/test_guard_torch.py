@@ -354,6 +354,28 @@ def test_a_rollback_after_add_param_group_keeps_the_added_group():
         tg.restore(tg.runner.ring.latest().payload)
 
 
+def test_a_second_rollback_scales_the_added_group_once():
+    """The added group kept its learning rate through a restore, yet was multiplied by the
+    new factor over the snapshot's: after a second rollback, past an earlier snapshot, by
+    0.25 / 1 rather than 0.25 / 0.5 (once too often)."""
+    model, _ = make()
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.05)
+    tg = TrainingGuard(snapshot_every=2, rollback_after=1, rollback_window=2).for_torch(model, opt)
+    lrs = []
+    for step, bad in enumerate([False, False, False, True, True]):  # snapshots at 0 and 2
+        x, y = batch(step, nan_steps={step} if bad else set())
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == 2:
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": 0.01})
+        tg.step(torch.nn.functional.mse_loss(model(x), y))
+        lrs.append([g["lr"] for g in opt.param_groups])
+    rollbacks = [(e["to_step"], e["lr_factor"]) for e in tg.events if e["event"] == "rollback"]
+    assert rollbacks == [(2, 0.5), (0, 0.25)]
+    assert lrs[-2] == [pytest.approx(0.025), pytest.approx(0.005)]
+    assert lrs[-1] == [pytest.approx(0.0125), pytest.approx(0.0025)]
+
+
 def test_step_guard_names_the_skip_after_a_rollback_and_locates_only_once(caplog):
     """The skip message read the last event, a rollback's: "skipped step 2 ()"; a
     locate_nonfinite that failed (a compiled module) was tried again on every bad step; and

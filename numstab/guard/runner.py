@@ -24,7 +24,9 @@ class Adapter(Protocol):
 
     def restore(self, payload: Any) -> None: ...
 
-    def scale_lr(self, ratio: float) -> None: ...  # multiply the current learning rate
+    # multiply the learning rate: what ``restore`` put back by ``ratio``, what it kept as it
+    # was (torch's param groups added after the snapshot) by ``ratio_now``
+    def scale_lr(self, ratio: float, ratio_now: float) -> None: ...
 
     def to_host(self, payload: Any) -> Any: ...  # NumPy tree for the disk
 
@@ -166,7 +168,8 @@ class GuardRunner:
         self.adapter.restore(snap.payload)
         new_state = policy.rolled_back(self.guard, self.be, state, snap.guard_state)
         new_factor = float(self.be.to_numpy(new_state.lr_factor))
-        self.adapter.scale_lr(new_factor / snap.lr_factor)
+        factor_now = float(self.be.to_numpy(state.lr_factor))
+        self.adapter.scale_lr(new_factor / snap.lr_factor, new_factor / factor_now)
         self.rollbacks += 1
         self._rolled_back_to_latest = True
         self.skip_batches_left = self.guard.skip_after_rollback

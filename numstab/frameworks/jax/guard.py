@@ -263,7 +263,7 @@ class OptaxGuard:
     def restore(self, payload: tuple[Any, Any, Any]) -> None:
         self._current = copy_tree(payload)
 
-    def scale_lr(self, ratio: float) -> None:
+    def scale_lr(self, ratio: float, ratio_now: float) -> None:
         """Nothing to do: the factor lives in the guard state and scales the updates."""
 
     def to_host(self, payload: tuple[Any, Any, Any]) -> dict[str, Any]:

@@ -273,7 +273,7 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         for var, value in zip(self._state_vars, payload, strict=True):
             var.assign(value)
 
-    def scale_lr(self, ratio: float) -> None:
+    def scale_lr(self, ratio: float, ratio_now: float) -> None:
         opt = self.model.optimizer
         while getattr(opt, "inner_optimizer", None) is not None:  # (wrappers delegate to it)
             opt = opt.inner_optimizer

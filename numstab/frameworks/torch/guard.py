@@ -299,21 +299,30 @@ class TorchGuard(RunnerResults):
     def restore(self, payload: dict[str, Any]) -> None:
         # a copy: load_state_dict may keep the given tensors, which later steps update in place
         optimizer = _fitted(copy.deepcopy(payload["optimizer"]), self.optimizer)
+        self._kept_groups = len(payload["optimizer"]["param_groups"])  # the rest: added since
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(optimizer)
         if self.scheduler is not None and "scheduler" in payload:
             self.scheduler.load_state_dict(copy.deepcopy(payload["scheduler"]))
 
-    def scale_lr(self, ratio: float) -> None:
-        for group in self.optimizer.param_groups:
+    def scale_lr(self, ratio: float, ratio_now: float) -> None:
+        """The restored groups' learning rates times ``ratio``; the groups added after the
+        snapshot kept theirs as they were, so times ``ratio_now`` (before, ``ratio`` too:
+        after a second rollback past an earlier snapshot, scaled once too often)."""
+        groups = self.optimizer.param_groups
+        for i, group in enumerate(groups):
+            r = ratio if i < self._kept_groups else ratio_now
             for key in ("lr", "initial_lr"):
                 if key in group:
                     if isinstance(group[key], torch.Tensor):
-                        group[key].mul_(ratio)
+                        group[key].mul_(r)
                     else:
-                        group[key] = group[key] * ratio
+                        group[key] = group[key] * r
         if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
-            self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
+            self.scheduler.base_lrs = [
+                lr * (ratio if i < self._kept_groups else ratio_now)
+                for i, lr in enumerate(self.scheduler.base_lrs)
+            ]
 
     def to_host(self, payload: Any) -> Any:
         if isinstance(payload, torch.Tensor):
