@@ -196,3 +196,30 @@ def test_equinox_state_with_its_bool_leaf():
             assert not bool(d.apply)
             same(state, before)
     assert finite(state)
+
+
+def test_typed_prng_keys_round_trip_through_snapshot_files(tmp_path):
+    """NNX keeps its dropout RNG as typed keys (``RngKey``); the file writer refused them
+    ("Expected arrays, ... Received: tree['payload']['extra'][0] of type PRNGKeyArray")."""
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=7))
+    params = {"w": jnp.ones(3)}
+    rng_state = nnx.state(model, nnx.RngState)
+    guard = ns.TrainingGuard(snapshot_dir=str(tmp_path), keep_snapshots=1)
+    og = guard.for_optax()
+    opt_state = (TX.init(params), {"key": jax.random.key(5, impl="rbg")})
+    og.init(params, opt_state, extra=rng_state)
+    is_key = lambda x: jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    assert sum(map(is_key, jax.tree.leaves(rng_state))) == 1  # and its uint32 count
+    other = jax.tree.map(lambda x: jax.random.key(0) if is_key(x) else x + 3, rng_state)
+    *_, restored = og.load_snapshot(params, opt_state, extra=other)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(rng_state), strict=True):
+        assert is_key(a) == is_key(b)
+        if is_key(a):
+            assert jax.random.key_impl(a) == jax.random.key_impl(b)
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(a, b)
+    # a key of another implementation (other key data shape) is refused by name
+    wrong = (opt_state[0], {"key": jax.random.key(5, impl="threefry2x32")})
+    with pytest.raises(ns.InvalidArgumentError, match=r"opt_state\[1\]\['key'\]"):
+        og.load_snapshot(params, wrong, extra=rng_state)

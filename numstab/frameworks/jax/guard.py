@@ -54,6 +54,7 @@ import optax
 from numstab import _validate as v
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.jax import guard_files
 from numstab.frameworks.jax.guard_state import (
     GuardStateLike,
     PackedDecision,
@@ -66,7 +67,7 @@ from numstab.frameworks.jax.guard_state import (
 from numstab.frameworks.jax.guard_state import packed as packed_state
 from numstab.frameworks.jax.optax import LossScaledState, loss_scaled_states
 from numstab.guard import policy
-from numstab.guard.runner import GuardRunner, check_fits, check_payload
+from numstab.guard.runner import GuardRunner
 
 if TYPE_CHECKING:
     from numstab.guard.guard import TrainingGuard
@@ -267,30 +268,13 @@ class OptaxGuard:
         """Nothing to do: the factor lives in the guard state and scales the updates."""
 
     def to_host(self, payload: tuple[Any, Any, Any]) -> dict[str, Any]:
-        trees = zip(self._payload_names(), jax.device_get(payload), strict=False)
-        return {name: jax.tree.leaves(tree) for name, tree in trees}
+        return guard_files.to_host(self._payload_names(), payload)
 
     def from_host(self, tree: dict[str, Any]) -> tuple[Any, Any, Any]:
-        """The saved leaves in the structure of the current ``params``, ``opt_state`` (and
-        ``extra``), after checking their number and shapes (``check_fits``: before, JAX's
-        "Too many leaves for PyTreeDef", or other shapes loaded silently)."""
-        keys = self._payload_names()
-        check_payload(tree, keys, "optax")
-        out = []
-        for name, current in zip(keys, self._current, strict=False):
-            paths, treedef = jax.tree_util.tree_flatten_with_path(current)
-            names = [name + jax.tree_util.keystr(path) for path, _ in paths]
-            saved = list(tree[name])
-            check_fits(
-                name,
-                [
-                    (names[i] if i < len(names) else f"{name} leaf {i}", x)
-                    for i, x in enumerate(saved)
-                ],
-                [(n, jnp.shape(x)) for n, (_, x) in zip(names, paths, strict=True)],
-            )
-            out.append(jax.tree.unflatten(treedef, [jnp.asarray(x) for x in saved]))
-        return out[0], out[1], (out[2] if self._has_extra else None)
+        params, opt_state, *extra = guard_files.from_host(
+            tree, self._payload_names(), self._current
+        )
+        return params, opt_state, (extra[0] if extra else None)
 
     def _payload_names(self) -> tuple[str, ...]:
         return ("params", "opt_state", "extra") if self._has_extra else ("params", "opt_state")
