@@ -221,3 +221,9 @@ def test_training_mode_is_refused_with_how_to_leave_it():
         with pytest.raises(InvalidArgumentError, match="deterministic mode"):
             locate_nonfinite(bound, x)
     assert not locate_nonfinite(Linen(True).bind(variables), x).found
+
+    eqx = pytest.importorskip("equinox")  # Equinox's RuntimeError "Dropout requires a key"
+    em = eqx.nn.Sequential([eqx.nn.Linear(3, 3, key=jax.random.key(0)), eqx.nn.Dropout(0.5)])
+    with pytest.raises(InvalidArgumentError, match=r"\(eqx\.nn\.inference_mode\(model\)\)"):
+        locate_nonfinite(em, x[0])
+    assert not locate_nonfinite(eqx.nn.inference_mode(em), x[0]).found

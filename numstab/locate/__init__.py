@@ -34,13 +34,16 @@ def locate_nonfinite(
     loss_fn: Callable[..., Any] | None = None,
     targets: Any = None,
     backend: str | None = None,
+    **model_kwargs: Any,
 ) -> LocateReport:
-    """Run ``model(*inputs)`` once (and ``loss_fn(output, targets)`` with its backward pass;
-    ``loss_fn(output)`` when ``targets`` is None) and report the first layer, in execution
-    order, whose output (forward) or own gradient (backward) is non-finite.
+    """Run ``model(*inputs, **model_kwargs)`` once (and ``loss_fn(output, targets)`` with its
+    backward pass; ``loss_fn(output)`` when ``targets`` is None) and report the first layer,
+    in execution order, whose output (forward) or own gradient (backward) is non-finite.
 
-    Reads values on the host once at the end; eager only. The model's parameters and their
-    ``.grad`` fields are not changed.
+    ``model_kwargs``: the model's keyword arguments (Hugging Face's ``attention_mask=``,
+    Flax's ``deterministic=True``); on JAX, those holding arrays are traced and the others
+    are static (part of the compiled pass's cache key). Reads values on the host once at the
+    end; eager only. The model's parameters and their ``.grad`` fields are not changed.
     """
     if loss_fn is not None and not callable(loss_fn):
         raise InvalidArgumentError(
@@ -51,10 +54,11 @@ def locate_nonfinite(
             "Expected loss_fn when targets are given (targets are only passed to loss_fn). "
             "Received: loss_fn=None"
         )
-    library = _model_library(model, inputs, backend)
+    library = _model_library(model, (*inputs, *model_kwargs.values()), backend)
     if library is None:  # a plain function of JAX arrays made of numstab.locate.jax.layer calls
-        return frameworks.module("jax", "locate").locate(model, inputs, loss_fn, targets)
-    return _code(library).locate_model(model, inputs, loss_fn, targets)
+        locate = frameworks.module("jax", "locate").locate
+        return locate(model, inputs, loss_fn, targets, model_kwargs)
+    return _code(library).locate_model(model, inputs, loss_fn, targets, model_kwargs)
 
 
 def _code(library: frameworks.ModelLibrary) -> Any:

@@ -133,17 +133,18 @@ class _Recorder:
         record.outputs = out_leaves
         return out
 
-    def root(self, model: Callable, inputs: tuple) -> Any:
-        """``model(*inputs)`` as the layer ``""``, the model itself (torch's root module). A
-        model that calls ``layer("", ...)`` at its top level names its root itself (with its
-        own parameters): this implicit entry is then hidden, not reported nor counted."""
+    def root(self, model: Callable, inputs: tuple, kwargs: dict) -> Any:
+        """``model(*inputs, **kwargs)`` as the layer ``""``, the model itself (torch's root
+        module). A model that calls ``layer("", ...)`` at its top level names its root itself
+        (with its own parameters): this implicit entry is then hidden, not reported nor
+        counted."""
 
-        def fn(_: Any, *args: Any) -> Any:
-            return model(*args)
+        def fn(_: Any, *args: Any, **kw: Any) -> Any:
+            return model(*args, **kw)
 
         fn.__name__ = getattr(model, "__name__", type(model).__name__)  # the report's type
         first = len(self.calls)
-        out = self.call("", fn, {}, inputs, {})
+        out = self.call("", fn, {}, inputs, kwargs)
         self.calls[first].hidden = any(c.name == "" for c in self.calls[first + 1 :])
         return out
 
@@ -155,12 +156,14 @@ def _absmax(xs: list) -> jax.Array | None:
     return jnp.max(jnp.stack([jnp.max(jnp.abs(x.astype(jnp.float32))) for x in xs]))
 
 
-def _run(model, loss_fn, inputs, targets, probes):
-    """The model and the loss (recorded as the call "<loss>"), with a recorder installed."""
+def _run(model, loss_fn, inputs, fixed, targets, probes):
+    """The model and the loss (recorded as the call "<loss>"), with a recorder installed;
+    ``inputs``: (positional, array keyword arguments), ``fixed``: the other keywords."""
     recorder = _Recorder(probes)
     token = _RECORDER.set(recorder)
     try:
-        output = recorder.root(model, inputs)
+        args, traced = inputs
+        output = recorder.root(model, args, {**traced, **fixed})
         if loss_fn is not None:
 
             def loss_of(_, output):
@@ -202,13 +205,14 @@ def _spec(tree: Any) -> tuple:
     )
 
 
-def _instrumented(split: Split, loss_fn, inputs, targets):
+def _instrumented(split: Split, loss_fn, inputs, fixed: dict, targets):
     """A jitted ``(arrays, inputs, targets) -> per-call maxima and counts`` and a list whose
     last element is the recorder of its trace (names and order). Cached per model key,
-    loss_fn and the structure, shapes and dtypes of the arrays and inputs (the last 16)."""
+    loss_fn, the static keyword arguments ``fixed`` and the structure, shapes and dtypes of
+    the arrays and inputs (the last 16)."""
     key = None
     if split.key is not None:
-        key = (split.key, loss_fn, _spec((split.arrays, inputs, targets)))
+        key = (split.key, loss_fn, tuple(fixed.items()), _spec((split.arrays, inputs, targets)))
         try:
             if key in _CACHE:
                 return _CACHE[key]
@@ -216,7 +220,7 @@ def _instrumented(split: Split, loss_fn, inputs, targets):
             key = None
 
     def shapes(arrays, inputs, targets):
-        recorder, _ = _run(split.build(arrays), loss_fn, inputs, targets, None)
+        recorder, _ = _run(split.build(arrays), loss_fn, inputs, fixed, targets, None)
         spec = lambda xs: [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs]
         return [(spec(r.params), spec(r.inputs), spec(r.outputs)) for r in recorder.calls]
 
@@ -230,7 +234,7 @@ def _instrumented(split: Split, loss_fn, inputs, targets):
         model = split.build(arrays)
 
         def forward(probes):
-            recorder, loss = _run(model, loss_fn, inputs, targets, probes)
+            recorder, loss = _run(model, loss_fn, inputs, fixed, targets, probes)
             static.append(recorder)
             aux = [(r.params, r.inputs, r.outputs) for r in recorder.calls]
             return (loss if loss is not None else jnp.float32(0)), aux
@@ -274,12 +278,29 @@ def _instrumented(split: Split, loss_fn, inputs, targets):
     return jitted, static, layout
 
 
-def locate(model: Callable | Split, inputs: tuple, loss_fn, targets) -> LocateReport:
-    """Locate in a plain function of JAX arrays, or in a module library's ``Split`` model."""
+def locate(
+    model: Callable | Split, inputs: tuple, loss_fn, targets, kwargs: dict | None = None
+) -> LocateReport:
+    """Locate in a plain function of JAX arrays, or in a module library's ``Split`` model.
+    ``kwargs`` holding arrays (every leaf) are traced, the others static."""
     load_backend("jax")
     split = model if isinstance(model, Split) else Split.of_function(model)
-    jitted, static, layout = _instrumented(split, loss_fn, inputs, targets)
-    vector, tensors = jitted(split.arrays, inputs, targets)
+    traced, fixed = {}, {}
+    for name, value in (kwargs or {}).items():
+        leaves = jax.tree_util.tree_leaves(value)
+        is_data = leaves and all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves)
+        (traced if is_data else fixed)[name] = value
+    jitted, static, layout = _instrumented(split, loss_fn, (inputs, traced), fixed, targets)
+    try:
+        vector, tensors = jitted(split.arrays, (inputs, traced), targets)
+    except jax.errors.UnexpectedTracerError as error:
+        raise InvalidArgumentError(
+            "Expected the model's layers to be called directly, not inside a JAX "
+            "transformation of its own (jax.vmap, lax.scan, jax.checkpoint, ...): each "
+            "layer's values are recorded, and cannot leave that transformation. Locate one "
+            "sample with the model that the transformation maps (Equinox: model(x[0])). "
+            f"Received: {type(error).__name__} from inside the model"
+        ) from error
     values = jax.device_get(vector)  # the one host transfer
     recorder = static[-1]
     calls, details = [], {}

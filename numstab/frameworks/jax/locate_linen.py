@@ -40,31 +40,33 @@ def split(model: Any) -> Split:
 
 
 def as_layers(model: Any) -> Callable[..., Any]:
-    """``model(*inputs)`` (a bound module) with every sub-module ``__call__`` a ``layer``."""
+    """``model(*inputs, **kwargs)`` (a bound module) with every sub-module ``__call__`` a
+    ``layer``."""
     import flax.linen as nn
 
-    def run(*inputs: Any) -> Any:
+    def run(*inputs: Any, **kwargs: Any) -> Any:
         with nn.intercept_methods(_as_layer):
-            return _root(model, inputs)
+            return _root(model, inputs, kwargs)
 
     return run
 
 
-def _root(model: Any, inputs: tuple) -> Any:
-    """``model(*inputs)`` as ``layer("", ...)``: its params are the root's own variables (not
-    a sub-module's: those are the collections' nested scopes), merged back before applying."""
+def _root(model: Any, inputs: tuple, kwargs: dict) -> Any:
+    """``model(*inputs, **kwargs)`` as ``layer("", ...)``: its params are the root's own
+    variables (not a sub-module's: those are the collections' nested scopes), merged back
+    before applying."""
     variables = {c: dict(tree) for c, tree in model.variables.items()}
     own = {
         c: {k: v for k, v in t.items() if not isinstance(v, Mapping)} for c, t in variables.items()
     }
     unbound = model.clone(parent=None)
 
-    def fn(own: dict, *args: Any) -> Any:
+    def fn(own: dict, *args: Any, **kw: Any) -> Any:
         merged = {c: {**tree, **own[c]} for c, tree in variables.items()}
-        return unbound.apply(merged, *args)
+        return unbound.apply(merged, *args, **kw)
 
     fn.__name__ = type(model).__name__  # the report's layer type
-    return layer("", fn, own, *inputs)
+    return layer("", fn, own, *inputs, **kwargs)
 
 
 def _as_layer(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
@@ -81,10 +83,12 @@ def _as_layer(next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> An
     return layer(".".join(path), fn, module.variables, *args, **kwargs)
 
 
-def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
+def locate_model(
+    model: Any, inputs: tuple, loss_fn, targets, kwargs: dict | None = None
+) -> LocateReport:
     """The registry's entry point: a bound linen module, located as ``layer`` calls. Its
     sub-modules run with immutable variables and no RNGs: a training-mode Dropout or
     BatchNorm (flax's ``InvalidRngError``, ``ModifyScopeVariableError``) is refused."""
     refused = ("InvalidRngError", "ModifyScopeVariableError")
     with deterministic_only(model, refused, "deterministic=True, use_running_average=True"):
-        return locate(split(model), inputs, loss_fn, targets)
+        return locate(split(model), inputs, loss_fn, targets, kwargs)

@@ -242,14 +242,14 @@ def library_of(model: Any) -> Library | None:
 
 
 def as_layers(library: Library, model: Any) -> Callable[..., Any]:
-    """``model(*inputs)`` with every sub-module call made a ``layer``."""
+    """``model(*inputs, **kwargs)`` with every sub-module call made a ``layer``."""
     classes = {type(m) for m in library.modules(model)}
 
-    def run(*inputs: Any) -> Any:
+    def run(*inputs: Any, **kwargs: Any) -> Any:
         with _patched(library, classes):
             token = _CHILDREN.set({id(model): ""})  # the model itself is the layer ""
             try:
-                return model(*inputs)
+                return model(*inputs, **kwargs)
             finally:
                 _CHILDREN.reset(token)
 
@@ -285,10 +285,32 @@ def _layer_call(library: Library, call: Callable) -> Callable:
     return layer_call
 
 
-def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
+def locate_model(
+    model: Any, inputs: tuple, loss_fn, targets, kwargs: dict | None = None
+) -> LocateReport:
     """The registry's entry point: an Equinox or Flax NNX module, located as ``layer`` calls.
     An NNX module in training mode (Dropout's RNG counts, BatchNorm's running statistics)
     changes its state inside the traced pass (``StateChanged``; flax's ``TraceContextError``
-    for state it reaches outside the model)."""
-    with deterministic_only(model, ("StateChanged", "TraceContextError"), "model.eval()"):
-        return locate(library_of(model).split(model), inputs, loss_fn, targets)
+    for state it reaches outside the model). An Equinox Dropout in training mode asks for a
+    key (its ``RuntimeError``, which named no way out)."""
+    library = library_of(model)
+    if isinstance(library, Equinox):
+        how, refused = "eqx.nn.inference_mode(model)", ("EquinoxDropoutNeedsKey",)
+    else:
+        how, refused = "model.eval()", ("StateChanged", "TraceContextError")
+    with deterministic_only(model, refused, how), _dropout_key_error_named():
+        return locate(library.split(model), inputs, loss_fn, targets, kwargs)
+
+
+class EquinoxDropoutNeedsKey(RuntimeError):
+    """Equinox's "Dropout requires a key when running in non-deterministic mode"."""
+
+
+@contextlib.contextmanager
+def _dropout_key_error_named() -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as error:
+        if "requires a key" not in str(error) or "Dropout" not in str(error):
+            raise
+        raise EquinoxDropoutNeedsKey(str(error)) from error

@@ -79,19 +79,21 @@ def runs_on() -> str:
     return keras.backend.backend()
 
 
-def locate_model(model: Any, inputs: tuple, loss_fn, targets) -> LocateReport:
+def locate_model(
+    model: Any, inputs: tuple, loss_fn, targets, kwargs: dict | None = None
+) -> LocateReport:
     """The registry's entry point: a Keras model on its Keras backend."""
-    framework = runs_on()
-    build(model, inputs)
+    framework, kwargs = runs_on(), kwargs or {}
+    build(model, inputs, kwargs)
     if framework == "jax":
         from numstab.frameworks.jax.locate import locate as locate_jax
         from numstab.frameworks.keras.locate_jax import split
 
-        return locate_jax(split(model), inputs, loss_fn, targets)
-    return locate(model, inputs, loss_fn, targets, framework)
+        return locate_jax(split(model), inputs, loss_fn, targets, kwargs)
+    return locate(model, inputs, loss_fn, targets, framework, kwargs)
 
 
-def build(model: Any, inputs: tuple) -> None:
+def build(model: Any, inputs: tuple, kwargs: dict) -> None:
     """Build an unbuilt model (or one holding unbuilt layers) by one plain call on the
     inputs, before any wrapping or tracing: Keras would otherwise build it inside the
     instrumented pass, symbolically (TensorFlow: graph tensors out of scope; torch: meta
@@ -100,7 +102,7 @@ def build(model: Any, inputs: tuple) -> None:
     if all(layer.built for layer in layers):
         return
     try:
-        model(*inputs)
+        model(*inputs, **kwargs)
     except Exception as error:
         raise InvalidArgumentError(
             "Expected a built Keras model: calling the unbuilt model on the inputs to build "
@@ -116,14 +118,16 @@ def build(model: Any, inputs: tuple) -> None:
         )
 
 
-def locate(model: Any, inputs: tuple, loss_fn, targets, framework: str) -> LocateReport:
+def locate(
+    model: Any, inputs: tuple, loss_fn, targets, framework: str, kwargs: dict
+) -> LocateReport:
     """A Keras model on TensorFlow or torch: wrapped calls and one autodiff pass."""
     be, autodiff = load_backend(framework), autodiff_for(framework)
     recorder = _Recorder(be, autodiff, backward=loss_fn is not None)
     loss_entry = None
     with wrapped_calls(model, recorder.wrap):
         with autodiff.recording(loss_fn is not None):
-            output = model(*inputs)
+            output = model(*inputs, **kwargs)
             if loss_fn is not None:
                 record = LayerCall(LOSS, "loss_fn", start=next(recorder.clock))
                 loss = loss_fn(output) if targets is None else loss_fn(output, targets)

@@ -41,11 +41,11 @@ def as_layers(model: Any, variables: list, values: list) -> Callable[..., Any]:
     """``model(*inputs)`` with every layer call made a ``layer``, ``variables`` mapped to
     ``values``."""
 
-    def run(*inputs: Any) -> Any:
+    def run(*inputs: Any, **kwargs: Any) -> Any:
         token = _VALUES.set({id(v): x for v, x in zip(variables, values, strict=True)})
         try:
             with wrapped_calls(model, _layer_call):
-                return model(*inputs)
+                return model(*inputs, **kwargs)
         finally:
             _VALUES.reset(token)
 

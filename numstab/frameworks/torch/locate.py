@@ -123,7 +123,9 @@ class _Call:
         self.out_edges: list[GradientEdge] = []
 
 
-def _record_forward(model, inputs, names: dict, grad: bool, ext: _Extrema, clock) -> tuple:
+def _record_forward(
+    model, inputs: tuple, kwargs: dict, names: dict, grad: bool, ext: _Extrema, clock
+) -> tuple:
     """Run the model with a pre and a post hook on every module: (its calls, in the order
     they finished, each with its inputs, outputs and their gradient edges; the output)."""
     records: list[_Call] = []
@@ -151,7 +153,7 @@ def _record_forward(model, inputs, names: dict, grad: bool, ext: _Extrema, clock
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
     try:
         with torch.set_grad_enabled(grad):
-            output = model(*inputs)
+            output = model(*inputs, **kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -178,13 +180,15 @@ def _eager(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     return model, names
 
 
-def locate(model: torch.nn.Module, inputs: tuple, loss_fn, targets) -> LocateReport:
+def locate(
+    model: torch.nn.Module, inputs: tuple, loss_fn, targets, kwargs: dict | None = None
+) -> LocateReport:
     """``locate_nonfinite`` for a torch module (arguments checked by the caller)."""
     ext = _Extrema()
     clock = itertools.count()
     model, names = _eager(model)
     grad = loss_fn is not None and torch.is_grad_enabled()
-    records, output = _record_forward(model, inputs, names, grad, ext, clock)
+    records, output = _record_forward(model, inputs, kwargs or {}, names, grad, ext, clock)
     backward = None
     if loss_fn is not None:
         backward = _Backward(model, names, records, output, loss_fn, targets, clock, ext)
