@@ -26,7 +26,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
-from numstab.frameworks.torch.numerics import checkable, readable
+from numstab.frameworks.torch.numerics import checkable, flat_values, readable
 from numstab.locate._report import LOSS, LayerCall, LocateReport, check_loss, summarise
 from numstab.nonfinite import find_nonfinite
 from numstab.tree import flatten
@@ -214,7 +214,7 @@ def locate(
     def counts(call: LayerCall, phase: str) -> tuple[int, int]:
         rec = by_call[id(call)]
         if phase == "forward":
-            found = find_nonfinite(rec.outputs)
+            found = find_nonfinite([flat_values(t) for t in rec.outputs])  # nested: components
         else:
             found = find_nonfinite(backward.own_input_grads(rec))
             found += find_nonfinite(backward.named_param_grads(rec))

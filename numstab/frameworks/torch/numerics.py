@@ -6,7 +6,10 @@
   backward ops under the same mode), because anomaly mode alone ignores the forward pass and
   inf. ``torch.compile``d functions run eagerly inside (``set_stance("force_eager")``): a
   dispatch mode cannot see inside a compiled graph, and ``fullgraph=True`` would refuse to run.
-- ``mode="sentinel"``: a global module forward hook records one reduction (``summary``) of
+  Ops that make no values (``empty*``, views) are passed through; an inf the op received (a
+  ±inf scalar argument, a tensor argument holding inf) is not reported, NaN always is.
+- ``mode="sentinel"``: a global module forward hook (one fixed entry for every context, a
+  no-op inside compiled code) records one reduction (``summary``) of
   every floating or complex module output (no sync), and a post-accumulate-grad hook the same
   for the gradient of each parameter of those modules (a NaN born in the backward pass reaches
   the parameter gradients of every layer before it, so the first such layer in backward order
@@ -17,11 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import weakref
 from typing import Any
 
 import torch
+from torch.nn.modules.module import _global_forward_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
 
 from numstab.errors import NonFiniteError
 from numstab.numerics import _where
@@ -43,7 +49,8 @@ _NO_NONFINITE = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith(
 
 
 def checkable(t: Any) -> bool:
-    """A non-empty floating or complex tensor that can hold NaN or inf."""
+    """A non-empty floating or complex tensor that can hold NaN or inf (a nested tensor
+    counts its components' elements)."""
     return (
         isinstance(t, torch.Tensor)
         and (t.is_floating_point() or t.is_complex())
@@ -52,10 +59,23 @@ def checkable(t: Any) -> bool:
     )
 
 
+def flat_values(t: torch.Tensor) -> torch.Tensor:
+    """A nested tensor's elements as one 1-D tensor (most reductions, ``aminmax`` and ``sum``
+    among them, have no nested kernel); any other tensor as it is."""
+    if not t.is_nested:
+        return t
+    if t.layout == torch.jagged:
+        return t.values().reshape(-1)
+    parts = [c.reshape(-1) for c in t.unbind()]
+    return torch.cat(parts) if parts else t.new_zeros(0)
+
+
 def readable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a real floating tensor with the same non-finite values: an 8-bit float
-    upcast to float32 (every value kept), a complex one viewed as its (real, imag) pairs (a
-    complex value is finite when both parts are), any other as it is."""
+    """``t`` as a real floating tensor with the same non-finite values: a nested tensor as its
+    components' elements (1-D), an 8-bit float upcast to float32 (every value kept), a
+    complex one viewed as its (real, imag) pairs (a complex value is finite when both parts
+    are), any other as it is."""
+    t = flat_values(t)
     if t.dtype in _FLOAT8:
         return t.float()
     return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
@@ -73,25 +93,101 @@ def _float_tensors(out: Any) -> list[torch.Tensor]:
 
 def _counts(t: torch.Tensor) -> tuple[int, int]:
     """Elements holding NaN, and inf (a complex element in either part)."""
+    t = flat_values(t)
     t = t.float() if t.dtype in _FLOAT8 else t
     return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
 
 
+#: ops whose output holds no values of their own: uninitialised memory (whatever a freed
+#: buffer held) or storage re-pointed or resized in place; views (``func.is_view``) and
+#: in-place views (``Tag.inplace_view``) only alias values that were made elsewhere
+_NO_VALUES = frozenset(
+    "empty empty_like new_empty empty_strided new_empty_strided empty_permuted resize_ "  # noqa: SIM905
+    "resize_as_ _resize_output_ set_".split()
+)
+#: in-place ops that overwrite ``self`` without reading it
+_WRITE_ONLY = frozenset(
+    "copy_ fill_ zero_ normal_ uniform_ bernoulli_ exponential_ geometric_ cauchy_ "  # noqa: SIM905
+    "log_normal_ random_".split()
+)
+
+
+class _Plan:
+    """How one aten overload is checked, worked out from its schema once (``_PLANS``)."""
+
+    __slots__ = ("pre", "skip", "written")
+
+    def __init__(self, func) -> None:
+        schema = func._schema
+        name = schema.name.split("::")[-1]
+        self.skip = name in _NO_VALUES or func.is_view or torch.Tag.inplace_view in func.tags
+        written = [
+            (i, a.name)
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        ]
+        #: arguments that hold a result after the op: not read for inf it received
+        self.written = frozenset(x for pair in written for x in pair)
+        #: in-place on ``self`` and reading it: whether it held inf is read before the op
+        self.pre = bool(written) and written[0][0] == 0 and name not in _WRITE_ONLY
+
+
+_PLANS: dict[Any, _Plan] = {}  # per aten overload
+
+
+def _holds_inf(t: Any) -> Any:
+    """Whether a tensor argument holds inf (a device bool, read only when needed), or a Python
+    scalar is ±inf; ``False`` for anything else."""
+    if isinstance(t, torch.Tensor):
+        if not checkable(t) or t.device.type == "meta" or t.layout != torch.strided:
+            return False
+        return torch.isinf(readable(t)).any()
+    if isinstance(t, float):
+        return math.isinf(t)
+    if isinstance(t, complex):
+        return math.isinf(t.real) or math.isinf(t.imag)
+    return False
+
+
+def _received_inf(plan: _Plan, args: tuple, kwargs: dict, before: Any) -> bool:
+    """Whether the op was given inf: a ±inf Python scalar, or a tensor argument (or one in a
+    list argument) that held inf; an argument the op wrote counts as it was before the op."""
+    if before is not None and bool(before):
+        return True
+    values = [a for i, a in enumerate(args) if i not in plan.written]
+    values += [v for k, v in kwargs.items() if k not in plan.written]
+    for v in values:  # scalars first: no kernel
+        if isinstance(v, (float, complex)) and _holds_inf(v):
+            return True
+    for v in values:
+        for one in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(one, torch.Tensor) and bool(_holds_inf(one)):
+                return True
+    return False
+
+
 class _CheckOps(TorchDispatchMode):
-    """Checks every floating or complex output of every aten op; raises at the first bad one."""
+    """Checks every floating or complex output of every aten op; raises at the first bad one.
+    Not checked: ops that make no values (``_Plan.skip``), inf the op received."""
 
     def __init__(self, settings) -> None:
         super().__init__()
         self.settings = settings
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        plan = _PLANS.get(func) or _PLANS.setdefault(func, _Plan(func))
         stack = _op_stack()
-        if not stack or stack[-1] is not self:  # an inner check_numerics decides
-            return out
         node = torch._C._current_autograd_node()
-        if node is not None and not self.settings.backward:
-            return out
+        if (
+            plan.skip
+            or not stack
+            or stack[-1] is not self  # an inner check_numerics decides
+            or (node is not None and not self.settings.backward)
+        ):
+            return func(*args, **kwargs)
+        before = _holds_inf(args[0]) if plan.pre and self.settings.inf else None
+        out = func(*args, **kwargs)
         for index, t in enumerate(_float_tensors(out)):
             if t.device.type == "meta" or t.layout != torch.strided:
                 continue
@@ -101,8 +197,11 @@ class _CheckOps(TorchDispatchMode):
             has_inf = math.isinf(low) or math.isinf(high)
             if has_nan and self.settings.inf and not self.settings.nan:
                 has_inf = bool(torch.isinf(read).any())
-            if self.settings.bad(has_nan, has_inf):
-                raise _op_error(func, node, index, t, self.settings)
+            if not self.settings.bad(has_nan, has_inf):
+                continue
+            if not (has_nan and self.settings.nan) and _received_inf(plan, args, kwargs, before):
+                continue  # inf given to the op (a -inf mask, propagation): not made here
+            raise _op_error(func, node, index, t, self.settings)
         return out
 
 
@@ -123,11 +222,50 @@ def _op_error(func, node, index: int, t: torch.Tensor, settings) -> NonFiniteErr
         produced=f"{nan_count} NaN and {inf_count} inf in output {index}",
         phase=phase,
         where=where,
-        detail=f"{detail}shape {tuple(t.shape)}, {str(t.dtype).replace('torch.', '')}",
+        detail=f"{detail}shape {_shape(t)}, {str(t.dtype).replace('torch.', '')}",
         nan_count=nan_count,
         inf_count=inf_count,
         kind=op_kind(op) or op_kind(aten),
     )
+
+
+#: active sentinel contexts, outermost first, all served by one global forward hook
+_SENTINELS: list = []
+#: the hook's fixed key in torch's global forward-hook dict: ``torch.compile`` guards on that
+#: dict, so a new key per context (``register_module_forward_hook``) recompiled every compiled
+#: module once per context, up to the recompile limit
+_HOOK_KEY = RemovableHandle(_global_forward_hooks).id
+
+
+def _sentinel_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        # traced into a compiled graph, the hook would break it (``fullgraph=True`` raises) or
+        # recompile it as records accrue; the compiled module's own call is recorded eagerly
+        return
+    for arm in list(_SENTINELS):
+        arm._forward_hook(module, args, output)
+
+
+def _add_sentinel(arm: Arm) -> None:
+    _SENTINELS.append(arm)
+    _global_forward_hooks[_HOOK_KEY] = _sentinel_hook
+
+
+def _remove_sentinel(arm: Arm) -> None:
+    _SENTINELS.remove(arm)
+    if not _SENTINELS:
+        _global_forward_hooks.pop(_HOOK_KEY, None)
+
+
+def _compiled_module_type() -> Any:
+    """``OptimizedModule`` (what ``torch.compile(module)`` returns) once dynamo is imported."""
+    return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+
+
+def _shape(t: torch.Tensor) -> Any:
+    if t.is_nested:  # ragged: no one shape
+        return f"nested, {t.size(0)} components of {t.dim() - 1} dims"
+    return tuple(t.shape)
 
 
 class Arm:
@@ -167,8 +305,8 @@ class Arm:
             _op_stack().append(self._mode)
             self._stack.callback(_op_stack().remove, self._mode)
         else:
-            hook = torch.nn.modules.module.register_module_forward_hook(self._forward_hook)
-            self._handles.append(hook)
+            _add_sentinel(self)
+            self._stack.callback(_remove_sentinel, self)
 
     def exit(self) -> None:
         for handle in self._handles:
@@ -208,6 +346,10 @@ class Arm:
         self.recorder.add("torch", slot, summary(t))
 
     def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        compiled = _compiled_module_type()
+        inner = compiled is not None and isinstance(module, compiled)
+        if inner:  # torch.compile(module): recorded as the module it compiles
+            module = module._orig_mod
         self._modules.add(module)
         for index, t in enumerate(_float_tensors(output)):
             stamp = (id(t), t._version)
@@ -216,19 +358,20 @@ class Arm:
             self._last = stamp
             self._record((id(module), index, "forward"), module, "forward", t)
         if self.settings.backward:
-            for param in module._parameters.values():
-                if (
-                    param is not None
-                    and param.requires_grad
-                    and id(param) not in self._hooked_params
-                ):
-                    self._hooked_params.add(id(param))
-                    key = (id(module), id(param), "backward")
-                    self._handles.append(
-                        param.register_post_accumulate_grad_hook(
-                            lambda p, key=key, m=module: self._param_hook(key, m, p)
-                        )
+            # the hooks inside a compiled graph do not run: hook all of its parameters here
+            for owner in module.modules() if inner else (module,):
+                self._hook_params(owner)
+
+    def _hook_params(self, module: torch.nn.Module) -> None:
+        for param in module._parameters.values():
+            if param is not None and param.requires_grad and id(param) not in self._hooked_params:
+                self._hooked_params.add(id(param))
+                key = (id(module), id(param), "backward")
+                self._handles.append(
+                    param.register_post_accumulate_grad_hook(
+                        lambda p, key=key, m=module: self._param_hook(key, m, p)
                     )
+                )
 
     def _param_hook(self, key: Any, module: torch.nn.Module, param: torch.Tensor) -> None:
         grad = param.grad
