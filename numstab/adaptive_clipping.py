@@ -191,7 +191,11 @@ class ZClip:
             if self.clip_option == "mean":
                 threshold = state.mean
             else:
-                threshold = state.mean + (self.z_thresh * std) / (z / self.z_thresh)
+                # z only where it is a spike (z > z_thresh > 0): elsewhere threshold is unused,
+                # and z = 0 with std = 0 (all-zero gradients) made a 0/0 that jax_debug_nans
+                # reports though the where below discards it
+                safe_z = be.where(spike, z, self.z_thresh)
+                threshold = state.mean + (self.z_thresh * std) / (safe_z / self.z_thresh)
                 threshold = threshold * self.clip_factor
         clip = be.where(spike, threshold, g)
         limit = clip if max_norm is None else _min(be, clip, max_norm)

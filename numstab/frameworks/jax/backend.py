@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax  # noqa: F401  (the jax extra ships optax; its absence disables the backend)
 
-from numstab import _validate as v
 from numstab.backends._base import generic_forced, numpy_dtype_name
 from numstab.backends._namespace import NamespaceBackend
+from numstab.frameworks.jax import fused
 
 
 @jax.jit
@@ -136,82 +136,25 @@ class JaxBackend(NamespaceBackend):
         return all(d.platform == "gpu" for d in x.devices())
 
     def matmul_accumulate(self, acc, a, b):
-        # 16-bit operands multiplied into float32 (tensor cores on a GPU), as the generic
-        wide = v.compute_dtype(self.dtype_name(a))
-        if acc is None or self.on_gpu(a):  # XLA:GPU adds the dot into acc in its epilogue
-            product = jnp.matmul(a.T, b, preferred_element_type=wide)
-            return product if acc is None else acc + product
-        # ``acc + a.T @ b`` in blocks of acc's rows, each written back in place: XLA:CPU cannot
-        # add a dot into its output, so one product would be a second acc-sized temporary
-        vocab = a.shape[1]
-        block = _ACCUMULATE_BLOCK_BYTES // (acc.dtype.itemsize * max(b.shape[1], 1))
-        block = min(max(block, 1), vocab)
-        full = vocab // block
-
-        def add_block(start, acc, size=block):
-            part = jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
-            product = jnp.matmul(part.T, b, preferred_element_type=wide)
-            total = jax.lax.dynamic_slice_in_dim(acc, start, size) + product.astype(acc.dtype)
-            return jax.lax.dynamic_update_slice_in_dim(acc, total, start, 0)
-
-        acc = jax.lax.fori_loop(0, full, lambda i, acc: add_block(i * block, acc), acc)
-        if full * block < vocab:
-            acc = add_block(full * block, acc, vocab - full * block)
-        return acc
+        return fused.matmul_accumulate(acc, a, b, self.on_gpu(a))
 
     def scan_chunks(self, step, carry, inputs, chunk, rows):
-        # one lax.scan over every full chunk, with the carry and the outputs preallocated and
-        # updated in place (dynamic_update_slice) and the inputs sliced inside the body: XLA
-        # then holds one chunk's buffers, no copy of the inputs and no concatenation of the
-        # outputs (an unrolled Python loop under jit kept every chunk's logits alive)
-        full = rows // chunk
-        if full < 2:
+        if rows > chunk:  # on an Explicit mesh, rows replicated: a chunk of rows is not a
+            # whole number of rows per device in general (a single chunk stays sharded)
+            inputs = tuple(None if x is None else fused.unsharded_along(x, 0) for x in inputs)
+        if rows // chunk < 2:
             return super().scan_chunks(step, carry, inputs, chunk, rows)
-        first = tuple(None if x is None else x[:chunk] for x in inputs)
-        carry_spec, out_spec = jax.eval_shape(step, carry, first)  # shapes only, no compute
-        carry = tuple(None if s is None else jnp.zeros(s.shape, s.dtype) for s in carry_spec)
-        outputs = tuple(
-            None if s is None else jnp.zeros((rows, *s.shape[1:]), s.dtype) for s in out_spec
-        )
-
-        def run(carry, outputs, start, size):
-            part = tuple(
-                None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size) for x in inputs
-            )
-            carry, out = step(carry, part)
-            outputs = tuple(
-                None if o is None else jax.lax.dynamic_update_slice_in_dim(buf, o, start, 0)
-                for buf, o in zip(outputs, out, strict=True)
-            )
-            return carry, outputs
-
-        def body(state, i):
-            return run(*state, i * chunk, chunk), None
-
-        (carry, outputs), _ = jax.lax.scan(body, (carry, outputs), jnp.arange(full))
-        if full * chunk < rows:
-            carry, outputs = run(carry, outputs, full * chunk, rows - full * chunk)
-        return carry, outputs
+        return fused.scan_chunks(step, carry, inputs, chunk, rows)
 
     def custom_gradient(self, forward, backward, args):
-        @jax.custom_vjp
-        def fn(*primals):
-            return forward(primals, (False,) * len(primals))[0]
-
-        def fn_fwd(*primals):  # symbolic_zeros: each primal says whether it is perturbed
-            values = tuple(None if p is None else p.value for p in primals)
-            needs = tuple(p is not None and bool(p.perturbed) for p in primals)
-            return forward(values, needs)
-
-        def fn_bwd(residuals, cotangent):
-            return tuple(backward(residuals, cotangent))
-
-        fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=True)
-        return fn(*args)
+        readable = all(a is None or self.can_read(a) for a in args)
+        return fused.custom_gradient(forward, backward, args, readable)
 
     # -- data firewall --
     def compress(self, x, keep, axis):
-        return jnp.compress(keep, x, axis=axis)
+        # an Explicit mesh: the kept slices gathered replicated along the axis (their count
+        # need not divide the mesh)
+        return jnp.compress(keep, fused.unsharded_along(x, axis), axis=axis)
 
 
 BACKEND = JaxBackend()
@@ -227,8 +170,3 @@ def _magnitude_from_bits(x):
     special = jax.lax.bitcast_convert_type((mantissa << 13) | 0x7F800000, jnp.float32)  # inf, nan
     subnormal = mantissa.astype(jnp.float32) * jnp.float32(2.0**-24)
     return jnp.where(exponent == 0, subnormal, jnp.where(exponent == 31, special, normal))
-
-
-# -- fused cross-entropy --
-#: Rows of the weight gradient updated per block in ``matmul_accumulate`` (about this many bytes).
-_ACCUMULATE_BLOCK_BYTES = 4 * 2**20

@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def optax_schedule(schedule: Any) -> Callable[[Any], Any]:
     """``count -> lr``, ``schedule`` evaluated on the jax backend (traceable by jit)."""
 
     def lr(count: Any) -> Any:
-        return schedule(jnp.asarray(count), backend="jax")
+        return schedule(_step_array(count), backend="jax")
 
     return lr
+
+
+def _step_array(count: Any) -> Any:
+    """``count`` as a jax array. A Python (or NumPy) int past JAX's default integer (int32
+    unless jax_enable_x64) becomes a float32 step, not an OverflowError: the schedule computes
+    in float32 for int32 steps anyway, and every step past total_steps gives min_lr."""
+    if isinstance(count, numbers.Integral) and not isinstance(count, bool):
+        bounds = np.iinfo(jax.dtypes.canonicalize_dtype(np.int64))
+        if not bounds.min <= int(count) <= bounds.max:
+            # clamped first: float() of an int past 1.8e308 overflows too
+            return jnp.asarray(float(max(min(int(count), 2**64), -(2**64))), jnp.float32)
+    return jnp.asarray(count)

@@ -1,0 +1,236 @@
+"""The JAX backend's fused cross-entropy pieces: the chunk loop (``lax.scan``), the weight
+gradient's accumulation and the ``custom_vjp``, under ``jit``, eagerly (one compiled call per
+settings and shapes), inside ``shard_map`` and on meshes with Explicit axes."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from numstab import _validate as v
+from numstab.backends._base import generic_forced, numpy_dtype_name
+
+#: Rows of the weight gradient updated per block in ``matmul_accumulate`` (about this many bytes).
+_ACCUMULATE_BLOCK_BYTES = 4 * 2**20
+
+#: Compiled eager calls kept (one per settings of a fused call; shapes are jit's own cache).
+_EAGER_CACHE_SIZE = 64
+_EAGER: dict[tuple, Callable] = {}
+
+_EXPLICIT = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)  # jax >= 0.5
+_typeof = getattr(jax, "typeof", None) or jax.core.get_aval
+
+
+# -- sharding: manual axes (shard_map) and Explicit mesh axes ---------------------------------
+def varying(x: Any) -> frozenset:
+    """The manual axes (``shard_map``) that ``x`` (an array or an abstract value) varies over."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else _typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(getattr(manual, "varying", ()) or ())
+    return frozenset(getattr(aval, "vma", None) or ())
+
+
+def pvary(x: jax.Array, axes: frozenset) -> jax.Array:
+    """``x`` cast to vary over ``axes`` too (its transpose is a psum over them)."""
+    if not axes:
+        return x
+    axes = tuple(sorted(axes, key=str))
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
+
+
+def explicit_spec(x: Any) -> P | None:
+    """``x``'s PartitionSpec when its mesh has Explicit axes (sharding in the type), else None."""
+    if _EXPLICIT is None:
+        return None
+    sharding = getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
+    if sharding is None:
+        try:
+            sharding = _typeof(x).sharding
+        except (TypeError, AttributeError):
+            return None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or _EXPLICIT not in getattr(mesh, "axis_types", ()):
+        return None
+    return sharding.spec
+
+
+def unsharded_along(x: jax.Array, axis: int) -> jax.Array:
+    """``x`` with ``axis`` replicated (an all-gather) when an Explicit mesh axis shards it:
+    slicing or compressing a sharded axis to a size the mesh does not divide is undefined."""
+    spec = explicit_spec(x)
+    if spec is None or axis >= len(spec) or spec[axis] is None:
+        return x
+    return jax.sharding.reshard(x, P(*spec[:axis], None, *spec[axis + 1 :]))
+
+
+def _product_spec(a: jax.Array, b: jax.Array) -> P | None:
+    """The sharding of ``a.T @ b`` on an Explicit mesh: each operand's non-contracted axis
+    as it is, the contracted (row) axis summed over (an all-reduce); None off such meshes."""
+    spec_a, spec_b = explicit_spec(a), explicit_spec(b)
+    if spec_a is None or spec_b is None:
+        return None
+    cols = tuple(spec[1] if len(spec) > 1 else None for spec in (spec_a, spec_b))
+    return P(cols[0], None if cols[1] == cols[0] else cols[1])
+
+
+# -- the chunk loop ---------------------------------------------------------------------------
+def matmul_accumulate(acc, a, b, on_gpu: bool):
+    """``JaxBackend.matmul_accumulate``: ``acc + a.T @ b`` in ``compute_dtype`` of ``a``."""
+    # 16-bit operands multiplied into float32 (tensor cores on a GPU), as the generic
+    wide = v.compute_dtype(numpy_dtype_name(a.dtype))
+    if acc is None or on_gpu:  # XLA:GPU adds the dot into acc in its epilogue
+        product = _transposed_product(a, b, wide)
+        return product if acc is None else acc + product
+    # ``acc + a.T @ b`` in blocks of acc's rows, each written back in place: XLA:CPU cannot
+    # add a dot into its output, so one product would be a second acc-sized temporary
+    vocab = a.shape[1]
+    block = _ACCUMULATE_BLOCK_BYTES // (acc.dtype.itemsize * max(b.shape[1], 1))
+    block = min(max(block, 1), vocab)
+    full = vocab // block
+
+    def add_block(start, acc, size=block):
+        part = jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+        product = _transposed_product(part, b, wide)
+        total = jax.lax.dynamic_slice_in_dim(acc, start, size) + product.astype(acc.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(acc, total, start, 0)
+
+    acc = jax.lax.fori_loop(0, full, lambda i, acc: add_block(i * block, acc), acc)
+    if full * block < vocab:
+        acc = add_block(full * block, acc, vocab - full * block)
+    return acc
+
+
+def _transposed_product(a: jax.Array, b: jax.Array, wide: str) -> jax.Array:
+    """``a.T @ b`` in ``wide``; on an Explicit mesh with its sharding named (rows sharded
+    over a mesh axis are contracted: JAX asks where the sum goes)."""
+    spec = _product_spec(a, b)
+    if spec is None:
+        return jnp.matmul(a.T, b, preferred_element_type=wide)
+    return jnp.matmul(a.T, b, preferred_element_type=wide, out_sharding=spec)
+
+
+def _zeros(shape: tuple, like: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of ``like``'s dtype, sharding (Explicit mesh) and manual axes (shard_map): a scan
+    carry must keep its type, and the step's outputs vary where its inputs do."""
+    spec = explicit_spec(like)
+    if spec is None:
+        zeros = jnp.zeros(shape, like.dtype)
+    else:
+        zeros = jnp.zeros(shape, like.dtype, out_sharding=spec)
+    return pvary(zeros, varying(like))
+
+
+def scan_chunks(step, carry, inputs, chunk: int, rows: int):
+    """``JaxBackend.scan_chunks`` for two or more full chunks: one ``lax.scan`` over every full
+    chunk, with the carry and the outputs preallocated and updated in place
+    (dynamic_update_slice) and the inputs sliced inside the body: XLA then holds one chunk's
+    buffers, no copy of the inputs and no concatenation of the outputs (an unrolled Python
+    loop under jit kept every chunk's logits alive)."""
+    full = rows // chunk
+
+    def run(carry, outputs, start, size):
+        part = tuple(
+            None if x is None else jax.lax.dynamic_slice_in_dim(x, start, size) for x in inputs
+        )
+        carry, out = step(carry, part)
+        outputs = tuple(
+            None if o is None else jax.lax.dynamic_update_slice_in_dim(buf, o, start, 0)
+            for buf, o in zip(outputs, out, strict=True)
+        )
+        return carry, outputs
+
+    # shapes only, no compute; traced, so no eager slice of a sharded array
+    carry_spec, out_spec = jax.eval_shape(lambda c: step(c, _first(inputs, chunk)), carry)
+    carry = tuple(None if s is None else _zeros(s.shape, s) for s in carry_spec)
+    outputs = tuple(None if s is None else _zeros((rows, *s.shape[1:]), s) for s in out_spec)
+
+    def body(state, i):
+        return run(*state, i * chunk, chunk), None
+
+    (carry, outputs), _ = jax.lax.scan(body, (carry, outputs), jnp.arange(full))
+    if full * chunk < rows:
+        carry, outputs = run(carry, outputs, full * chunk, rows - full * chunk)
+    return carry, outputs
+
+
+def _first(inputs: tuple, chunk: int) -> tuple:
+    return tuple(None if x is None else jax.lax.slice_in_dim(x, 0, chunk) for x in inputs)
+
+
+# -- the custom gradient ----------------------------------------------------------------------
+def custom_gradient(forward, backward, args: tuple, readable: bool):
+    """``JaxBackend.custom_gradient``. ``readable``: no argument is traced by jit (eager, or
+    ``jax.grad`` without jit): the call then runs one ``jax.jit`` cached on the settings of
+    ``forward``'s and ``backward``'s object (a traced ``lax.scan`` compiled every call)."""
+    if readable:
+        key = _eager_key(forward, backward)
+        if key is not None:
+            return _eager_call(key, forward, backward)(*args)
+    return _custom_vjp_call(forward, backward, args)
+
+
+def _custom_vjp_call(forward, backward, args: tuple):
+    # inside shard_map every argument is cast to vary over the manual axes that any varies
+    # over: a replicated weight then gets the transpose of that cast, a psum, of its
+    # per-device gradient (a custom_vjp's cotangent must have its primal's type)
+    axes = [frozenset() if a is None else varying(a) for a in args]
+    union = frozenset().union(*axes)
+    args = tuple(
+        None if a is None else pvary(a, union - ax) for a, ax in zip(args, axes, strict=True)
+    )
+    specs = tuple(None if a is None else explicit_spec(a) for a in args)
+
+    @jax.custom_vjp
+    def fn(*primals):
+        return forward(primals, (False,) * len(primals))[0]
+
+    def fn_fwd(*primals):  # symbolic_zeros: each primal says whether it is perturbed
+        values = tuple(None if p is None else p.value for p in primals)
+        needs = tuple(p is not None and bool(p.perturbed) for p in primals)
+        return forward(values, needs)
+
+    def fn_bwd(residuals, cotangent):  # on an Explicit mesh, in its primal's sharding
+        grads = backward(residuals, cotangent)
+        return tuple(
+            g if g is None or s is None else jax.sharding.reshard(g, s)
+            for g, s in zip(grads, specs, strict=True)
+        )
+
+    fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=True)
+    return fn(*args)
+
+
+def _eager_key(forward, backward) -> tuple | None:
+    """The settings of the object whose bound methods ``forward`` and ``backward`` are (the
+    fused loss's plan: static settings only), hashable; None when there is no such object."""
+    owner = getattr(forward, "__self__", None)
+    if owner is None or getattr(backward, "__self__", None) is not owner:
+        return None
+    try:
+        settings = tuple(sorted(vars(owner).items()))
+        hash(settings)
+    except TypeError:
+        return None
+    # and what the trace reads besides: the generic or native kernels, the block size
+    return forward.__func__, backward.__func__, settings, generic_forced(), _ACCUMULATE_BLOCK_BYTES
+
+
+def _eager_call(key: tuple, forward, backward) -> Callable:
+    fn = _EAGER.get(key)
+    if fn is None:
+        while len(_EAGER) >= _EAGER_CACHE_SIZE:
+            _EAGER.pop(next(iter(_EAGER)))
+        fn = _EAGER[key] = jax.jit(functools.partial(_jitted_call, forward, backward))
+    return fn
+
+
+def _jitted_call(forward, backward, *args):
+    return _custom_vjp_call(forward, backward, args)
