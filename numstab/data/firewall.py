@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from numstab import _validate as v
+from numstab import frameworks
 from numstab.data import _lean, quarantine
 from numstab.data._fast import SUSPECT, clean_batch_size
 from numstab.data._fields import (
@@ -213,19 +214,10 @@ class Firewall:
             is_bad = i in per_sample
             fields = tuple(per_sample[i]) if is_bad else (self.outliers.name,)
             nan, inf = _value_counts(bad_fields, i) if is_bad else (0, 0)
-            stats.records.append(
-                SampleRecord(
-                    first_index + i,
-                    self._epoch,
-                    number,
-                    i,
-                    "nonfinite" if is_bad else "outlier",
-                    self._action(is_bad),
-                    fields,
-                    nan,
-                    inf,
-                )
-            )
+            reason = "nonfinite" if is_bad else "outlier"
+            where = (first_index + i, self._epoch, number, i)
+            record = SampleRecord(*where, reason, self._action(is_bad), fields, nan, inf)
+            stats.records.append(record)
         stats.nan_values += report.nan_count
         stats.inf_values += report.inf_count
 
@@ -369,15 +361,11 @@ def _as_matrix(x: np.ndarray) -> np.ndarray:
 
 class GuardedIterable:
     """An iterable over the source's batches after the firewall; ``stats`` as in Firewall.
-
     Each ``iter()`` is a new epoch over the source (a DataLoader reshuffles as usual).
-    ``len()`` is the source's number of batches; fully dropped batches are skipped, so fewer
-    may come.
-    """
+    ``len()`` is the source's number of batches; fully dropped batches are skipped."""
 
     def __init__(self, source: Iterable, firewall: Firewall) -> None:
-        self.source = source
-        self.firewall = firewall
+        self.source, self.firewall = source, firewall
 
     @property
     def stats(self) -> FirewallStats:
@@ -392,6 +380,12 @@ class GuardedIterable:
 
     def __len__(self) -> int:
         return len(self.source)
+
+    def as_tf_dataset(self, output_signature: Any = None) -> Any:
+        """This stream as a ``tf.data.Dataset`` (``from_generator``) for Keras' ``fit``;
+        each iteration over it is an epoch here. ``output_signature``: by default the source
+        dataset's ``element_spec`` with batch axes of unknown size (batches shrink)."""
+        return frameworks.module("tensorflow", "data").datasets.as_dataset(self, output_signature)
 
 
 def protect(
@@ -412,7 +406,10 @@ def protect(
             f"Expected an iterable of batches (DataLoader, tf.data.Dataset, generator). "
             f"Received: iterable of type {type(iterable).__name__}"
         )
-    return GuardedIterable(iterable, Firewall(policy, outliers=outliers, **options))
+    firewall = Firewall(policy, outliers=outliers, **options)
+    for datasets in frameworks.loaded("data", "datasets"):  # a tf.data.Dataset: batched?
+        datasets.check_batched(iterable, firewall.batch_axis)
+    return GuardedIterable(iterable, firewall)
 
 
 #: the name before 0.2 (it read as the ``numstab.guard`` package): the same function

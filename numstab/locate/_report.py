@@ -173,9 +173,10 @@ def summarise(
     """Read every call's maxima in one transfer and report the first bad layer.
 
     Forward: the call that FINISHED first with a non-finite output (a sub-layer finishes
-    before its parent, so the innermost culprit wins). Backward (only if the forward was
-    clean): the call earliest in the backward pass whose own gradients (w.r.t. its inputs or
-    own parameters) are non-finite. ``counts(call, phase) -> (nan, inf)`` and
+    before its parent, so the innermost culprit wins); when its inputs are non-finite
+    already, the enclosing call whose own code made them (``_maker``). Backward (only if
+    the forward was clean): the call earliest in the backward pass whose own gradients
+    (w.r.t. its inputs or own parameters) are non-finite. ``counts(call, phase) -> (nan, inf)`` and
     ``param_paths(call) -> names`` give the details of the chosen call only; so may
     ``fill(call, phase)``, which sets maxima an adapter computes for the chosen call only
     (its inputs, parameters, incoming gradient). The maxima may already be on the host
@@ -187,6 +188,8 @@ def summarise(
     if fwd:
         call = min(fwd, key=lambda c: c.end)
         h = _filled(be, call, host[calls.index(call)], "forward", fill)
+        if _bad(h["inputs"]):  # born before it, in no earlier call's output
+            call, h = _maker(be, calls, host, call, h, fill)
         return _report(call, h, "forward", base, backward_checked, counts, param_paths)
     bwd = [
         c
@@ -198,6 +201,20 @@ def summarise(
     call = min(bwd, key=lambda c: c.backward)
     h = _filled(be, call, host[calls.index(call)], "backward", fill)
     return _report(call, h, "backward", base, backward_checked, counts, param_paths)
+
+
+def _maker(be: Backend, calls: list, host: list, first: LayerCall, h: dict, fill: Any):
+    """``(call, maxima)`` of the call whose own code made the non-finite inputs of
+    ``first``, the first call to finish with a non-finite output: no call finished before
+    it with one, so they were made between sub-layers, by the innermost enclosing call
+    (started before ``first``, finished after it) whose own inputs are finite. When every
+    enclosing call received them non-finite (the model's inputs were), ``first`` stays."""
+    enclosing = [c for c in calls if c.start < first.start and c.end > first.end]
+    for parent in sorted(enclosing, key=lambda c: -c.start):  # innermost first
+        got = _filled(be, parent, host[calls.index(parent)], "forward", fill)
+        if not _bad(got["inputs"]):
+            return parent, got
+    return first, h
 
 
 def _filled(be: Backend, call: LayerCall, h: dict, phase: str, fill: Any) -> dict:

@@ -12,7 +12,8 @@ with them is reloaded by ``keras.models.load_model``; ``get_config`` holds every
   own sparse loss accepts, ``(batch, 1)``. Keras converts ``y_true`` to the loss's float
   dtype before ``call``; the ids are cast back to int32. ``ignore_index`` (Keras:
   ``ignore_class``): those rows get loss 0 and a Keras mask, so ``"sum_over_batch_size"``
-  averages over the other rows, as Keras' ``ignore_class`` does.
+  averages over the other rows, as Keras' ``ignore_class`` does. The default ``None`` ignores
+  nothing: every id, -100 included, must be in ``[0, K)`` (docs/semantics.md §4.4.6).
 - ``CategoricalCrossentropy``: probability (or one-hot) targets of ``y_pred``'s shape.
 - ``label_smoothing`` spreads over the unmasked classes (docs/semantics.md §4.4); ``z_loss``
   adds ``z * logsumexp(y_pred) ** 2`` per sample.
@@ -28,6 +29,11 @@ from keras import ops
 from numstab import _validate as v
 from numstab.errors import InvalidArgumentError
 from numstab.losses import cross_entropy
+
+# ``ignore_index=None``: no label is ignored. An int outside every index dtype can equal no
+# label (docs/semantics.md §4.4.4), so -100 stays an out-of-range label (§4.4.6).
+_IGNORE_NOTHING = 2**70
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1  # the ids are cast to int32
 
 
 class _NumstabCrossentropy(keras.losses.Loss):
@@ -51,14 +57,20 @@ class _NumstabCrossentropy(keras.losses.Loss):
         self.z_loss = v.check_number("z_loss", z_loss, low=0.0)
 
     def _loss(self, y_pred: Any, labels: Any, ignore_index: int) -> Any:
-        return cross_entropy(
-            y_pred,
-            labels,
-            label_smoothing=self.label_smoothing,
-            z_loss=self.z_loss,
-            ignore_index=ignore_index,
-            reduction="none",
-        )
+        try:
+            return cross_entropy(
+                y_pred,
+                labels,
+                label_smoothing=self.label_smoothing,
+                z_loss=self.z_loss,
+                ignore_index=ignore_index,
+                reduction="none",
+            )
+        except InvalidArgumentError as err:  # the sentinel is no argument of the user's
+            sentinel = f" or equal to ignore_index={_IGNORE_NOTHING}"
+            if ignore_index != _IGNORE_NOTHING or sentinel not in str(err):
+                raise
+            raise InvalidArgumentError(str(err).replace(sentinel, "")) from None
 
     def get_config(self) -> dict[str, Any]:
         dtype = self._dtype_arg
@@ -92,9 +104,10 @@ class SparseCategoricalCrossentropy(_NumstabCrossentropy):
         if len(y_true.shape) == len(y_pred.shape) and y_true.shape[-1] == 1:
             y_true = ops.squeeze(y_true, axis=-1)  # (batch, 1), as Keras' sparse loss takes
         labels = ops.cast(y_true, "int32")
-        ignore = -100 if self.ignore_index is None else self.ignore_index
+        ignore = _IGNORE_NOTHING if self.ignore_index is None else self.ignore_index
         losses = self._loss(y_pred, labels, ignore)
-        if self.ignore_index is not None:
+        if self.ignore_index is not None and _INT32_MIN <= self.ignore_index <= _INT32_MAX:
+            # (else no int32 id can equal it, and comparing would overflow: §4.4.4)
             from keras.src.backend import set_keras_mask  # as Keras' own ignore_class
 
             set_keras_mask(losses, ops.not_equal(labels, self.ignore_index))
@@ -119,4 +132,4 @@ class CategoricalCrossentropy(_NumstabCrossentropy):
         super().__init__(label_smoothing, z_loss, reduction, name, dtype)
 
     def call(self, y_true: Any, y_pred: Any) -> Any:
-        return self._loss(y_pred, ops.cast(y_true, y_pred.dtype), -100)
+        return self._loss(y_pred, ops.cast(y_true, y_pred.dtype), _IGNORE_NOTHING)

@@ -14,6 +14,8 @@ use ``numstab.data.protect(dataset)``, which iterates eagerly and records global
 Elements may be tensors, tuples or dicts (``map`` unpacks tuples into arguments).
 
 ``host_view`` is the firewall's in-place read of an eager tensor in host memory.
+``datasets`` (the ``data.datasets`` hook) refuses an unbatched ``tf.data.Dataset`` when
+``protect`` is called, from its ``element_spec``, and gives ``GuardedIterable.as_tf_dataset``.
 
 Ragged and sparse fields (``composite``, the ``data.composite`` hook of
 ``numstab.data._fields``) are read through their stored values, per sample by segment sums,
@@ -30,6 +32,7 @@ from numstab import _validate as v
 from numstab.data._fields import check_batch_axis, check_replacement, split_batch
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.tensorflow.backend import is_finite
+from numstab.tree import leaves_with_paths
 
 
 def _element(args: tuple) -> Any:
@@ -255,6 +258,83 @@ class _Composite:
 
 #: ``numstab.data._fields``'s hook for ragged and sparse fields
 composite = _Composite()
+
+
+class _Datasets:
+    """``protect`` over a ``tf.data.Dataset`` (``numstab.data.firewall``'s ``data.datasets``
+    hook): its ``element_spec`` read before the first batch, and the guarded stream handed
+    back to Keras as a dataset."""
+
+    @staticmethod
+    def check_batched(source: Any, batch_axis: int) -> None:
+        """``InvalidArgumentError`` for a dataset whose elements read as single samples:
+        (batch_axis 0) a rank-0 field beside ranked ones whose first axes all have a static
+        size (``.batch()`` leaves it unknown, but for ``drop_remainder=True``), or fields
+        whose static sizes on the batch axis differ. Its first axis would be read as the
+        samples, and a drop would delete features while the rank-0 label stays."""
+        if not isinstance(source, tf.data.Dataset):
+            return
+        specs = [(p or "<batch>", s) for p, s in leaves_with_paths(source.element_spec)]
+        ranks = {p: s.shape.rank for p, s in specs if hasattr(s, "shape")}
+        scalars = [p for p, r in ranks.items() if r == 0]
+        ranked = [p for p, r in ranks.items() if r is not None and r > batch_axis]
+        sizes = {p: s.shape[batch_axis] for p, s in specs if p in ranked}
+        known = {p: n for p, n in sizes.items() if n is not None}
+        if batch_axis == 0 and scalars and ranked and len(known) == len(ranked):
+            found = f"rank-0 field(s) {', '.join(scalars)} beside {', '.join(ranked)}"
+        elif len(set(known.values())) > 1:
+            found = ", ".join(f"{p} of {n}" for p, n in known.items())
+            found = f"fields holding {found} along batch_axis={batch_axis}"
+        else:
+            return
+        raise InvalidArgumentError(
+            f"Expected a batched tf.data.Dataset: protect reads axis {batch_axis} of every "
+            f"field as its samples, and an unbatched element is one sample. Received: an "
+            f"element_spec with {found}. Batch it first (protect(dataset.batch(32))), or "
+            f"drop single samples in graph mode: dataset.filter(TFDataGuard().is_finite)"
+        )
+
+    @staticmethod
+    def as_dataset(guarded: Any, output_signature: Any = None) -> tf.data.Dataset:
+        """``guarded`` (a ``GuardedIterable``) as ``tf.data.Dataset.from_generator``; the
+        signature by default the source dataset's ``element_spec`` with every batch axis of
+        unknown size."""
+        if output_signature is None:
+            source = guarded.source
+            if not isinstance(source, tf.data.Dataset):
+                raise InvalidArgumentError(
+                    f"Expected output_signature (tf.TensorSpec per field, batch axis None) "
+                    f"for a source that is no tf.data.Dataset. Received: "
+                    f"output_signature=None over a {type(source).__name__}"
+                )
+            axis = guarded.firewall.batch_axis
+            output_signature = tf.nest.map_structure(
+                lambda spec: _unknown_batch(spec, axis), source.element_spec
+            )
+        return tf.data.Dataset.from_generator(
+            lambda: iter(guarded), output_signature=output_signature
+        )
+
+
+def _unknown_batch(spec: Any, axis: int) -> Any:
+    """``spec`` with the size of its batch axis unknown (a dense, ragged or sparse field of
+    rank > ``axis``), as the firewall's drops leave it; any other spec as it is."""
+    shape = getattr(spec, "shape", None)
+    if shape is None or shape.rank is None or shape.rank <= axis:
+        return spec
+    dims = shape.as_list()
+    dims[axis] = None
+    if isinstance(spec, tf.RaggedTensorSpec):
+        return tf.RaggedTensorSpec(
+            dims, spec.dtype, spec.ragged_rank, spec.row_splits_dtype, spec.flat_values_spec
+        )
+    if isinstance(spec, tf.SparseTensorSpec):
+        return tf.SparseTensorSpec(dims, spec.dtype)
+    return tf.TensorSpec(dims, spec.dtype) if isinstance(spec, tf.TensorSpec) else spec
+
+
+#: ``numstab.data.firewall``'s hook for ``tf.data.Dataset`` sources
+datasets = _Datasets()
 
 
 def eager_types() -> tuple[type, frozenset, frozenset]:
