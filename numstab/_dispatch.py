@@ -13,35 +13,57 @@ from numstab import _validate as v
 from numstab._config import AUTO, backend_choice, configured_backend
 from numstab.backends import load_backend
 from numstab.errors import BackendMismatchError, InvalidArgumentError, MixedBackendsError
-from numstab.frameworks import FRAMEWORKS, imported_class
+from numstab.frameworks import FRAMEWORKS, imported_class, loaded
 
 if TYPE_CHECKING:
     from numstab.backends._base import Backend
 
-#: framework -> (module, attribute) pairs naming its array types; JAX tracers are not
-#: jax.Array instances, and tf.Variable is not a tf.Tensor, so both are listed.
-
 HOST = "host"  # NumPy arrays, Python scalars and sequences: they adopt the call's backend
 _type_cache: dict[type, str] = {}
+#: types whose values stand for an array of a framework (Keras 3 variables: their ``.value``,
+#: a tensor of the Keras backend); filled with ``_type_cache``
+_wrapper_types: set[type] = set()
 
 
 def _framework_of_type(cls: type) -> str:
+    # the registry's array types (JAX tracers are not jax.Array instances, and tf.Variable is
+    # not a tf.Tensor, so both are listed)
     for framework in FRAMEWORKS.values():
         for module_name, attr in framework.array_types:
             array_type = imported_class(module_name, attr)
             if array_type is not None and issubclass(cls, array_type):
                 return framework.name
+    for wrapped in loaded("tree", "wrapper_framework"):  # Keras 3 variables, once imported
+        name = wrapped(cls)
+        if name is not None:
+            _wrapper_types.add(cls)
+            return name if name in FRAMEWORKS and name != "numpy" else HOST
     return HOST
 
 
-def framework_of(x: Any) -> str:
-    """'torch', 'tensorflow', 'jax', or 'host' for NumPy arrays, scalars and anything else."""
-    cls = type(x)
+def framework_of_type(cls: type) -> str:
+    """``framework_of`` for an instance of ``cls``."""
     framework = _type_cache.get(cls)
     if framework is None:
         # Cached for host types too: a framework imported later cannot claim a class that
         # existed before it (its array classes are created by its own import).
         framework = _type_cache[cls] = _framework_of_type(cls)
+    return framework
+
+
+def is_wrapper_type(cls: type) -> bool:
+    """Whether instances of ``cls`` stand for their ``.value`` (a Keras 3 variable)."""
+    framework_of_type(cls)
+    return cls in _wrapper_types
+
+
+def framework_of(x: Any) -> str:
+    """'torch', 'tensorflow', 'jax', or 'host' for NumPy arrays, scalars and anything else. A
+    Keras 3 variable is its Keras backend's (``keras.backend.backend()``)."""
+    cls = type(x)
+    framework = _type_cache.get(cls)
+    if framework is None:
+        framework = framework_of_type(cls)
     return framework
 
 
@@ -66,9 +88,15 @@ def detect(*arrays: Any) -> str | None:
 
 def to_backend(be: Backend, x: Any, like: Any = None, name: str = "array") -> Any:
     """Host data (NumPy, scalars, lists) becomes an array of ``be`` (on the device of
-    ``like``); framework arrays and None pass as they are. Host data that is not numeric
-    (strings, objects) raises InvalidArgumentError naming ``name``."""
-    if x is None or framework_of(x) != HOST:
+    ``like``); framework arrays and None pass as they are, a Keras 3 variable as its
+    ``.value`` (its backend tensor). Host data that is not numeric (strings, objects) raises
+    InvalidArgumentError naming ``name``."""
+    if x is None:
+        return x
+    framework = framework_of(x)
+    if type(x) in _wrapper_types:
+        x = x.value
+    if framework != HOST:
         return x
     check_numeric_host(x, name)
     return be.asarray(x, like=like)

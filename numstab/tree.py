@@ -1,10 +1,15 @@
 """Flatten and rebuild nests of arrays, whatever framework built them.
 
-Containers: dict (any Mapping subclass whose constructor takes pairs, and defaultdict), list,
-tuple, namedtuple, dataclass instances, and — when JAX is loaded — any registered JAX pytree
-node (flax / equinox / optax states; a dataclass JAX knows, such as an Equinox module, as JAX
-flattens it, without its static fields). Everything else is a leaf; ``None`` leaves (a torch
-parameter without a gradient) are kept in place and skipped by the numerical functions.
+Leaves: the arrays of the loaded frameworks (torch, TensorFlow, JAX, NumPy; a Keras 3
+variable stands for its backend tensor) and ``None``. Containers: dict (any Mapping subclass
+whose constructor takes pairs, and defaultdict), list, tuple, namedtuple, dataclass instances,
+iterators (a generator such as torch's ``model.parameters()``, rebuilt as a list), and — when
+JAX is loaded — any registered JAX pytree node (flax NNX variables and modules, equinox
+modules, optax states; a dataclass JAX knows, such as an Equinox module, as JAX flattens it,
+without its static fields), whose children that are neither arrays nor containers (an
+activation function, a string, a Python number) are kept in place and are no leaves.
+Everything else is a leaf; ``None`` leaves (a torch parameter without a gradient) are kept in
+place and skipped by the numerical functions.
 
 Paths are spelled like ``jax.tree_util.keystr``: ``['opt_state'][0].mu['w']``.
 """
@@ -13,11 +18,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 from numstab import frameworks
+from numstab._dispatch import HOST, framework_of_type, is_wrapper_type
 from numstab.errors import InvalidArgumentError
 
 Leaf = Any
@@ -41,8 +49,11 @@ def _children(
     node: Any, sparse_as_dense: bool = False
 ) -> tuple[list[tuple[str, Any]], Callable[[list], Any]] | None:
     """(path suffix, child) pairs and a rebuild function, or None for a leaf."""
-    if hasattr(node, "dtype") or node is None:  # an array of any framework, or a scalar
-        return _sparse_children(node, sparse_as_dense)
+    kind = _kinds.get(type(node))
+    if kind is None:
+        kind = _classify(type(node))
+    if kind is not _OTHER:
+        return _special_children(node, kind, sparse_as_dense)
     if isinstance(node, Mapping):
         if type(node) is not dict and type(node).__module__ != "collections":
             # a library's mapping that JAX knows (flax's State, FrozenDict): JAX's own
@@ -60,14 +71,128 @@ def _children(
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         # a dataclass JAX knows (an Equinox module, a flax struct): its own flatten, which
         # leaves static fields out (an MLP's int sizes were leaves: "integer gradients")
-        registered = _jax_children(node)
+        registered = _module_children(node)
         if registered is not None:
             return registered
         names = [f.name for f in dataclasses.fields(node) if f.init]
         return [(f".{n}", getattr(node, n)) for n in names], lambda vs: dataclasses.replace(
             node, **dict(zip(names, vs, strict=True))
         )
-    return _jax_children(node)
+    if isinstance(node, Iterator):  # a generator (torch's model.parameters()): its items
+        return [(f"[{i}]", c) for i, c in enumerate(_items(node))], _as_list
+    return _module_children(node)
+
+
+def _special_children(node: Any, kind: int, dense: bool):
+    """``_children`` of a node whose type ``_classify`` did not call ``_OTHER``."""
+    if kind is _ARRAY:
+        return None
+    if kind is _SPARSE:
+        return _sparse_children(node, dense)
+    if kind is _WRAPPED:  # a Keras 3 variable: its backend tensor, under its own path
+        return [("", node.value)], _only
+    return [], lambda _: node.value  # a _Static: no leaf, its value back in place
+
+
+def _only(values: list) -> Any:
+    return values[0]
+
+
+def _items(iterator: Iterator) -> list:
+    """The items of an iterator, the same ones each time the same iterator is flattened (a
+    function that reads its tree twice, such as ``assert_finite``, would see an exhausted
+    generator the second time); a generator that cannot be weakly referenced is read once."""
+    try:
+        items = _iterator_items.get(iterator)
+    except TypeError:  # no weak reference to it (a list_iterator)
+        return list(iterator)
+    if items is None:
+        items = _iterator_items[iterator] = list(iterator)
+    return items
+
+
+_iterator_items: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _as_list(values: list) -> list:
+    return list(values)  # not the bare ``list``: unflatten's flat fast path tests for it
+
+
+#: how ``_children`` takes a node of a type: a leaf (``None``, and the arrays of every loaded
+#: framework: torch, TensorFlow and JAX arrays, NumPy arrays and scalars), a sparse gradient
+#: (``_sparse_children``), a Keras 3 variable (its ``.value``), a module's static value
+#: (``_Static``), or by the container rules
+_ARRAY, _SPARSE, _WRAPPED, _STATIC, _OTHER = range(5)
+_kinds: dict[type, int] = {}
+
+
+class _Static:
+    """A module's non-array value (an activation function, a string, a bool, a Python
+    number): in the rebuilt tree in its place, never a leaf."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _classify(cls: type) -> int:
+    """The kind of ``cls`` (cached per type: a framework imported later cannot claim a type
+    that existed before it). Having a ``dtype`` is not enough: a flax NNX ``Variable``
+    forwards its value's, and an ``nnx.Linear`` holds a ``dtype=None`` setting."""
+    if cls is _NONE:
+        kind = _ARRAY
+    elif cls is _Static:
+        kind = _STATIC
+    elif (framework_of_type(cls) != HOST and not is_wrapper_type(cls)) or _is_numpy(cls):
+        # first, and asking no hook (an import under torch.compile): the registry's arrays
+        kind = _ARRAY
+    elif is_wrapper_type(cls):
+        kind = _WRAPPED
+    elif any(cls in types for types in frameworks.loaded("tree", "sparse_type")):
+        kind = _SPARSE
+    else:
+        kind = _OTHER
+    _kinds[cls] = kind
+    return kind
+
+
+def _is_numpy(cls: type) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and issubclass(cls, (np.ndarray, np.generic))
+
+
+def _module_children(node: Any):
+    """A registered JAX node's children (``_jax_children``), those that are not arrays and
+    not containers (an Equinox MLP's activation, a BatchNorm's axis name, a Dropout's
+    rate) made ``_Static``, as ``eqx.filter(tree, eqx.is_array)`` leaves them out."""
+    split = _jax_children(node)
+    if split is None:
+        return None
+    pairs, rebuild = split
+    return [(path, _Static(c) if _is_static(c) else c) for path, c in pairs], rebuild
+
+
+def _is_static(child: Any) -> bool:
+    if child is None:
+        return False
+    kind = _kinds.get(type(child))
+    if kind is None:
+        kind = _classify(type(child))
+    if kind is not _OTHER:
+        return False
+    if isinstance(child, _SCALARS):
+        return True
+    if isinstance(child, (Mapping, list, tuple, Iterator)) or dataclasses.is_dataclass(child):
+        return False
+    registered = _registered.get(type(child))
+    if registered is None:
+        registered = _registered[type(child)] = _jax_children(child) is not None
+    return not registered
+
+
+_SCALARS = (str, bytes, bool, int, float, complex)
+_registered: dict[type, bool] = {}  # a JAX pytree node's type is registered once, for good
 
 
 def _mapping_rebuild(node: Mapping, keys: list) -> Callable[[list], Any]:
@@ -115,18 +240,15 @@ def _sparse_children(node: Any, dense: bool):
 
 
 def _all_plain_leaves(nodes: list | tuple) -> bool:
-    """True when every child is a leaf by ``_children``'s first test and none is sparse
-    (a framework's ``tree.sparse_type``: a tuple of types): asked once per distinct type
-    (``set(map(type, ...))``: 5 us for 200 tensors, against 17 for ``hasattr`` on each)."""
-    sparse = frameworks.loaded("tree", "sparse_type")
-    for kind in set(map(type, nodes)):  # a loop: a generator per call measured 0.25 us more
-        if kind is _NONE:
-            continue
-        if not hasattr(kind, "dtype"):
+    """True when every child is a leaf by ``_children``'s first test (an array or None), asked
+    once per distinct type (``set(map(type, ...))``: 5 us for 200 tensors, against 17 for
+    ``hasattr`` on each)."""
+    for cls in set(map(type, nodes)):  # a loop: a generator per call measured 0.25 us more
+        kind = _kinds.get(cls)
+        if kind is None:
+            kind = _classify(cls)
+        if kind is not _ARRAY:
             return False
-        for framework_types in sparse:
-            if kind in framework_types:
-                return False
     return True
 
 
@@ -211,10 +333,18 @@ def leaves_with_paths(
     tree: Any, prefix: str = "", *, sparse_as_dense: bool = False
 ) -> Iterator[tuple[str, Leaf]]:
     """(path, leaf) for every leaf, paths spelled like jax.tree_util.keystr; a
-    ``tf.IndexedSlices`` keeps its own path (see ``flatten``)."""
-    split = _children(tree, sparse_as_dense)
+    ``tf.IndexedSlices`` keeps its own path (see ``flatten``). A ``str`` or ``bytes`` leaf
+    inside a Mapping is a name or a setting, not data, and is not yielded (torch's
+    ``optimizer.state_dict()`` holds ``param_names``): what ``find_nonfinite`` reads."""
+    yield from _with_paths(tree, prefix, sparse_as_dense, False)
+
+
+def _with_paths(node: Any, prefix: str, dense: bool, in_mapping: bool) -> Iterator:
+    split = _children(node, dense)
     if split is None:
-        yield prefix, tree
+        if not (in_mapping and isinstance(node, (str, bytes))):
+            yield prefix, node
         return
+    in_mapping = in_mapping or isinstance(node, Mapping)
     for suffix, child in split[0]:
-        yield from leaves_with_paths(child, prefix + suffix, sparse_as_dense=sparse_as_dense)
+        yield from _with_paths(child, prefix + suffix, dense, in_mapping)

@@ -46,7 +46,10 @@ class Framework:
         return self.distributions[0] in sys.modules
 
 
-#: the array frameworks; NumPy is the readable reference
+#: the array frameworks; NumPy is the readable reference. A Keras 3 variable is no entry: it
+#: stands for its Keras backend's tensor (``keras.backend.backend()``), told by the keras
+#: folder's ``tree.wrapper_framework`` hook, which ``numstab._dispatch`` asks once keras is
+#: imported, and is read through its ``.value``
 FRAMEWORKS: dict[str, Framework] = {
     f.name: f
     for f in (

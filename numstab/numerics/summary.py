@@ -52,6 +52,9 @@ def finite_summary(tree: Any) -> FiniteSummary:
     leaves and ``None`` are skipped; a tree with none gives an empty array). Works eagerly too
     (one compiled reduction), though there ``watch(tree)`` does the same.
 
+    A flax NNX ``State`` or module, an Equinox module: their arrays are the leaves (an NNX
+    ``Param`` is read through its value, an activation function or a setting is no leaf).
+
     Raises ``InvalidArgumentError`` when the tree holds no JAX array, arrays of another
     framework (torch and TensorFlow values go to ``watch`` directly), or host leaves that are
     not numbers (a string).

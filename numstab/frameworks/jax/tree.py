@@ -11,8 +11,9 @@ import jax
 
 def registered_children(node: Any) -> tuple[list[tuple[str, Any]], Callable] | None:
     """(``keystr`` path, child) pairs and JAX's rebuild for a registered pytree node; None
-    for what JAX sees as a leaf."""
+    for what JAX sees as a leaf. A node without children (flax NNX's ``PytreeState``) is an
+    empty container, not a leaf: ``num_nodes == 1`` called it one."""
     pairs, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-    if treedef.num_nodes == 1:  # jax sees a leaf too
+    if treedef.num_leaves == 1 and pairs[0][1] is node:  # jax sees a leaf too
         return None
     return [(jax.tree_util.keystr(path), c) for path, c in pairs], treedef.unflatten

@@ -16,6 +16,15 @@ def named_leaves(tree: Any) -> list[tuple[str, Any]] | None:
     return None
 
 
+def wrapper_framework(cls: type) -> str | None:
+    """The Keras backend (``keras.backend.backend()``: ``"tensorflow"``, ``"jax"``,
+    ``"torch"``, ...) for a Keras 3 variable class, whose ``.value`` is that backend's tensor;
+    None for any other class (``numstab._dispatch`` detects and converts by it)."""
+    if isinstance(cls, type) and issubclass(cls, keras.Variable):
+        return keras.backend.backend()
+    return None
+
+
 def unwrap(leaf: Any) -> Any:
     """A Keras variable's backend tensor; anything else as it is."""
     if isinstance(leaf, keras.Variable):
