@@ -3,7 +3,6 @@ raises an ``InvalidArgumentError`` naming the argument and what was wrong."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from numstab import _validate as v
@@ -61,12 +60,20 @@ def raise_out_of_range(
     )
 
 
-@functools.cache
-def _int_bounds(dtype: str) -> tuple[int, int]:
-    import numpy as np
+#: (min, max) of each integer dtype: a plain table, not a cache (torch.compile warns on every
+#: compile about a functools.lru_cache-wrapped function)
+_INT_BOUNDS = {f"int{n}": (-(2 ** (n - 1)), 2 ** (n - 1) - 1) for n in (8, 16, 32, 64)}
+_INT_BOUNDS.update({f"uint{n}": (0, 2**n - 1) for n in (8, 16, 32, 64)})
 
-    info = np.iinfo(dtype)
-    return int(info.min), int(info.max)
+
+def _int_bounds(dtype: str) -> tuple[int, int]:
+    bounds = _INT_BOUNDS.get(dtype)
+    if bounds is None:  # an integer dtype of another name (none known): NumPy's bounds
+        import numpy as np
+
+        info = np.iinfo(dtype)
+        bounds = int(info.min), int(info.max)
+    return bounds
 
 
 def _fits(dtype: str, value: int) -> bool:

@@ -83,6 +83,7 @@ def fused_linear_cross_entropy(
     input dtype and everything after in float32 (float64 for float64 inputs); weight and bias
     gradients accumulate over chunks in float32. Out-of-range labels raise eagerly and give NaN
     rows when traced. ``chunk_size`` rows per chunk; None chooses ``default_chunk_size``.
+    Under torch.autocast, hidden, weight and bias are first cast as ``F.linear`` would.
     """
     v.check_choice("reduction", reduction, REDUCTIONS)
     eps = v.check_number("label_smoothing", label_smoothing, low=0.0, high=1.0)
@@ -99,6 +100,7 @@ def fused_linear_cross_entropy(
     weight = _to_backend(be, required("weight", weight), like=hidden, name="weight")
     labels = to_labels(be, labels, like=hidden)
     bias = _to_backend(be, bias, like=hidden, name="bias")
+    hidden, weight, bias = be.autocast_operands(hidden, weight, bias)  # torch.autocast
     rows, width, vocab, batch_shape = _check_inputs(be, hidden, weight, labels, bias)
     cdt = v.compute_dtype(be.dtype_name(hidden))
 
@@ -107,7 +109,7 @@ def fused_linear_cross_entropy(
     matchable = matchable_ignore_index(be, ignore_index)  # None: no label can equal it
     out_of_range = (y < 0) | (y >= vocab)
     if matchable is not None:
-        out_of_range = out_of_range & (y != matchable)
+        out_of_range = out_of_range & ~_equal(y, matchable)
     if not be.is_tracing(out_of_range) and be.any(out_of_range):  # concrete labels only
         raise_out_of_range(be, labels, vocab, ignore_index)
 
@@ -209,9 +211,9 @@ class _Plan:
     # -- the chunk loop ---------------------------------------------------------------------
     def _label_masks(self, y: Array) -> tuple[Array, Array, Array]:
         out_of_range = (y < 0) | (y >= self.vocab)
-        if self.ignore_index is None:  # outside the labels' dtype: none ignored (y != y)
-            return self.be.where(out_of_range, 0, y), y != y, out_of_range
-        ignored = y == self.ignore_index
+        if self.ignore_index is None:  # outside the labels' dtype: none ignored (y < y)
+            return self.be.where(out_of_range, 0, y), y < y, out_of_range
+        ignored = _equal(y, self.ignore_index)
         out_of_range = out_of_range & ~ignored
         return self.be.where(ignored | out_of_range, 0, y), ignored, out_of_range
 
@@ -307,6 +309,13 @@ class _Plan:
         if eps < 1.0:
             x = be.add_at_rows(x, y, scale * -(1.0 - eps))
         return rows, x, None
+
+
+def _equal(y: Array, value: int) -> Array:
+    """``y == value`` elementwise. TensorFlow 1 graph tensors compare by identity (a Python
+    bool): there, through ``<`` and ``>``."""
+    same = y == value
+    return ~((y < value) | (y > value)) if isinstance(same, bool) else same
 
 
 def _cast_if_needed(be: Backend, x: Array, dtype: str) -> Array:

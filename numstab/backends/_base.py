@@ -377,6 +377,11 @@ class Backend(TreeOps, abc.ABC):
             for parts in zip(*outputs, strict=True)
         )
 
+    def autocast_operands(self, *arrays: Array | None) -> tuple:
+        """The operands of a fused linear layer as the framework's mixed-precision context
+        would cast them for its own linear layer (torch.autocast); here as they are."""
+        return arrays
+
     def custom_gradient(
         self,
         forward: Callable[[tuple, tuple], tuple[Array, Any]],

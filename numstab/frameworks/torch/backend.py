@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 from operator import attrgetter
 
 import numpy as np
@@ -12,6 +11,21 @@ import torch
 import torch.nn.functional as F
 
 from numstab.backends._namespace import NamespaceBackend
+from numstab.errors import InvalidArgumentError
+from numstab.frameworks.torch.fused import (
+    BLOCK_VALUES,
+    FLOAT32_OUT,
+    FT,
+    NO_HIGHER_ORDER,
+    CustomGradient,
+    add_float32_product,
+    autocast_off,
+    batched,
+    in_place_ok,
+    levels,
+    mm_nt_cpu,
+    records_grad,
+)
 
 # str(dtype) costs ~1 us and clipping asks per leaf. Filled once here and never mutated:
 # torch.compile guards on it, so filling it lazily would recompile.
@@ -28,29 +42,6 @@ def is_dtensor(x) -> bool:
 
 _FAST_FLOATS = (torch.float32, torch.float64)
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
-#: whether torch.addmm(..., out_dtype=float32) takes 16-bit operands (CUDA, torch >= 2.8);
-#: set to False where it fails
-_FLOAT32_OUT = ["dtype_out" in torch.ops.aten.addmm.overloads()]
-
-
-def _add_float32_product(acc, a, b):
-    """``acc + a.T @ b`` (``a.T @ b`` for a None ``acc``) for 16-bit CUDA ``a``, ``b``, in
-    float32 by one tensor-core GEMM, added into ``acc`` in place; None (and a warning, once)
-    where torch cannot."""
-    try:
-        if acc is None:
-            return torch.mm(a.mT, b, out_dtype=torch.float32)
-        return torch.addmm(acc, a.mT, b, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, NotImplementedError) as err:
-        _FLOAT32_OUT[0] = False
-        warnings.warn(
-            f"numstab fused_linear_cross_entropy: torch could not add a {a.dtype} product into "
-            f"float32 ({type(err).__name__}: {err}); it multiplies in float32 instead (the same "
-            f"values, slower)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
 
 
 class TorchBackend(NamespaceBackend):
@@ -133,7 +124,8 @@ class TorchBackend(NamespaceBackend):
         return torch.arange(n, device=like.device if isinstance(like, torch.Tensor) else None)
 
     def is_tracing(self, x):
-        return torch.compiler.is_compiling()
+        # a torch.vmap-batched tensor cannot be read either (.item(), bool())
+        return torch.compiler.is_compiling() or (isinstance(x, torch.Tensor) and batched(x))
 
     def stop_gradient(self, x):
         return x.detach()
@@ -174,15 +166,15 @@ class TorchBackend(NamespaceBackend):
         if (
             x.device.type != "cpu"
             or x.dim() != 2
-            or _records_grad(x)
-            or torch.compiler.is_compiling()
+            or records_grad(x)
+            or not in_place_ok(x)  # (vmap has no out= kernels)
         ):
             return torch.exp(x).sum(-1).log_()
         # a fused chunk on CPU: exp a block of rows at a time (each row's sum is the same),
         # so the temporary is a block, not a second chunk beside x (a GPU would pay a launch
         # per block)
         out = x.new_empty(x.shape[0])
-        rows = max(1, _BLOCK_VALUES // max(1, x.shape[1]))
+        rows = max(1, BLOCK_VALUES // max(1, x.shape[1]))
         for start in range(0, x.shape[0], rows):
             torch.sum(torch.exp(x[start : start + rows]), -1, out=out[start : start + rows])
         return out.log_()
@@ -201,6 +193,9 @@ class TorchBackend(NamespaceBackend):
         if ord == math.inf and together and first.type == "cpu":
             return _cpu_absmax(leaves, getattr(torch, dtype))
         # one multi-tensor kernel per device and dtype; dtype= upcasts fp16 before squaring
+        # nested: no reductions, read through the components (Dynamo cannot trace attrgetter)
+        if not torch.compiler.is_compiling() and any(map(_IS_NESTED, leaves)):
+            leaves = [_components(x) if x.is_nested else x for x in leaves]
         norms = torch._foreach_norm(leaves, ord, dtype=getattr(torch, dtype))
         if not together:  # each norm is on its leaf's device: gather them on the first's
             norms = [n.to(first) for n in norms]
@@ -293,25 +288,26 @@ class TorchBackend(NamespaceBackend):
     # -- fused cross-entropy --
     def matmul(self, a, b, transpose_a=False, transpose_b=False):
         if transpose_b and not transpose_a and a.device.type == "cpu":
-            if torch.compiler.is_compiling() or _records_grad(a, b):
-                return torch.mm(b, a.mT).mT.contiguous()  # (the layout of _mm_nt_cpu)
-            return _mm_nt_cpu(a, b)
+            if not in_place_ok(a, b) or records_grad(a, b):
+                return torch.mm(b, a.mT).mT.contiguous()  # (the layout of mm_nt_cpu)
+            return mm_nt_cpu(a, b)
         return torch.mm(a.mT if transpose_a else a, b.mT if transpose_b else b)
 
     def concat(self, arrays):
         return torch.cat(arrays)
 
     def add_at_rows(self, x, index, values):
-        return x.scatter_add_(-1, index.long().unsqueeze(-1), values.to(x.dtype).unsqueeze(-1))
+        scatter_add = torch.Tensor.scatter_add_ if in_place_ok(x) else torch.scatter_add
+        return scatter_add(x, -1, index.long().unsqueeze(-1), values.to(x.dtype).unsqueeze(-1))
 
     def on_gpu(self, x):
         return x.is_cuda
 
     def matmul_accumulate(self, acc, a, b):
-        compiling = torch.compiler.is_compiling()  # Dynamo cannot return a mutated intermediate
+        compiling = not in_place_ok(a, b)  # Dynamo cannot return a mutated intermediate
         if a.dtype in _HALF_FLOATS:
-            if a.is_cuda and not compiling and _FLOAT32_OUT[0]:  # tensor cores, float32 out
-                product = _add_float32_product(acc, a, b)
+            if a.is_cuda and not compiling and FLOAT32_OUT[0]:  # tensor cores, float32 out
+                product = add_float32_product(acc, a, b)
                 if product is not None:
                     return product
             a, b = a.float(), b.float()  # exact products, float32 sums
@@ -324,21 +320,40 @@ class TorchBackend(NamespaceBackend):
     def scale_owned(self, x, factor):
         factor = factor.to(x.dtype)
         # in place eagerly; Dynamo cannot trace a mutation of a saved residual
-        return x * factor if torch.compiler.is_compiling() else x.mul_(factor)
+        return x.mul_(factor) if in_place_ok(x, factor) else x * factor
 
     def shift_owned(self, x, shift):
-        if torch.compiler.is_compiling() or x.requires_grad:
+        if not in_place_ok(x, shift) or x.requires_grad:
             return x - shift
         return x.sub_(shift)
 
     def softmax_grad_owned(self, x, lse, scale, shift):
-        if torch.compiler.is_compiling() or x.requires_grad:
+        if not in_place_ok(x, lse, scale) or x.requires_grad:
             return super().softmax_grad_owned(x, lse, scale, shift)
         x = x.sub_(lse.unsqueeze(-1)).exp_().mul_(scale.unsqueeze(-1))  # one buffer, in place
         return x if shift is None else x.sub_(shift.unsqueeze(-1))
 
     def custom_gradient(self, forward, backward, args):
-        return _CustomGradient.apply(forward, backward, *args)
+        grad = torch.is_grad_enabled()
+        needs = tuple(grad and isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        device = args[0].device.type
+        if not any(needs):  # no autograd.Function (Dynamo fails on one that goes unused)
+            return autocast_off(device, forward, args, needs)[0]
+        # jvp of a gradient (hessian; a plain jvp / jacfwd took the branch above): the
+        # function has no jvp method (Dynamo would fail on one)
+        if not torch.compiler.is_compiling() and levels(FT.TransformType.Jvp):
+            raise InvalidArgumentError(NO_HIGHER_ORDER + "Received: jvp of its gradient")
+        return autocast_off(device, CustomGradient.apply, forward, backward, needs, *args)[0]
+
+    def autocast_operands(self, *tensors):
+        """``tensors`` (None stays None) as F.linear's autocast casts them: under
+        torch.autocast, floating tensors other than float64 in the autocast dtype."""
+        device = tensors[0].device.type
+        if not torch.is_autocast_enabled(device):
+            return tensors
+        dtype = torch.get_autocast_dtype(device)
+        low = {torch.float16, torch.bfloat16, torch.float32}
+        return tuple(x.to(dtype) if x is not None and x.dtype in low else x for x in tensors)
 
     # -- data firewall --
     def compress(self, x, keep, axis):
@@ -348,6 +363,7 @@ class TorchBackend(NamespaceBackend):
 BACKEND = TorchBackend()
 _CPU = torch.device("cpu")
 _IS_CPU = attrgetter("is_cpu")
+_IS_NESTED = attrgetter("is_nested")
 _DTYPE = attrgetter("dtype")
 
 
@@ -391,48 +407,17 @@ def _on_device(tensors: list, device: torch.device) -> bool:
     return {x.device for x in tensors} <= {device}
 
 
-# -- fused cross-entropy --
-class _CustomGradient(torch.autograd.Function):
-    """Backend.custom_gradient for torch: ``forward``/``backward`` are the algorithm's own."""
-
-    @staticmethod
-    def forward(ctx, forward, backward, *args):
-        out, residuals = forward(args, tuple(ctx.needs_input_grad[2:]))
-        ctx.save_for_backward(*residuals)  # a flat tuple of tensors or None (Dynamo-friendly)
-        ctx.backward_fn = backward
-        return out
-
-    @staticmethod
-    def backward(ctx, cotangent):
-        return (None, None, *ctx.backward_fn(ctx.saved_tensors, cotangent))
-
-
-#: values per temporary block of a fused chunk's work (8 MiB of float32)
-_BLOCK_VALUES = 1 << 21
-
-
-def _records_grad(*tensors: torch.Tensor) -> bool:
-    """Autograd would record an op on ``tensors`` (``out=`` and slice writes refuse that)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def _mm_nt_cpu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b.T`` [C, V] on CPU as ``(b @ a.T).T``, a block of ``b``'s rows at a time, each
-    block copied into its columns of one contiguous output. MKL computes the logits of a
-    fused chunk ~15% faster in this layout (C=128, d=1024, V=65536: fused CE 1.24x -> 1.15x
-    unfused); made whole and then contiguous, the product held two chunk-sized buffers."""
-    out = a.new_empty((a.shape[0], b.shape[0]), dtype=torch.result_type(a, b))
-    rows = max(1, _BLOCK_VALUES // max(1, a.shape[0]))
-    for start in range(0, b.shape[0], rows):
-        out[:, start : start + rows] = torch.mm(b[start : start + rows], a.mT).mT
-    return out
+def _components(x: torch.Tensor) -> torch.Tensor:
+    """A nested tensor's values as one flat tensor (its components, concatenated)."""
+    parts = [t.reshape(-1) for t in x.unbind()]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=x.dtype, device=x.device)
 
 
 def _cpu_absmax(leaves: list, dtype: torch.dtype) -> torch.Tensor:
     """max |x| of each leaf as one ``dtype`` vector, from one ``aminmax`` pass per leaf (NaN
     propagates). On CPU the inf-norm kernels (``_foreach_norm(inf)``, ``vector_norm(inf)``)
     measured ~6x slower than ``aminmax`` (200 tensors of 100k floats: 36 ms against 6 ms)."""
-    bounds = [torch.aminmax(x) for x in leaves]
+    bounds = [torch.aminmax(_components(x) if x.is_nested else x) for x in leaves]
     low = torch.stack([b.min.to(dtype) for b in bounds])
     high = torch.stack([b.max.to(dtype) for b in bounds])
     return torch.maximum(high, -low)

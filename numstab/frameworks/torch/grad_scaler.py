@@ -188,6 +188,8 @@ class GradScaler:
                 if local is None:
                     scale = state.scale.to(value.device, non_blocking=True)
                     local = per_device[value.device] = state._replace(scale=scale)
+                if value.dim() == 0 and value.dtype in (torch.float16, torch.bfloat16):
+                    value = value.float()  # as torch.amp's: a 0-d loss * float32 scale
                 return self._scaler.scale(value, local, backend="torch")
             if isinstance(value, (list, tuple)):
                 return type(value)(map(apply, value))
