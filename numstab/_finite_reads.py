@@ -34,7 +34,8 @@ def is_readable(dtype: str) -> bool:
 def read_as(be: Backend, x: Any, dtype: str) -> Any:
     """``x`` (of ``dtype``, a floating or ``holds_nonfinite`` one) as a real floating array
     holding the same non-finite values: float8 upcast to float32, complex as its
-    ``real_view`` (..., 2), any other as it is."""
+    ``real_view`` (..., 2), any other as it is; a torch nested tensor as its elements, flat."""
+    x = be.elements(x)
     if v.is_complex(dtype):
         return be.real_view(x)
     return be.cast(x, "float32") if dtype.startswith("float8_") else x

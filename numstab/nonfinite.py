@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from numstab import _validate as v
@@ -110,6 +111,8 @@ def assert_finite(tree: Tree, name: str = "grads", *, backend: str | None = None
     """
     if not isinstance(name, str):
         raise InvalidArgumentError(f"Expected name to be a str. Received: name={name!r}")
+    if isinstance(tree, Iterator):  # read twice below: an iterator once, as a list
+        tree = list(tree)
     records = find_nonfinite(tree, backend=backend)
     if not records:
         return
@@ -204,7 +207,7 @@ def _records(be: Backend, named: list[tuple[str, Any]], reads: list) -> list[Non
     for (path, leaf), (n_finite, n_pos, n_neg), (low, high) in zip(
         named, counts_h, ranges_h, strict=True
     ):
-        shape = tuple(int(d) for d in be.shape(leaf))
+        shape = tuple(int(d) for d in be.shape(be.elements(leaf)))  # nested: flat
         size = math.prod(shape)
         has_finite = n_finite > 0
         out.append(

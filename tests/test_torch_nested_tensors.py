@@ -18,7 +18,7 @@ from numstab.frameworks.torch.numerics import checkable, readable, summary  # no
 from numstab.locate import locate_nonfinite  # noqa: E402
 from numstab.numerics import check_numerics  # noqa: E402
 
-NAN = float("nan")
+NAN, INF = float("nan"), float("inf")
 
 
 @pytest.fixture(autouse=True)
@@ -93,3 +93,27 @@ def test_locate_finds_a_nan_in_the_nested_path():
         report = locate_nonfinite(enc, x, src_key_padding_mask=pad)
     assert report.found and report.phase == "forward" and report.nan_count > 0
     assert report.layer.startswith("layers.1")
+
+
+def test_find_nonfinite_and_assert_finite_read_nested_components():
+    """find_nonfinite raised torch's NotImplementedError (no ``ne`` for NestedTensorCPU)."""
+    import numstab as ns
+
+    t = torch.nested.nested_tensor([torch.tensor([1.0, NAN]), torch.tensor([2.0, 3.0, INF])])
+    (record,) = ns.find_nonfinite({"n": t})
+    assert (record.path, record.nan_count, record.posinf_count, record.shape) == ("n", 1, 1, (5,))
+    assert (record.finite_min, record.finite_max) == (1.0, 3.0)
+    with pytest.raises(NonFiniteError, match="1 nan, 1 \\+inf") as info:
+        ns.assert_finite({"n": t})
+    assert info.value.framework == "torch"
+    assert ns.find_nonfinite([torch.nested.nested_tensor([torch.ones(2)])]) == []
+
+
+def test_assert_finite_names_the_framework_of_an_iterator():
+    """assert_finite reads its tree twice: an iterator was empty the second time, and the
+    error named the numpy framework."""
+    import numstab as ns
+
+    with pytest.raises(NonFiniteError) as info:
+        ns.assert_finite(iter([torch.tensor([NAN])]))
+    assert info.value.framework == "torch"

@@ -141,6 +141,11 @@ class Backend(TreeOps, abc.ABC):
     @abc.abstractmethod
     def isfinite(self, x: Array) -> Array: ...
 
+    def elements(self, x: Array) -> Array:
+        """``x``'s values as an array every reduction takes: ``x`` itself, but for a torch
+        nested tensor (its components, concatenated flat)."""
+        return x
+
     @abc.abstractmethod
     def real_view(self, x: Array) -> Array:
         """A complex ``x`` as a real array of shape ``(*x.shape, 2)``: its (real, imaginary)

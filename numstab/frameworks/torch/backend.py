@@ -79,6 +79,9 @@ class TorchBackend(NamespaceBackend):
     def real_view(self, x):
         return torch.view_as_real(x.resolve_conj())
 
+    def elements(self, x):
+        return _components(x) if x.is_nested else x
+
     def shape(self, x):
         return tuple(x.shape)
 
