@@ -11,7 +11,7 @@ import optax  # noqa: F401  (the jax extra ships optax; its absence disables the
 
 from numstab.backends._base import generic_forced, numpy_dtype_name
 from numstab.backends._namespace import NamespaceBackend
-from numstab.frameworks.jax import fused
+from numstab.frameworks.jax import fused, sharding
 
 
 @jax.jit
@@ -141,7 +141,7 @@ class JaxBackend(NamespaceBackend):
     def scan_chunks(self, step, carry, inputs, chunk, rows):
         if rows > chunk:  # on an Explicit mesh, rows replicated: a chunk of rows is not a
             # whole number of rows per device in general (a single chunk stays sharded)
-            inputs = tuple(None if x is None else fused.unsharded_along(x, 0) for x in inputs)
+            inputs = tuple(None if x is None else sharding.unsharded_along(x, 0) for x in inputs)
         if rows // chunk < 2:
             return super().scan_chunks(step, carry, inputs, chunk, rows)
         return fused.scan_chunks(step, carry, inputs, chunk, rows)
@@ -154,7 +154,7 @@ class JaxBackend(NamespaceBackend):
     def compress(self, x, keep, axis):
         # an Explicit mesh: the kept slices gathered replicated along the axis (their count
         # need not divide the mesh)
-        return jnp.compress(keep, fused.unsharded_along(x, axis), axis=axis)
+        return jnp.compress(keep, sharding.unsharded_along(x, axis), axis=axis)
 
 
 BACKEND = JaxBackend()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from numstab import _validate as v
 from numstab.backends._base import generic_forced, numpy_dtype_name
+from numstab.frameworks.jax.sharding import explicit_spec, pvary, varying
 
 #: Rows of the weight gradient updated per block in ``matmul_accumulate`` (about this many bytes).
 _ACCUMULATE_BLOCK_BYTES = 4 * 2**20
@@ -21,54 +21,6 @@ _ACCUMULATE_BLOCK_BYTES = 4 * 2**20
 #: Compiled eager calls kept (one per settings of a fused call; shapes are jit's own cache).
 _EAGER_CACHE_SIZE = 64
 _EAGER: dict[tuple, Callable] = {}
-
-_EXPLICIT = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)  # jax >= 0.5
-_typeof = getattr(jax, "typeof", None) or jax.core.get_aval
-
-
-# -- sharding: manual axes (shard_map) and Explicit mesh axes ---------------------------------
-def varying(x: Any) -> frozenset:
-    """The manual axes (``shard_map``) that ``x`` (an array or an abstract value) varies over."""
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else _typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(getattr(manual, "varying", ()) or ())
-    return frozenset(getattr(aval, "vma", None) or ())
-
-
-def pvary(x: jax.Array, axes: frozenset) -> jax.Array:
-    """``x`` cast to vary over ``axes`` too (its transpose is a psum over them)."""
-    if not axes:
-        return x
-    axes = tuple(sorted(axes, key=str))
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)
-
-
-def explicit_spec(x: Any) -> P | None:
-    """``x``'s PartitionSpec when its mesh has Explicit axes (sharding in the type), else None."""
-    if _EXPLICIT is None:
-        return None
-    sharding = getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
-    if sharding is None:
-        try:
-            sharding = _typeof(x).sharding
-        except (TypeError, AttributeError):
-            return None
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or _EXPLICIT not in getattr(mesh, "axis_types", ()):
-        return None
-    return sharding.spec
-
-
-def unsharded_along(x: jax.Array, axis: int) -> jax.Array:
-    """``x`` with ``axis`` replicated (an all-gather) when an Explicit mesh axis shards it:
-    slicing or compressing a sharded axis to a size the mesh does not divide is undefined."""
-    spec = explicit_spec(x)
-    if spec is None or axis >= len(spec) or spec[axis] is None:
-        return x
-    return jax.sharding.reshard(x, P(*spec[:axis], None, *spec[axis + 1 :]))
 
 
 def _product_spec(a: jax.Array, b: jax.Array) -> P | None:

@@ -33,6 +33,7 @@ import optax
 from numstab import _validate as v
 from numstab.clipping import clip_by_global_norm, global_norm
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.jax.sharding import pvary, varying
 from numstab.loss_scale import LossScaler, LossScaleState
 
 __all__ = [
@@ -183,36 +184,19 @@ def _same_varying_axes(*branches: Callable[[None], Any]) -> list[Callable[[None]
     that the branches' leaves vary over: ``lax.cond`` needs equal types, and zeros or the
     untouched inner state may vary over fewer axes than the inner update's outputs."""
     shapes = [jax.eval_shape(branch, None) for branch in branches]
-    union = jax.tree.map(lambda *avals: frozenset().union(*map(_varying, avals)), *shapes)
+    union = jax.tree.map(lambda *avals: frozenset().union(*map(varying, avals)), *shapes)
     if not any(jax.tree.leaves(union, is_leaf=lambda x: isinstance(x, frozenset))):
         return list(branches)  # outside shard_map: nothing to cast
 
     def aligned(branch: Callable[[None], Any], avals: Any) -> Callable[[None], Any]:
         def run(_: None) -> Any:
             return jax.tree.map(
-                lambda x, aval, axes: _pvary(x, axes - _varying(aval)), branch(None), avals, union
+                lambda x, aval, axes: pvary(x, axes - varying(aval)), branch(None), avals, union
             )
 
         return run
 
     return [aligned(b, s) for b, s in zip(branches, shapes, strict=True)]
-
-
-def _varying(aval: Any) -> frozenset:
-    """The manual axes a traced value varies over (jax >= 0.10: manual_axis_type; older: vma)."""
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(getattr(manual, "varying", ()) or ())
-    return frozenset(getattr(aval, "vma", None) or ())
-
-
-def _pvary(x: jax.Array, axes: frozenset) -> jax.Array:
-    if not axes:
-        return x
-    axes = tuple(sorted(axes, key=str))
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, axes, to="varying")
-    return jax.lax.pvary(x, axes)
 
 
 def _check_matches(grads: Any, params: Any) -> None:
