@@ -179,3 +179,25 @@ def test_keras_parent_code_is_blamed():
     model(x)
     report = ns.locate_nonfinite(model, x)
     assert (report.layer, report.inputs_finite) == ("", True), report
+
+
+def test_token_id_inputs_count_as_finite_for_the_parent_rule():
+    """A model of integer ids whose own code overflows (two embeddings summed): the parent
+    is reported. Passing over calls without floating inputs blamed 'out', the next layer."""
+    torch = pytest.importorskip("torch")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Embedding(10, 4), torch.nn.Embedding(10, 4)
+            self.out = torch.nn.Linear(4, 2)
+
+        def forward(self, ids):
+            return self.out(self.a(ids) + self.b(ids))
+
+    net = Net()
+    with torch.no_grad():
+        net.a.weight[:, 0] = 3e38
+        net.b.weight[:, 0] = 3e38
+    report = ns.locate_nonfinite(net, torch.tensor([1, 2]))
+    assert report.found and report.layer == "" and report.phase == "forward", report

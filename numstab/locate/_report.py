@@ -207,14 +207,13 @@ def _maker(be: Backend, calls: list, host: list, first: LayerCall, h: dict, fill
     """``(call, maxima)`` of the call whose own code made the non-finite inputs of
     ``first``, the first call to finish with a non-finite output: no call finished before
     it with one, so they were made between sub-layers, by the innermost enclosing call
-    (started before ``first``, finished after it) whose own inputs are finite. A call with
-    no floating inputs tells nothing (token ids; a replayed batch held in a closure, as the
-    Trainer and Lightning callbacks locate): it is passed over. When no enclosing call
-    received finite inputs (the model's inputs were not), ``first`` stays."""
+    (started before ``first``, finished after it) whose own inputs are finite (or not
+    floating: token ids). When no enclosing call received finite inputs (the model's inputs
+    were not), ``first`` stays."""
     enclosing = [c for c in calls if c.start < first.start and c.end > first.end]
     for parent in sorted(enclosing, key=lambda c: -c.start):  # innermost first
         got = _filled(be, parent, host[calls.index(parent)], "forward", fill)
-        if got["inputs"] is not None and not _bad(got["inputs"]):
+        if not _bad(got["inputs"]):  # (no floating inputs: token ids, finite)
             return parent, got
     return first, h
 

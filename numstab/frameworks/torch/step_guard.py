@@ -60,7 +60,7 @@ class StepGuard:
         self.first_nonfinite_report: Any = None
         self.messages: list[str] = []
         self._losses: list[torch.Tensor] = []
-        self.replay: Callable[[], Any] | None = None  # re-runs the last batch's forward
+        self.replay: functools.partial | None = None  # the last batch's forward, as called
         self._hooks: list[Any] = []
 
     # -- wiring --------------------------------------------------------------------------------
@@ -192,8 +192,12 @@ class StepGuard:
         if self.replay is None or self._locate_failed:
             return
         self._locating = True  # locating calls the model again: the hooks must not record
+        replay = self.replay  # a partial: the batch goes in as the model's arguments, so
+        # locate sees them (a NaN input is the input's, not the model's own code's)
         try:
-            report = locate_nonfinite(_Replay(self.model, self.replay), loss_fn=_loss_of)
+            report = locate_nonfinite(
+                _Replay(self.model, replay.func), *replay.args, loss_fn=_loss_of, **replay.keywords
+            )
         except Exception as exc:  # locating is a diagnosis: it must never end the run
             self._locate_failed = True  # it would fail the same way on every bad step
             self.messages.append(f"numstab: locate_nonfinite failed: {exc!r}")
@@ -207,16 +211,17 @@ class StepGuard:
 
 
 class _Replay(torch.nn.Module):
-    """``replay()`` (the last batch's forward, as the loop called it) as a module with the
-    model's own layer names: it shares the model's sub-modules (``_modules``)."""
+    """``forward(*batch)`` (the last batch's forward, or Lightning's ``training_step``, as
+    the loop called it) as a module with the model's own layer names: it shares the model's
+    sub-modules (``_modules``)."""
 
-    def __init__(self, model: torch.nn.Module, replay: Callable[[], Any]) -> None:
+    def __init__(self, model: torch.nn.Module, forward: Callable[..., Any]) -> None:
         super().__init__()
         self._modules = model._modules
-        self._replay = replay
+        self._forward = forward
 
-    def forward(self) -> Any:
-        return self._replay()
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(*args, **kwargs)
 
 
 def _loss_of(output: Any) -> torch.Tensor:
