@@ -41,6 +41,21 @@ def test_unbatched_tf_dataset_is_refused_before_any_batch(element):
     assert len(labels) == 3 and all(b[0].shape[-1] == 5 for b in out if isinstance(b, tuple))
 
 
+def test_unbatched_variable_length_samples_are_refused():
+    """A sequence of unknown length beside a rank-0 label, before padded_batch: its steps were
+    read as samples, and a NaN step was cut out of the sequence."""
+    seqs = [np.array([1.0, np.nan, 3.0, 4.0], np.float32), np.array([5.0, 6.0], np.float32)]
+    ds = tf.data.Dataset.from_generator(
+        lambda: ((s, np.int64(i)) for i, s in enumerate(seqs)),
+        output_signature=(tf.TensorSpec((None,), tf.float32), tf.TensorSpec((), tf.int64)),
+    )
+    for unbatched in (ds, ds.padded_batch(2).unbatch()):
+        with pytest.raises(InvalidArgumentError, match=r"batched tf\.data\.Dataset"):
+            protect(unbatched)
+    (batch,) = protect(ds.padded_batch(2))  # batched: the first sequence is dropped whole
+    assert batch[0].shape == (1, 4) and batch[1].numpy().tolist() == [1]
+
+
 def test_batched_datasets_with_static_fields_pass():
     """A rank-0 field beside batched ones of unknown batch size (``.batch()``) stays a
     static field (§17.1), as does one beside fields batched along axis 1."""
@@ -49,6 +64,9 @@ def test_batched_datasets_with_static_fields_pass():
     scaled = ds.map(lambda e: {**e, "scale": tf.constant(0.5)})
     out = list(protect(scaled))
     assert [b["x"].shape[0] for b in out] == [3, 4] and float(out[0]["scale"]) == 0.5
+    samples = tf.data.Dataset.from_tensor_slices({"x": x, "y": np.arange(8)})
+    fixed = samples.batch(4, drop_remainder=True).map(lambda e: {**e, "n": tf.constant(3)})
+    assert [b["x"].shape[0] for b in protect(fixed)] == [3, 4]  # static sizes, batched
     per_axis1 = tf.data.Dataset.from_tensor_slices({"x": x.T[None], "s": np.ones(1, np.float32)})
     (batch,) = protect(per_axis1, batch_axis=1)  # "s" beside batch axis 1: static
     assert batch["x"].shape == (5, 7)

@@ -268,10 +268,11 @@ class _Datasets:
     @staticmethod
     def check_batched(source: Any, batch_axis: int) -> None:
         """``InvalidArgumentError`` for a dataset whose elements read as single samples:
-        (batch_axis 0) a rank-0 field beside ranked ones whose first axes all have a static
-        size (``.batch()`` leaves it unknown, but for ``drop_remainder=True``), or fields
-        whose static sizes on the batch axis differ. Its first axis would be read as the
-        samples, and a drop would delete features while the rank-0 label stays."""
+        (batch_axis 0) a rank-0 field beside ranked ones when no batching op comes after the
+        last ``unbatch`` upstream (``_batched_upstream``: ``batch``, ``padded_batch``,
+        ``ragged_batch``, ``rebatch``, ``bucket_by_sequence_length``), or fields whose static
+        sizes on the batch axis differ. Its first axis would be read as the samples, and a
+        drop would delete features (a timestep of a sequence) while the rank-0 label stays."""
         if not isinstance(source, tf.data.Dataset):
             return
         specs = [(p or "<batch>", s) for p, s in leaves_with_paths(source.element_spec)]
@@ -280,7 +281,7 @@ class _Datasets:
         ranked = [p for p, r in ranks.items() if r is not None and r > batch_axis]
         sizes = {p: s.shape[batch_axis] for p, s in specs if p in ranked}
         known = {p: n for p, n in sizes.items() if n is not None}
-        if batch_axis == 0 and scalars and ranked and len(known) == len(ranked):
+        if batch_axis == 0 and scalars and ranked and not _batched_upstream(source):
             found = f"rank-0 field(s) {', '.join(scalars)} beside {', '.join(ranked)}"
         elif len(set(known.values())) > 1:
             found = ", ".join(f"{p} of {n}" for p, n in known.items())
@@ -314,6 +315,24 @@ class _Datasets:
         return tf.data.Dataset.from_generator(
             lambda: iter(guarded), output_signature=output_signature
         )
+
+
+#: tf.data's dataset classes that batch (``bucket_by_sequence_length`` is a group_by_window)
+_BATCHING = {"_BatchDataset", "_PaddedBatchDataset", "_RebatchDataset", "_GroupByWindowDataset"}
+
+
+def _batched_upstream(dataset: Any) -> bool:
+    """Whether a batching op comes after the last ``unbatch`` in the chain of datasets that
+    ``dataset`` is made from (their private ``_input_dataset`` links; False where the chain
+    cannot be read, or starts at a source: ``from_generator`` yields what it yields)."""
+    while dataset is not None:
+        name = type(dataset).__name__
+        if name in _BATCHING:
+            return True
+        if name == "_UnbatchDataset":
+            return False
+        dataset = getattr(dataset, "_input_dataset", None)
+    return False
 
 
 def _unknown_batch(spec: Any, axis: int) -> Any:
