@@ -141,6 +141,12 @@ else:
     import torch
     assert isinstance(norm, torch.Tensor) and isinstance(clipped[0], torch.Tensor)
     assert isinstance(loss, torch.Tensor)
+# a Keras model is named by its variables' Keras paths on every backend (on torch, a Keras
+# layer is a torch.nn.Module too: '_functional._torch_params.sequential/dense/kernel')
+kernel = model.layers[0].kernel
+kernel.assign(keras.ops.where(keras.ops.arange(12).reshape((4, 3)) == 0, np.nan, kernel.value))
+paths = [r.path for r in ns.find_nonfinite(model)]
+assert paths == [kernel.path], paths
 print("ok", name)
 """
 
