@@ -130,7 +130,8 @@ EXPLICIT = textwrap.dedent(
 
 def _run(script: str, *args: str) -> None:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = flags.strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

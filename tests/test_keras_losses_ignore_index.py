@@ -29,12 +29,13 @@ except InvalidArgumentError as err:
 # an ignore_index no label can equal (outside the index dtype) ignores nothing either
 valid = np.array([1, 2, 0, 3])
 for huge in (2**70, 2**40, -(2**40)):  # outside int32, the ids' dtype (2**40 inside int64)
-    np.testing.assert_allclose(SparseCategoricalCrossentropy(ignore_index=huge)(valid, logits),
-                               SparseCategoricalCrossentropy()(valid, logits))
+    np.testing.assert_array_equal(SparseCategoricalCrossentropy(ignore_index=huge)(valid, logits),
+                                  SparseCategoricalCrossentropy()(valid, logits))
 # -100 ignored only when asked
 asked = SparseCategoricalCrossentropy(ignore_index=-100)(ids, logits)
 theirs = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-100)
-np.testing.assert_allclose(asked, theirs(ids, logits), rtol=2e-6, atol=2e-6)
+eps = np.finfo(np.float32).eps
+np.testing.assert_allclose(asked, theirs(ids, logits), rtol=16 * eps, atol=16 * eps)
 
 # inside model.evaluate (traced on TF and JAX: NaN, §4.4.6; torch runs eagerly: the error)
 keras.utils.set_random_seed(0)

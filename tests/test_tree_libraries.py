@@ -22,6 +22,9 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
 
+EPS32 = float(np.finfo(np.float32).eps)  # float32 sums of a few squares: a few ulps
+
+
 def _nnx():
     return pytest.importorskip("flax.nnx")
 
@@ -53,8 +56,8 @@ def test_nnx_grads_clip_under_nnx_jit():
         return norm, ns.global_norm(clipped), ns.all_finite(g)
 
     norm, clipped_norm, finite = step(model)
-    assert isinstance(norm, jax.Array) and float(norm) == pytest.approx(expected, rel=1e-5)
-    assert float(clipped_norm) == pytest.approx(1.0, rel=1e-5) and bool(finite)
+    assert isinstance(norm, jax.Array) and float(norm) == pytest.approx(expected, rel=16 * EPS32)
+    assert float(clipped_norm) == pytest.approx(1.0, rel=16 * EPS32) and bool(finite)
 
 
 def test_nnx_grads_stay_jax_arrays_eagerly():
@@ -151,7 +154,7 @@ def test_equinox_modules_with_functions_strings_and_numbers():
     assert float(ns.global_norm(mlp)) == pytest.approx(float(ns.global_norm(arrays)))
     clipped, _ = ns.clip_by_global_norm(mlp, 1e-3)
     assert clipped.activation is mlp.activation and type(clipped) is type(mlp)
-    assert float(ns.global_norm(clipped)) == pytest.approx(1e-3, rel=1e-4)
+    assert float(ns.global_norm(clipped)) == pytest.approx(1e-3, rel=16 * EPS32)
     assert ns.find_nonfinite(mlp) == [] and bool(ns.all_finite(mlp))
     # its axis_name "batch" and inference=False are leaves of the module
     batch_norm = eqx.nn.BatchNorm(3, "batch", mode="ema")
@@ -191,10 +194,14 @@ def test_generators_are_read_as_lists():
     params = [p.detach() for p in model.parameters()]
     expected = torch.linalg.vector_norm(torch.cat([p.reshape(-1) for p in params]))
     with torch.no_grad():
-        assert torch.allclose(ns.global_norm(model.parameters()), expected)
+        assert torch.allclose(ns.global_norm(model.parameters()), expected, rtol=16 * EPS32, atol=0)
         clipped, norm = ns.clip_by_global_norm(model.parameters(), 0.1)
-        assert type(clipped) is list and len(clipped) == 4 and torch.allclose(norm, expected)
-        assert torch.allclose(ns.global_norm(clipped), torch.tensor(0.1))
+        assert (
+            type(clipped) is list
+            and len(clipped) == 4
+            and torch.allclose(norm, expected, rtol=16 * EPS32, atol=0)
+        )
+        assert torch.allclose(ns.global_norm(clipped), torch.tensor(0.1), rtol=16 * EPS32, atol=0)
         low = ns.clip_by_value((p for p in model.parameters()), -0.01, 0.01)
         assert type(low) is list and max(float(x.abs().max()) for x in low) <= 0.01
         assert bool(ns.all_finite(model.parameters()))
