@@ -26,7 +26,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
-from numstab.frameworks.torch.numerics import checkable, flat_values, readable
+from numstab.frameworks.torch.backend import flat_values
+from numstab.frameworks.torch.numerics import checkable, readable
 from numstab.locate._report import LOSS, LayerCall, LocateReport, check_loss, summarise
 from numstab.nonfinite import find_nonfinite
 from numstab.tree import flatten

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from numstab.errors import NonFiniteError
+from numstab.frameworks.torch.backend import flat_values
 from numstab.numerics import _where
 from numstab.numerics._ops import op_error, op_kind
 
@@ -57,17 +58,6 @@ def checkable(t: Any) -> bool:
         and t.dtype not in _NO_NONFINITE
         and t.numel() != 0
     )
-
-
-def flat_values(t: torch.Tensor) -> torch.Tensor:
-    """A nested tensor's elements as one 1-D tensor (most reductions, ``aminmax`` and ``sum``
-    among them, have no nested kernel); any other tensor as it is."""
-    if not t.is_nested:
-        return t
-    if t.layout == torch.jagged:
-        return t.values().reshape(-1)
-    parts = [c.reshape(-1) for c in t.unbind()]
-    return torch.cat(parts) if parts else t.new_zeros(0)
 
 
 def readable(t: torch.Tensor) -> torch.Tensor:
