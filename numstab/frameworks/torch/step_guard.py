@@ -18,6 +18,15 @@ skips the step and lowers the scale), so the real step still runs and the guard 
 the skip, without counting it toward a rollback; a finite step the guard skips (a spike) ends
 the scaler's iteration with its scale unchanged (``scaler.update(new_scale=scale)``).
 
+``max_grad_norm=M``: the guarded step clips, after the guard decided on the gradients as the
+backward pass made them: for a good step the checked gradients are multiplied by
+``min(1, M / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s formula, on the device,
+no host read) with the norm the guard decided on (``TorchGuard.measure_grads``, taken once),
+then the real step runs. For loops that clip
+before any callback runs (the ``Trainer``), which must then not clip themselves. Gradients
+still scaled by an enabled GradScaler are unscaled first (``unscale_``). Refused for DTensor
+parameters (FSDP2, tensor parallel): the norm there is not the one to clip with here.
+
 On the first non-finite step, ``locate_nonfinite`` runs once on the step's last batch
 (``replay``: the model's forward as the loop called it, or Lightning's ``training_step``) and
 its report (the first bad layer) is kept in ``first_nonfinite_report`` and logged; where it
@@ -37,6 +46,7 @@ import torch
 
 from numstab import _validate as v
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.torch.backend import is_dtensor
 from numstab.guard.guard import TrainingGuard
 
 log = logging.getLogger("numstab")
@@ -45,7 +55,13 @@ log = logging.getLogger("numstab")
 class StepGuard:
     """A :class:`TrainingGuard` wrapped around an optimizer that someone else steps."""
 
-    def __init__(self, guard: TrainingGuard | None = None, *, locate: bool = True) -> None:
+    def __init__(
+        self,
+        guard: TrainingGuard | None = None,
+        *,
+        locate: bool = True,
+        max_grad_norm: float | None = None,
+    ) -> None:
         if guard is not None and not isinstance(guard, TrainingGuard):
             raise InvalidArgumentError(
                 f"Expected guard to be a numstab TrainingGuard or None. Received: guard of "
@@ -54,6 +70,11 @@ class StepGuard:
         v.check_bool("locate", locate)
         self.guard = guard if guard is not None else TrainingGuard()
         self.locate = locate
+        self.max_grad_norm = (  # a positive finite float: 0, inf, NaN, bools, strings raise
+            None
+            if max_grad_norm is None
+            else v.check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
+        )
         self.torch_guard: Any = None
         self.model: torch.nn.Module | None = None
         self.skipped = 0
@@ -82,6 +103,13 @@ class StepGuard:
             if self.model is model and self.torch_guard.optimizer is optimizer:
                 return False
             self.detach()
+        if self.max_grad_norm is not None and any(map(is_dtensor, model.parameters())):
+            raise InvalidArgumentError(
+                "Expected plain tensor parameters with max_grad_norm: the guard's norm of "
+                "DTensor gradients (FSDP2, tensor parallel) is not the one to clip them with "
+                "here; leave max_grad_norm=None and let the loop clip. Received: a DTensor "
+                "parameter"
+            )
         self.model = model
         # these loops branch on every step's outcome (the Trainer's overflow flag, the
         # GradScaler): the decision is read each step, whatever host_every says
@@ -138,7 +166,8 @@ class StepGuard:
         self._losses.clear()
         tg = self.torch_guard
         tg.scaler = scaler  # its overflows (the Trainer's fp16) do not count toward rollbacks
-        applied = tg.step(loss, real_step)
+        guarded = real_step if self.max_grad_norm is None else self._clipping(real_step, scaler)
+        applied = tg.step(loss, guarded)
         if applied:
             return True
         self.skipped += 1
@@ -157,6 +186,24 @@ class StepGuard:
         if nonfinite and self.locate and self.first_nonfinite_report is None:
             self._locate()
         return False
+
+    def _clipping(self, real_step: Callable[[], Any], scaler: Any) -> Callable[[], Any]:
+        """``real_step`` preceded by clipping to ``max_grad_norm``, with the norm the guard is
+        about to decide on: measured here once (``measure_grads``; kept if the loop measured
+        already), on gradients unscaled first where a GradScaler still holds them scaled."""
+        tg = self.torch_guard
+        if scaler is not None and scaler.is_enabled() and _still_scaled(scaler, tg.optimizer):
+            scaler.unscale_(tg.optimizer)
+        if tg._measured is None:
+            tg.measure_grads()
+        total = tg._measured[1]  # a device tensor; None without parameters to check
+
+        def clipped_step() -> Any:
+            if total is not None:
+                clip_with_norm(tg._grads(), self.max_grad_norm, total)
+            return real_step()
+
+        return clipped_step
 
     @property
     def grad_norm(self) -> float | None:
@@ -210,6 +257,31 @@ class StepGuard:
         log.warning(self.messages[-1])
 
 
+def clip_with_norm(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """``grads *= min(1, max_norm / (total + 1e-6))`` in place: ``clip_grad_norm_`` with the
+    norm ``total`` taken already, computed as torch does (on ``total``'s device and dtype, and
+    like torch it multiplies by a factor of 1 too: no host read). One ``torch._foreach_mul_``
+    per device."""
+    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, factor.to(device))
+
+
+def _still_scaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler`` (torch's GradScaler or numstab's) has not unscaled ``optimizer``'s
+    gradients since its last update: the ``Trainer``'s own grad-norm read unscales them
+    (accelerate's ``clip_grad_norm_``), a plain loop may not have."""
+    states = getattr(scaler, "_per_optimizer_states", None)  # torch.amp.GradScaler
+    if states is None:
+        states = getattr(scaler, "_opt_states", {})  # numstab's GradScaler
+    state = states.get(id(optimizer))
+    stage = state.get("stage") if isinstance(state, dict) else getattr(state, "stage", None)
+    return stage is None or stage.name == "READY"
+
+
 class _Replay(torch.nn.Module):
     """``forward(*batch)`` (the last batch's forward, or Lightning's ``training_step``, as
     the loop called it) as a module with the model's own layer names: it shares the model's
@@ -238,8 +310,14 @@ def _loss_of(output: Any) -> torch.Tensor:
 class GuardedCallback:
     """What the Trainer and Lightning callbacks share: their ``StepGuard`` and its results."""
 
-    def __init__(self, guard: TrainingGuard | None = None, *, locate: bool = True) -> None:
-        self.step_guard = StepGuard(guard, locate=locate)
+    def __init__(
+        self,
+        guard: TrainingGuard | None = None,
+        *,
+        locate: bool = True,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        self.step_guard = StepGuard(guard, locate=locate, max_grad_norm=max_grad_norm)
 
     @property
     def skipped_steps(self) -> int:

@@ -11,6 +11,20 @@ under fp16), and ``numstab_first_nonfinite`` once a step was non-finite. Spike s
 snapshots and rollbacks are those of the ``TrainingGuard`` given (default: OLMo-core's spike
 rule, rollback after 3 bad steps of 16, LR x 0.5). How: ``numstab.frameworks.torch.step_guard``.
 
+The Trainer clips the gradients (``args.max_grad_norm``, 1.0 by default) before any callback
+runs, so by default the guard decides on clipped gradients: when every step is clipped, a
+gradient-norm spike is clipped away before the guard sees it. ``max_grad_norm=M`` moves the
+clipping into the guarded step, after the guard decided on the unclipped gradients:
+
+    args = TrainingArguments(..., max_grad_norm=0)  # the Trainer must not clip first
+    trainer = Trainer(model, args, callbacks=[NumstabCallback(max_grad_norm=1.0)])
+
+A good step's gradients are then scaled by ``min(1, M / (norm + 1e-6))`` (torch's
+``clip_grad_norm_``) and ``numstab_grad_norm`` is the norm before clipping.
+``args.max_grad_norm > 0`` with it raises, as do FSDP, XLA and Megatron-LM runs and DTensor
+parameters, where the norm the guard takes is not the one to clip with (single process and
+DDP are supported: DDP's gradients are all-reduced before ``optimizer.step``).
+
 Not supported (``InvalidArgumentError`` at the start of training): DeepSpeed, whose engine
 steps the optimizer itself.
 """
@@ -29,10 +43,18 @@ from numstab.guard.guard import TrainingGuard
 
 class NumstabCallback(GuardedCallback, TrainerCallback):
     """See the module docstring. ``guard``: the :class:`TrainingGuard` settings;
-    ``locate``: run ``locate_nonfinite`` on the first non-finite step."""
+    ``locate``: run ``locate_nonfinite`` on the first non-finite step; ``max_grad_norm``: clip
+    the gradients to this norm after the guard decided (a positive finite float; the Trainer
+    must then have ``max_grad_norm=0``), or None: the Trainer's own clipping."""
 
-    def __init__(self, guard: TrainingGuard | None = None, *, locate: bool = True) -> None:
-        GuardedCallback.__init__(self, guard, locate=locate)
+    def __init__(
+        self,
+        guard: TrainingGuard | None = None,
+        *,
+        locate: bool = True,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        GuardedCallback.__init__(self, guard, locate=locate, max_grad_norm=max_grad_norm)
         self._optimizer: Any = None
 
     def on_train_begin(
@@ -47,6 +69,8 @@ class NumstabCallback(GuardedCallback, TrainerCallback):
                 "itself. Supported: single-process and DDP training in fp32, bf16 and fp16. "
                 "Received: args.deepspeed set"
             )
+        if self.step_guard.max_grad_norm is not None:
+            _check_clipping(self.step_guard.max_grad_norm, args, optimizer)
         raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         if not self.step_guard.attach(model, raw, lr_scheduler):
             return  # a second train() call on the same Trainer
@@ -89,3 +113,36 @@ def _mark_skipped(optimizer: Any) -> None:
     """accelerate's flag for a skipped step: the Trainer then leaves the LR schedule alone."""
     if hasattr(optimizer, "_is_overflow"):
         optimizer._is_overflow = True
+
+
+_NO_CLIPPING_HERE = ("FSDP", "XLA", "MEGATRON_LM")  # each clips through its own code
+
+
+def _check_clipping(max_grad_norm: float, args: Any, optimizer: Any) -> None:
+    """Refuse ``max_grad_norm`` where the callback's clipping would be wrong: after the
+    Trainer's own (it clips first: the guard would decide on clipped gradients, clipped
+    twice), or under FSDP / XLA / Megatron-LM (sharded or not yet reduced gradients). The
+    distributed type: the ``AcceleratedOptimizer``'s, else accelerate's state if made."""
+    trainer_norm = getattr(args, "max_grad_norm", None) or 0
+    if trainer_norm > 0:
+        raise InvalidArgumentError(
+            f"Expected TrainingArguments(max_grad_norm=0) with NumstabCallback(max_grad_norm="
+            f"{max_grad_norm}): the Trainer clips before any callback runs, so the guard would "
+            f"decide on clipped gradients. Set max_grad_norm=0 in the TrainingArguments (the "
+            f"callback clips to {max_grad_norm} itself), or drop the callback's max_grad_norm "
+            f"to keep the Trainer's clipping. Received: args.max_grad_norm={trainer_norm}"
+        )
+    state = getattr(optimizer, "accelerator_state", None)
+    if state is None:
+        from accelerate.state import AcceleratorState, is_initialized
+
+        state = AcceleratorState() if is_initialized() else None
+    kind = getattr(getattr(state, "distributed_type", None), "value", None)
+    if kind in _NO_CLIPPING_HERE:
+        raise InvalidArgumentError(
+            f"Expected single-process or DDP training with NumstabCallback(max_grad_norm="
+            f"{max_grad_norm}): under {kind} the gradients are sharded or reduced by its own "
+            f"code, and the callback's clipping would use the wrong norm. Use the Trainer's "
+            f"max_grad_norm and NumstabCallback() without max_grad_norm. Received: "
+            f"distributed type {kind}"
+        )
