@@ -62,6 +62,7 @@ from numstab.backends import load_backend
 from numstab.backends._base import Backend
 from numstab.backends._native import has_native
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.torch import lr_scaling
 from numstab.frameworks.torch.backend import is_dtensor
 from numstab.frameworks.torch.distributed import reduction_group
 from numstab.frameworks.torch.guard_device import DeviceSteps, LazyApplied
@@ -302,27 +303,22 @@ class TorchGuard(RunnerResults):
         self._kept_groups = len(payload["optimizer"]["param_groups"])  # the rest: added since
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(optimizer)
-        if self.scheduler is not None and "scheduler" in payload:
+        self._scheduler_restored = self.scheduler is not None and "scheduler" in payload
+        if self._scheduler_restored:
             self.scheduler.load_state_dict(copy.deepcopy(payload["scheduler"]))
 
     def scale_lr(self, ratio: float, ratio_now: float) -> None:
-        """The restored groups' learning rates times ``ratio``; the groups added after the
-        snapshot kept theirs as they were, so times ``ratio_now`` (before, ``ratio`` too:
-        after a second rollback past an earlier snapshot, scaled once too often)."""
-        groups = self.optimizer.param_groups
-        for i, group in enumerate(groups):
-            r = ratio if i < self._kept_groups else ratio_now
-            for key in ("lr", "initial_lr"):
-                if key in group:
-                    if isinstance(group[key], torch.Tensor):
-                        group[key].mul_(r)
-                    else:
-                        group[key] = group[key] * r
-        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
-            self.scheduler.base_lrs = [
-                lr * (ratio if i < self._kept_groups else ratio_now)
-                for i, lr in enumerate(self.scheduler.base_lrs)
-            ]
+        """The groups' learning rates and the scheduler's stored ones times the cut: the
+        restored ones times ``ratio``, the groups added after the snapshot (kept as they
+        were) times ``ratio_now``; ``lr_scaling.scale_lr`` has the rules."""
+        lr_scaling.scale_lr(
+            self.optimizer,
+            self.scheduler,
+            ratio,
+            ratio_now,
+            self._kept_groups,
+            self._scheduler_restored,
+        )
 
     def to_host(self, payload: Any) -> Any:
         if isinstance(payload, torch.Tensor):
