@@ -195,6 +195,8 @@ class TorchBackend(NamespaceBackend):
             together = _on_device(leaves, first)
         if ord == math.inf and together and first.type == "cpu":
             return _cpu_absmax(leaves, getattr(torch, dtype))
+        if FT.peek_interpreter_stack() is not None:  # torch.func: _foreach has no vmap rule
+            return _each_norm(leaves, ord, getattr(torch, dtype), first)
         # one multi-tensor kernel per device and dtype; dtype= upcasts fp16 before squaring
         # nested: no reductions, read through the components (Dynamo cannot trace attrgetter)
         if not torch.compiler.is_compiling() and any(map(_IS_NESTED, leaves)):
@@ -226,7 +228,7 @@ class TorchBackend(NamespaceBackend):
             fast = leaves.dtype == factor.dtype and leaves.on(factor.device)
         else:
             fast = {x.dtype for x in leaves} == {factor.dtype} and _on_device(leaves, factor.device)
-        if fast:
+        if fast and FT.peek_interpreter_stack() is None:  # (torch.func: no vmap rule)
             return list(torch._foreach_mul(leaves, factor))  # one multi-tensor kernel
         return super().scale_leaves(leaves, factor, toward_zero)
 
@@ -408,6 +410,12 @@ def _on_device(tensors: list, device: torch.device) -> bool:
     if device.type == "cpu" and not torch.compiler.is_compiling():
         return all(map(_IS_CPU, tensors))
     return {x.device for x in tensors} <= {device}
+
+
+def _each_norm(leaves: list, ord: float, dtype: torch.dtype, device: torch.device):
+    """The leaves' norms, one ``vector_norm`` each, stacked on ``device``: under torch.func
+    transforms (vmap, grad), where ``_foreach_norm`` has no batching rule."""
+    return torch.stack([torch.linalg.vector_norm(x, ord, dtype=dtype).to(device) for x in leaves])
 
 
 def flat_values(t: torch.Tensor) -> torch.Tensor:

@@ -22,25 +22,27 @@ _OWN_PRECISION = (torch.float32, torch.float64, torch.complex64, torch.complex12
 
 def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
-    max_norm: float,
-    norm_type: float | str = 2.0,
+    max_norm: float | torch.Tensor,
+    norm_type: float | str | torch.Tensor = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``torch.nn.utils.clip_grad_norm_`` with ``numstab.clip_by_global_norm``'s
     semantics, in place: ``g *= max_norm / max(norm, max_norm)``.
 
-    Takes torch's arguments: ``norm_type`` as torch reads it (``float(norm_type)``: 2.0,
-    ``'inf'``, ``math.inf``, ...; numstab refuses what is not a norm: <= 0, -inf, NaN);
+    Takes torch's arguments: ``max_norm`` a number or, as torch, a 0-d real tensor (read on
+    the host, as torch's ``float(max_norm)``: a sync for a GPU tensor); ``norm_type`` as
+    torch reads it (``float(norm_type)``: 2.0, ``'inf'``, ``math.inf``, a 0-d tensor, ...;
+    numstab refuses what is not a norm: <= 0, -inf, NaN);
     ``error_if_nonfinite=True`` raises NonFiniteError on a non-finite norm, before any
     gradient changes (one host sync); ``foreach`` is accepted and ignored (numstab picks the
     multi-tensor kernels itself). Unlike torch: the norm accumulates in float32 for
     float16/bfloat16 gradients (torch's overflows to inf and zeroes them), there is no
     ``1e-6`` epsilon (gradients under the limit are exactly unchanged), and a non-finite norm
     leaves every gradient untouched (torch multiplies by NaN or 0). Returns the global norm
-    as a 0-d tensor; no host sync unless ``error_if_nonfinite``.
+    as a 0-d tensor; no host sync unless ``error_if_nonfinite`` (or a tensor argument).
     """
-    max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+    max_norm = v.check_number("max_norm", host_number("max_norm", max_norm), low=0.0, low_open=True)
     norm_type = norm_type_of(norm_type)
     if foreach is not None:
         v.check_bool("foreach", foreach)
@@ -58,8 +60,10 @@ def clip_grad_norm_(
 
 
 def norm_type_of(norm_type: Any) -> float:
-    """``norm_type`` read as torch reads it, ``float(norm_type)`` (so ``'inf'`` is math.inf),
-    then checked as numstab's clipping checks it (> 0, inf allowed)."""
+    """``norm_type`` read as torch reads it, ``float(norm_type)`` (so ``'inf'`` is math.inf,
+    a 0-d tensor its value: ``host_number``), then checked as numstab's clipping checks it
+    (> 0, inf allowed)."""
+    norm_type = host_number("norm_type", norm_type)
     if isinstance(norm_type, str):
         try:
             norm_type = float(norm_type)
@@ -68,6 +72,21 @@ def norm_type_of(norm_type: Any) -> float:
                 f"Expected norm_type a number > 0 or 'inf'. Received: norm_type={norm_type!r}"
             ) from None
     return _check_norm_type(norm_type)
+
+
+def host_number(name: str, value: Any) -> Any:
+    """A 0-d real tensor (not bool or complex) as the Python number it holds: torch reads
+    ``max_norm`` and ``norm_type`` with ``float()``, one host read (a sync for a GPU tensor;
+    the checks of NaN and sign need it too). Any other value as it is, for the caller's
+    checks; a tensor of another shape or dtype: InvalidArgumentError."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+        raise InvalidArgumentError(
+            f"Expected {name} to be a real number or a 0-d real tensor. Received: {name} a "
+            f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+        )
+    return value.item()
 
 
 def dense_grads(optimizer: torch.optim.Optimizer) -> dict[tuple, list[torch.Tensor]]:
