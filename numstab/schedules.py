@@ -19,7 +19,7 @@ import numbers
 from typing import Any
 
 from numstab import _validate as v
-from numstab._dispatch import resolve_backend
+from numstab._dispatch import resolve_backend, to_backend
 from numstab.errors import InvalidArgumentError
 
 Array = Any
@@ -110,6 +110,7 @@ class WarmupCosineSchedule:
 
     def _array_value(self, step: Array, backend: str | None) -> Array:
         be = resolve_backend(step, backend=backend)
+        step = to_backend(be, step, name="step")  # host data (NumPy) as be's array
         dtype = be.dtype_name(step)
         if not (v.is_integer(dtype) or v.is_floating(dtype)):
             raise InvalidArgumentError(

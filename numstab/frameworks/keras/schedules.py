@@ -26,9 +26,23 @@ class WarmupCosineDecay(keras.optimizers.schedules.LearningRateSchedule):
     (``base_lr``; keywords ``warmup_steps``, ``total_steps``, ``min_lr``, ``warmup_start_lr``),
     checked by ``WarmupCosineSchedule``."""
 
-    def __init__(self, base_lr: float, **settings: Any) -> None:
+    def __init__(
+        self,
+        base_lr: float,
+        *,
+        warmup_steps: int,
+        total_steps: int,
+        min_lr: float = 0.0,
+        warmup_start_lr: float = 0.0,
+    ) -> None:
         super().__init__()
-        self.schedule = WarmupCosineSchedule(base_lr, **settings)
+        self.schedule = WarmupCosineSchedule(
+            base_lr,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            min_lr=min_lr,
+            warmup_start_lr=warmup_start_lr,
+        )
 
     def __call__(self, step: Any) -> Any:
         name = keras.backend.backend()
