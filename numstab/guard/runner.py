@@ -196,13 +196,91 @@ class GuardRunner:
                 f"Expected a guard snapshot in {self.disk.path(step)} (payload, guard_state, "
                 f"lr_factor). Received: a {type(tree).__name__}"
             )
-        state = _state_from_host(self.be, tree["guard_state"])
         # checked before anything is restored: a file of a guard with other settings (another
         # rollback_window) broke the next step with a broadcast error
-        policy.check_state(self.guard, self.be, state, "the snapshot's guard state")
+        state = checked_state(self.guard, self.be, tree["guard_state"], "the snapshot's")
         self.adapter.restore(self.adapter.from_host(tree["payload"]))
         self.ring.add(Snapshot(step, self.adapter.capture(), state, float(tree["lr_factor"])))
         return step, state
+
+    # -- resuming from a training loop's checkpoint (the Trainer / Lightning callbacks) -------
+    def resume_state(self, state: policy.GuardState) -> dict[str, Any]:
+        """What a run resumed from a checkpoint needs to decide on its next steps as this run
+        would: ``state`` (the snapshot files' ``_host_tree``, as lists and Python numbers:
+        JSON-able, and loadable by ``torch.load(weights_only=True)``) and the counters; not
+        the snapshots (copies of the model and optimizer, which the checkpoint holds)."""
+        return {
+            "guard_state": _plain(_host_tree(self.be, state)),
+            "rollbacks": self.rollbacks,
+            "skipped": self.skipped,
+            "skip_batches_left": self.skip_batches_left,
+            "offending_steps": list(self.offending_steps),
+            "snapshot_due": self._pending is not None,
+        }
+
+    def resume(self, state: policy.GuardState, counters: dict[str, Any]) -> None:
+        """Go on from ``resume_from_plain``'s ``(state, counters)``. The snapshots are
+        replaced by one of the adapter's state now (the resumed model and optimizer), taken
+        silently at ``state``'s step or, where one was due, when the next step starts (and
+        logged then, as the run that saved the counters would have)."""
+        self.rollbacks = counters["rollbacks"]
+        self.skipped = counters["skipped"]
+        self.skip_batches_left = counters["skip_batches_left"]
+        self.ring.clear()
+        self._rolled_back_to_latest = False
+        step = int(self.be.to_numpy(state.step))
+        self._pending = (step, state) if counters["snapshot_due"] else None
+        if self._pending is None:
+            factor = float(self.be.to_numpy(state.lr_factor))
+            self.ring.add(Snapshot(step, self.adapter.capture(), state, factor))
+        self.offending_steps = list(counters["offending_steps"])
+
+
+def resume_from_plain(
+    guard: TrainingGuard, be: Backend, saved: Any
+) -> tuple[policy.GuardState, dict[str, Any]]:
+    """The guard state (arrays of ``be``, with ``init_state``'s dtypes) and the counters of
+    a ``GuardRunner.resume_state`` dict. ``InvalidArgumentError`` for anything else, and for
+    the state of a guard with other settings (``check_state``: another ``rollback_window``
+    or spike ``window``), as ``load_from_disk`` raises for such a snapshot file."""
+    like = _host_tree(be, policy.init_state(guard, be))
+    try:
+        tree = _cast(saved["guard_state"], like)
+        counters: dict[str, Any] = {
+            k: int(saved[k]) for k in ("rollbacks", "skipped", "skip_batches_left")
+        }
+        counters["offending_steps"] = [int(s) for s in saved["offending_steps"]]
+        counters["snapshot_due"] = bool(saved["snapshot_due"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"Expected a numstab guard's resume state (GuardRunner.resume_state). Received: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    return checked_state(guard, be, tree, "the resumed"), counters
+
+
+def checked_state(guard: TrainingGuard, be: Backend, tree: Any, whose: str) -> policy.GuardState:
+    """A GuardState from its ``_host_tree``, checked to be one of ``guard``'s settings."""
+    state = _state_from_host(be, tree)
+    policy.check_state(guard, be, state, f"{whose} guard state")
+    return state
+
+
+def _plain(tree: Any) -> Any:
+    """``_host_tree``'s arrays as lists (0-d: Python numbers)."""
+    return {k: _plain(x) for k, x in tree.items()} if isinstance(tree, dict) else tree.tolist()
+
+
+def _cast(tree: Any, like: Any) -> Any:
+    """``_plain``'s inverse: NumPy arrays with the dtypes of ``like`` (a ``_host_tree``);
+    KeyError where the keys differ, ValueError / TypeError where a value is no number."""
+    import numpy as np
+
+    if isinstance(like, dict):
+        if not isinstance(tree, dict) or tree.keys() != like.keys():
+            raise KeyError(f"fields {sorted(like)}")
+        return {k: _cast(tree[k], x) for k, x in like.items()}
+    return np.asarray(tree, dtype=like.dtype)
 
 
 def _numbers(d: dict[str, Any]) -> dict[str, Any]:

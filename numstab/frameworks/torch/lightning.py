@@ -22,13 +22,28 @@ under "16-mixed".
   them: the scaler does not call ``step``); the guard skips the spikes.
 - Lightning steps its LR schedulers after every optimizer step it asked for, also a skipped
   one (as after its own GradScaler's skips).
+- Manual optimization: the first non-finite step is located by replaying its
+  ``training_step``, which calls ``optimizer.step()`` itself. While it runs, what would
+  change the training is switched off: the optimizers' ``step`` (it only calls a closure
+  given to it: no decision, no skip count, no progress tracking, so ``global_step`` does not
+  move) and ``zero_grad``, ``manual_backward`` (it keeps the loss for ``locate_nonfinite``
+  instead), ``clip_gradients``, ``self.log`` / ``log_dict`` and the LR schedulers' ``step``;
+  the ``.grad`` fields are put back. What the step changes by other means (its own
+  attributes, a logger called directly) it changes once more: ``locate=False`` avoids that.
+  Before, the replay's ``step()`` went through the guarded step again, recursively: one NaN
+  batch made 32 skips, 10 rollbacks and an LR / 1024.
+- Resuming (``fit(ckpt_path=...)``): ``state_dict`` holds the skip count and the guard's
+  decision state (``StepGuard.state_dict``), so the resumed run decides as the uninterrupted
+  one; its first snapshot is taken afresh.
 - One optimizer; DeepSpeed is not supported (its engine steps the optimizer): both raise
   ``InvalidArgumentError`` when training starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -61,7 +76,10 @@ class NumstabCallback(GuardedCallback, pl.Callback):
             self.step_guard.wrap(optimizer)
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
-        self.step_guard.replay = functools.partial(pl_module.training_step, batch, batch_idx)
+        step = pl_module.training_step
+        if not pl_module.automatic_optimization:
+            step = _ManualReplay(trainer, pl_module)
+        self.step_guard.replay = functools.partial(step, batch, batch_idx)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # the loss as Lightning hands it over: multiplied by the GradScaler's scale
@@ -76,7 +94,8 @@ class NumstabCallback(GuardedCallback, pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # before Lightning clips (gradient_clip_val): the guard decides on the gradients
         # the backward pass made, not on clipped ones whose norm is never above the threshold
-        self.step_guard.torch_guard.measure_grads()
+        if not self.step_guard._locating:
+            self.step_guard.torch_guard.measure_grads()
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int):
         sg = self.step_guard
@@ -89,6 +108,76 @@ class NumstabCallback(GuardedCallback, pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.step_guard.torch_guard.flush()
+
+
+class _ManualReplay:
+    """``training_step`` of a manually optimized module, for ``locate_nonfinite``: run with
+    the module's and optimizers' training-state changes switched off (``_switched_off``).
+    Returns the step's output where it holds a loss, else the sum of the losses given to
+    ``manual_backward`` (the output where there were none: locate then reports no loss)."""
+
+    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.trainer, self.module = trainer, module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        losses: list[torch.Tensor] = []
+        grads = [(p, p.grad) for p in self.module.parameters()]
+        try:
+            with _replaced(_switched_off(self.trainer, self.module, losses)):
+                out = self.module.training_step(*args, **kwargs)
+        finally:
+            for p, grad in grads:
+                p.grad = grad
+        if isinstance(out, torch.Tensor) or (isinstance(out, dict) and "loss" in out):
+            return out
+        return torch.stack([x.float().sum() for x in losses]).sum() if losses else out
+
+
+def _switched_off(trainer: pl.Trainer, module: pl.LightningModule, losses: list) -> list:
+    """``(object, attribute, replacement)`` for what a replayed manual ``training_step``
+    would change: the optimizers' ``step`` (the closure only: the LightningOptimizer's step
+    counts toward ``global_step``) and ``zero_grad``, ``manual_backward`` (the loss goes to
+    ``losses``), ``clip_gradients``, ``log``, ``log_dict`` and the LR schedulers' ``step``."""
+    optimizers = module.optimizers()
+    optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+    out: list[tuple[Any, str, Callable[..., Any]]] = []
+    for opt in [*optimizers, *trainer.optimizers]:
+        out += [(opt, "step", _closure_only), (opt, "zero_grad", _nothing)]
+    out += [(module, "manual_backward", lambda loss, *a, **k: losses.append(loss))]
+    out += [(module, name, _nothing) for name in ("clip_gradients", "log", "log_dict")]
+    out += [(c.scheduler, "step", _nothing) for c in trainer.lr_scheduler_configs]
+    return out
+
+
+def _closure_only(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _replaced(patches: list[tuple[Any, str, Any]]) -> Any:
+    """Instance attributes set for the block, then put back (or deleted where the class's
+    own was in use)."""
+    saved = [(obj, name, vars(obj).get(name, _MISSING)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, old in reversed(saved):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
 
 
 def _scale(scaler: Any) -> Any:

@@ -30,11 +30,20 @@ parameters (FSDP2, tensor parallel): the norm there is not the one to clip with 
 On the first non-finite step, ``locate_nonfinite`` runs once on the step's last batch
 (``replay``: the model's forward as the loop called it, or Lightning's ``training_step``) and
 its report (the first bad layer) is kept in ``first_nonfinite_report`` and logged; where it
-fails (a compiled module), the failure is logged once and it is not tried again.
+fails (a compiled module), the failure is logged once and it is not tried again. The replay
+leaves the training state alone: while it runs, the guarded step only calls its closure
+(no decision, count, step or second locate), a recorded loss is dropped, the RNG states are
+forked and the model's buffers (BatchNorm statistics) put back afterwards.
+
+Resuming (``state_dict`` / ``load_state_dict``): the skipped count and the guard's decision
+state (``GuardRunner.resume_state``: spike windows, rollback window, counters), as plain
+Python numbers and lists; the snapshots are not saved, a resumed run's first one is taken
+afresh of the resumed model and optimizer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -48,6 +57,7 @@ from numstab import _validate as v
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.backend import is_dtensor
 from numstab.guard.guard import TrainingGuard
+from numstab.guard.runner import resume_from_plain
 
 log = logging.getLogger("numstab")
 
@@ -83,6 +93,7 @@ class StepGuard:
         self._losses: list[torch.Tensor] = []
         self.replay: functools.partial | None = None  # the last batch's forward, as called
         self._hooks: list[Any] = []
+        self._resume: tuple[dict, Any, dict] | None = None  # loaded, for the next attach
 
     # -- wiring --------------------------------------------------------------------------------
     def attach(
@@ -101,6 +112,7 @@ class StepGuard:
         Before, the guard went on reading the first model's gradients: no step was skipped."""
         if self.torch_guard is not None:
             if self.model is model and self.torch_guard.optimizer is optimizer:
+                self._apply_resume()
                 return False
             self.detach()
         if self.max_grad_norm is not None and any(map(is_dtensor, model.parameters())):
@@ -118,7 +130,46 @@ class StepGuard:
         if hook_loss:
             self._hooks.append(model.register_forward_pre_hook(self._keep_batch, with_kwargs=True))
             self._hooks.append(model.register_forward_hook(self._loss_from_output))
+        self._apply_resume()
         return True
+
+    # -- resuming --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``skipped`` and the guard's decision state (``GuardRunner.resume_state``): Python
+        numbers, bools and lists only. ``guard`` is None before training started (unless a
+        state was loaded: that one)."""
+        tg = self.torch_guard
+        guard = tg.runner.resume_state(tg.state) if tg is not None else None
+        if guard is None and self._resume is not None:
+            guard = self._resume[0]
+        return {"skipped": self.skipped, "guard": guard}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: checked now (``InvalidArgumentError`` for a state of
+        a guard with other settings, or no such dict), applied when training starts
+        (``attach``: the loops load it before). The snapshots start afresh from the model
+        and optimizer as they are then; ``first_nonfinite_report`` is not restored."""
+        if not isinstance(state, dict) or not {"skipped", "guard"} <= state.keys():
+            raise InvalidArgumentError(
+                "Expected a numstab callback's state_dict (skipped, guard). Received: "
+                f"{state!r:.80}"
+            )
+        self.skipped = v.check_int("skipped", state["skipped"])
+        saved = state["guard"]
+        if saved is not None:
+            from numstab.backends import load_backend
+
+            self._resume = (saved, *resume_from_plain(self.guard, load_backend("numpy"), saved))
+
+    def _apply_resume(self) -> None:
+        """The loaded state, if any, into the torch guard just bound."""
+        tg = self.torch_guard
+        if tg is None or self._resume is None:
+            return
+        _, state, counters = self._resume
+        tg.runner.resume(state, counters)
+        tg.state = state
+        self._resume = None
 
     def wrap(
         self,
@@ -133,6 +184,8 @@ class StepGuard:
         @functools.wraps(real_step)  # keeps torch's LR-scheduler marks on the step method
         def guarded_step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
             result = None
+            if self._locating:  # the replay of a step that calls step() (manual optimization)
+                return None if closure is None else closure()
             if closure is not None:  # Lightning: forward and backward run inside step()
                 with torch.enable_grad():
                     result = closure()
@@ -156,8 +209,9 @@ class StepGuard:
         self._losses.clear()
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        """The (micro-batch) loss of the current step."""
-        self._losses.append(loss.detach().float().reshape(()))
+        """The (micro-batch) loss of the current step; none while locating (a replay)."""
+        if not self._locating:
+            self._losses.append(loss.detach().float().reshape(()))
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, real_step: Callable[[], Any], scaler: Any = None) -> bool:
@@ -242,9 +296,13 @@ class StepGuard:
         replay = self.replay  # a partial: the batch goes in as the model's arguments, so
         # locate sees them (a NaN input is the input's, not the model's own code's)
         try:
-            report = locate_nonfinite(
-                _Replay(self.model, replay.func), *replay.args, loss_fn=_loss_of, **replay.keywords
-            )
+            with _kept_state(self.model):
+                report = locate_nonfinite(
+                    _Replay(self.model, replay.func),
+                    *replay.args,
+                    loss_fn=_loss_of,
+                    **replay.keywords,
+                )
         except Exception as exc:  # locating is a diagnosis: it must never end the run
             self._locate_failed = True  # it would fail the same way on every bad step
             self.messages.append(f"numstab: locate_nonfinite failed: {exc!r}")
@@ -255,6 +313,21 @@ class StepGuard:
         self.first_nonfinite_report = report
         self.messages.append(f"numstab: first non-finite layer: {report}")
         log.warning(self.messages[-1])
+
+
+@contextlib.contextmanager
+def _kept_state(model: torch.nn.Module) -> Any:
+    """What a replayed forward changes, put back: the RNG states (CPU, and the CUDA devices
+    of the model's parameters: dropout) and the buffers (BatchNorm's running statistics)."""
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
 
 
 def clip_with_norm(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
@@ -322,6 +395,14 @@ class GuardedCallback:
     @property
     def skipped_steps(self) -> int:
         return self.step_guard.skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs (``StepGuard.state_dict``): plain Python values."""
+        return self.step_guard.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict()`` (``StepGuard.load_state_dict``)."""
+        self.step_guard.load_state_dict(state_dict)
 
     @property
     def first_nonfinite_report(self) -> Any:

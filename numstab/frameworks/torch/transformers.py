@@ -25,6 +25,15 @@ A good step's gradients are then scaled by ``min(1, M / (norm + 1e-6))`` (torch'
 parameters, where the norm the guard takes is not the one to clip with (single process and
 DDP are supported: DDP's gradients are all-reduced before ``optimizer.step``).
 
+Resuming (``train(resume_from_checkpoint=...)``): the callback is a transformers
+``ExportableState``: every checkpoint's ``trainer_state.json`` holds its skip count and the
+guard's decision state (``StepGuard.state_dict``, JSON: numbers and lists), and the callback
+restores them itself in ``on_train_begin`` of the resumed run, so that it decides as the
+uninterrupted run would; its first snapshot is taken afresh. With
+``restore_callback_states_from_checkpoint=True`` transformers replaces the callback by a new
+``NumstabCallback(locate=..., max_grad_norm=...)``: the default ``TrainingGuard``, so a
+checkpoint of another guard raises ``InvalidArgumentError`` there.
+
 Not supported (``InvalidArgumentError`` at the start of training): DeepSpeed, whose engine
 steps the optimizer itself.
 """
@@ -35,13 +44,14 @@ import os
 from typing import Any
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.step_guard import GuardedCallback
 from numstab.guard.guard import TrainingGuard
 
 
-class NumstabCallback(GuardedCallback, TrainerCallback):
+class NumstabCallback(GuardedCallback, TrainerCallback, ExportableState):
     """See the module docstring. ``guard``: the :class:`TrainingGuard` settings;
     ``locate``: run ``locate_nonfinite`` on the first non-finite step; ``max_grad_norm``: clip
     the gradients to this norm after the guard decided (a positive finite float; the Trainer
@@ -71,6 +81,7 @@ class NumstabCallback(GuardedCallback, TrainerCallback):
             )
         if self.step_guard.max_grad_norm is not None:
             _check_clipping(self.step_guard.max_grad_norm, args, optimizer)
+        self._resume(state)
         raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         if not self.step_guard.attach(model, raw, lr_scheduler):
             return  # a second train() call on the same Trainer
@@ -80,6 +91,37 @@ class NumstabCallback(GuardedCallback, TrainerCallback):
             on_skip=lambda: _mark_skipped(optimizer),
         )
         self._optimizer = optimizer
+
+    def state(self) -> dict[str, Any]:
+        """transformers' ``ExportableState``: saved in each checkpoint's ``trainer_state.json``
+        (``stateful_callbacks``). ``args``: what transformers' own restore passes to a new
+        callback (JSON: not the guard); ``attributes``: ``resume_state``, the
+        ``state_dict()`` and whether the guard was ``TrainingGuard()``."""
+        sg = self.step_guard
+        saved = {**self.state_dict(), "default_guard": sg.guard == TrainingGuard()}
+        return {
+            "args": {"locate": sg.locate, "max_grad_norm": sg.max_grad_norm},
+            "attributes": {"resume_state": saved},
+        }
+
+    def _resume(self, state: Any) -> None:
+        """Load the checkpoint's ``resume_state``: set on a callback that transformers made
+        (``restore_callback_states_from_checkpoint``), else found in the resumed
+        ``TrainerState`` (a fresh one has ``global_step`` 0)."""
+        saved = self.__dict__.pop("resume_state", None)
+        if saved is not None and not saved.get("default_guard", True):
+            raise InvalidArgumentError(
+                "Expected restore_callback_states_from_checkpoint=False with a NumstabCallback "
+                "of a TrainingGuard other than the default: transformers replaced the callback "
+                "by one with the default guard. The callback restores its own state when the "
+                "Trainer resumes. Received: restore_callback_states_from_checkpoint=True"
+            )
+        if saved is None and state.global_step > 0:
+            entry = (state.stateful_callbacks or {}).get(type(self).__name__)
+            entry = entry[0] if isinstance(entry, list) and entry else entry
+            saved = entry.get("attributes", {}).get("resume_state") if entry else None
+        if saved is not None:
+            self.load_state_dict({k: saved.get(k) for k in ("skipped", "guard")})
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         optimizer = self._optimizer
