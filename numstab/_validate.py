@@ -74,6 +74,58 @@ def check_number(
     return value
 
 
+class _Traced:
+    """The marker ``host_scalar`` returns for a 0-d array whose value cannot be read."""
+
+    def __repr__(self) -> str:
+        return "TRACED"
+
+
+TRACED = _Traced()
+_STATIC_HINT = (
+    "it selects the algorithm or a shape, so it cannot be traced; with "
+    "optax.inject_hyperparams, which makes numeric hyperparameters arrays, pass it in "
+    "static_args=({name!r},)"
+)
+
+
+def host_scalar(value: Any) -> Any:
+    """A 0-d integer or floating array (``optax.inject_hyperparams`` makes every numeric
+    hyperparameter one) as a Python int or float where its value can be read, ``TRACED``
+    where it cannot (under ``jax.jit``); anything else, Python numbers included, as it is."""
+    kind = getattr(getattr(value, "dtype", None), "kind", None)  # NumPy dtypes, JAX's too
+    if kind not in ("i", "u", "f") or tuple(getattr(value, "shape", (1,))) != ():
+        return value
+    try:
+        return int(value) if kind in "iu" else float(value)
+    except TypeError:  # jax's ConcretizationTypeError: a tracer without a value
+        return TRACED
+
+
+def check_number_or_traced(
+    name: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False
+) -> Any:
+    """``check_number`` for a hyperparameter used only in array math: a readable 0-d array
+    is read and checked (a float back); a traced one (``TRACED``) is returned unchecked."""
+    read = host_scalar(value)
+    if read is TRACED:
+        return value
+    return check_number(name, read, low=low, high=high, low_open=low_open)
+
+
+def check_static(name: str, value: Any) -> Any:
+    """``value`` for a setting that must be known while tracing (it picks code or a shape):
+    a readable 0-d array is read (a Python number back); a traced one raises, naming
+    ``static_args``. Other values come back as they are, for the caller's own check."""
+    read = host_scalar(value)
+    if read is TRACED:
+        raise InvalidArgumentError(
+            f"Expected {name} to be a Python value: {_STATIC_HINT.format(name=name)}. "
+            f"Received: {name}=a traced array of dtype {value.dtype}"
+        )
+    return read
+
+
 def check_bool(name: str, value: Any) -> bool:
     """``value`` if it is a bool (NumPy's too): a truthy string or number is not one."""
     if not isinstance(value, bool) and type(value).__name__ != "bool":  # np.bool, no import
@@ -102,6 +154,12 @@ def normalize_axis(axis: Any, rank: int, name: str = "axis") -> int:
             f"Received: {name}={axis}"
         )
     return axis % rank
+
+
+def is_static_shape(shape: tuple) -> bool:
+    """Every dimension a plain int: not None (unknown while tracing, TensorFlow) nor symbolic
+    (``jax.export.symbolic_shape``), whose comparisons may be inconclusive."""
+    return all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in shape)
 
 
 def shapes_match(actual: tuple, expected: tuple) -> bool:

@@ -77,6 +77,12 @@ class ZClip:
     A non-finite ``g`` changes nothing: the gradients are returned untouched (for a loss
     scaler or training guard to skip the step) and the state keeps its statistics (zclip
     would poison its EMA with the NaN forever).
+
+    ``alpha``, ``z_thresh``, ``max_grad_norm``, ``eps`` and ``clip_factor`` enter only array
+    math: each may be a 0-d array (``optax.inject_hyperparams``), checked when its value can
+    be read, used in float32 when traced. ``warmup_steps`` sets the buffer's shape, and
+    ``mode``, ``clip_option`` and ``skip_update_on_spike`` pick code: static (a readable 0-d
+    array is read; a traced one raises ``InvalidArgumentError``).
     """
 
     def __init__(
@@ -91,15 +97,18 @@ class ZClip:
         clip_factor: float = 1.0,
         skip_update_on_spike: bool = False,
     ) -> None:
-        self.alpha = v.check_number("alpha", alpha, low=0.0, high=1.0)
-        self.z_thresh = v.check_number("z_thresh", z_thresh, low=0.0, low_open=True)
+        number = v.check_number_or_traced  # 0-d arrays too: see the class docstring
+        self.alpha = number("alpha", alpha, low=0.0, high=1.0)
+        self.z_thresh = number("z_thresh", z_thresh, low=0.0, low_open=True)
         self.max_grad_norm = (
             None
             if max_grad_norm is None
-            else v.check_number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
+            else number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
         )
-        self.eps = v.check_number("eps", eps, low=0.0)
-        self.warmup_steps = v.check_int("warmup_steps", warmup_steps)
+        self.eps = number("eps", eps, low=0.0)
+        self.warmup_steps = v.check_int(
+            "warmup_steps", v.check_static("warmup_steps", warmup_steps)
+        )
         if self.warmup_steps < 0:
             raise InvalidArgumentError(
                 f"Expected warmup_steps >= 0. Received: warmup_steps={warmup_steps!r}"
@@ -109,7 +118,7 @@ class ZClip:
         clip_option = clip_option.lower() if isinstance(clip_option, str) else clip_option
         v.check_choice("clip_option", clip_option, ZCLIP_CLIP_OPTIONS)
         self.mode, self.clip_option = mode, clip_option
-        self.clip_factor = v.check_number("clip_factor", clip_factor, low=0.0, low_open=True)
+        self.clip_factor = number("clip_factor", clip_factor, low=0.0, low_open=True)
         self.skip_update_on_spike = v.check_bool("skip_update_on_spike", skip_update_on_spike)
 
     @property
@@ -161,11 +170,23 @@ class ZClip:
         with be.float_errors_ignored():
             return self._masked_step(be, g, state)
 
+    def _settings(self, be: Backend, g: Array) -> tuple:
+        """(alpha, z_thresh, eps, clip_factor, max_grad_norm) for the float32 math: Python
+        floats, or 0-d float32 arrays where traced (``_hyper``). The norm and the statistics
+        are float32: a larger max_grad_norm clips nothing more (clamped; a traced one past
+        float32's range is inf, which clips nothing either)."""
+        settings = (self.alpha, self.z_thresh, self.eps, self.clip_factor)
+        max_norm = self.max_grad_norm
+        if isinstance(max_norm, float):
+            max_norm = in_range(max_norm, "float32")
+        elif max_norm is not None:
+            max_norm = _hyper(be, max_norm, "float32", g)
+        return (*(_hyper(be, x, "float32", g) for x in settings), max_norm)
+
     def _masked_step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:
         n = self.buffer_size
         raw = g
-        # the norm and the statistics are float32: a larger max_grad_norm clips nothing more
-        max_norm = None if self.max_grad_norm is None else in_range(self.max_grad_norm, "float32")
+        alpha, z_thresh, eps, factor, max_norm = self._settings(be, g)
         finite = be.isfinite(g)
         g = be.where(finite, g, 0.0)  # keeps NaN out of every branch; masked below
         warming = state.count < n
@@ -183,25 +204,25 @@ class ZClip:
         # active: threshold from the EMA statistics, clip, then update the EMA with the clip
         std = be.sqrt(state.var)
         if self.mode == "percentile":
-            threshold = state.mean + self.z_thresh * std
+            threshold = state.mean + z_thresh * std
             spike = g > threshold
         else:
-            z = (g - state.mean) / (std + self.eps)
-            spike = z > self.z_thresh
+            z = (g - state.mean) / (std + eps)
+            spike = z > z_thresh
             if self.clip_option == "mean":
                 threshold = state.mean
             else:
                 # z only where it is a spike (z > z_thresh > 0): elsewhere threshold is unused,
                 # and z = 0 with std = 0 (all-zero gradients) made a 0/0 that jax_debug_nans
                 # reports though the where below discards it
-                safe_z = be.where(spike, z, self.z_thresh)
-                threshold = state.mean + (self.z_thresh * std) / (safe_z / self.z_thresh)
-                threshold = threshold * self.clip_factor
+                safe_z = be.where(spike, z, z_thresh)
+                threshold = state.mean + (z_thresh * std) / (safe_z / z_thresh)
+                threshold = threshold * factor
         clip = be.where(spike, threshold, g)
         limit = clip if max_norm is None else _min(be, clip, max_norm)
         active_coef = be.where(g > limit, limit / (g + 1e-6), 1.0)
-        mean = self.alpha * state.mean + (1.0 - self.alpha) * clip
-        var = self.alpha * state.var + (1.0 - self.alpha) * (clip - mean) ** 2
+        mean = alpha * state.mean + (1.0 - alpha) * clip
+        var = alpha * state.var + (1.0 - alpha) * (clip - mean) ** 2
         learn = ~warming & finite
         if self.skip_update_on_spike:
             learn = learn & ~spike
@@ -212,9 +233,18 @@ class ZClip:
         return be.cast(coef, "float32"), ZClipState(count, buffer, mean, var, raw)
 
 
-def _min(be: Backend, x: Array, bound: float) -> Array:
-    """min(x, bound) for a Python float bound (NaN-free inputs)."""
+def _min(be: Backend, x: Array, bound: float | Array) -> Array:
+    """min(x, bound) for a Python float or 0-d array bound (NaN-free inputs)."""
     return be.where(x > bound, bound, x)
+
+
+def _hyper(be: Backend, value: float | Array, dtype: str, like: Array) -> float | Array:
+    """A hyperparameter for array math: a Python float as it is; a 0-d array (traced by
+    ``optax.inject_hyperparams`` under jit) in ``dtype``, on ``like``'s backend and device,
+    so that an x64 float64 hyperparameter does not widen float32 results or state."""
+    if isinstance(value, float):
+        return value
+    return be.cast(to_backend(be, value, like, "hyperparameter"), dtype)
 
 
 # -- AGC --------------------------------------------------------------------------------------
@@ -233,6 +263,11 @@ class AGC:
     (0, 1, 2); rank 5 axes (0, 1, 2, 3). ``"oi"`` (torch ``nn.Linear`` / ``ConvNd`` weights,
     output axis first, as timm): rank <= 1 is one unit, otherwise every axis but 0 is reduced.
     ``axis=`` overrides both for every leaf.
+
+    ``clip_factor`` and ``eps`` enter only array math: each may be a 0-d array
+    (``optax.inject_hyperparams``), checked when its value can be read, used in the compute
+    dtype when traced (a traced ``eps`` past that dtype's range is inf, not clamped).
+    ``axis`` and ``layout`` pick the units: static (a traced array raises).
     """
 
     def __init__(
@@ -243,13 +278,14 @@ class AGC:
         layout: str = "io",
         axis: int | Sequence[int] | None = None,
     ) -> None:
-        self.clip_factor = v.check_number("clip_factor", clip_factor, low=0.0, low_open=True)
-        self.eps = v.check_number("eps", eps, low=0.0)
+        number = v.check_number_or_traced  # 0-d arrays too: see the class docstring
+        self.clip_factor = number("clip_factor", clip_factor, low=0.0, low_open=True)
+        self.eps = number("eps", eps, low=0.0)
         v.check_choice("layout", layout, AGC_LAYOUTS)
         self.layout = layout
         if axis is not None:
             axes = (axis,) if not isinstance(axis, (tuple, list)) else tuple(axis)
-            axis = tuple(v.check_int("axis", a) for a in axes)
+            axis = tuple(v.check_int("axis", v.check_static("axis", a)) for a in axes)
         self.axis = axis
 
     def init(self, params: Tree = None, *, backend: str | None = None) -> tuple:
@@ -266,18 +302,9 @@ class AGC:
         """The clipped gradient tree (same structure, ``None`` leaves kept, dtypes kept)."""
         # a unit's norm spans every row: sparse gradients (tf.IndexedSlices) are made dense
         named, treedef = flatten_with_paths(grads, sparse_as_dense=True)
-        # pair leaves by path, not by position: jax.jit hands dicts back with sorted keys
         paths = [path for path, _ in named]
         g_leaves = [leaf for _, leaf in named]
-        p_by_path = dict(leaves_with_paths(params))
-        missing = [path for path in paths if path not in p_by_path]
-        if missing or len(p_by_path) != len(paths):
-            raise InvalidArgumentError(
-                "Expected params with the structure of grads. Received: "
-                f"{len(paths)} gradient leaves and {len(p_by_path)} parameter leaves"
-                + (f"; no parameter at {missing[0] or 'the root'}" if missing else "")
-            )
-        p_leaves = [p_by_path[path] for path in paths]
+        p_leaves = _params_by_path(named, params)
         present = [x for x in (*g_leaves, *p_leaves) if x is not None]
         be = resolve_backend(*present, backend=backend)
         like = next((x for x in present if hasattr(x, "device")), None)
@@ -333,11 +360,42 @@ class AGC:
         compute = v.compute_dtype(dtype)
         g32, p32 = be.cast(g, compute), be.cast(p, compute)
         g_norm = _unit_norm(be, g32, axes)
-        eps = in_range(self.eps, compute)  # past the compute dtype: its largest finite value
-        limit = self.clip_factor * be.maximum(_unit_norm(be, p32, axes), eps)
+        eps = self.eps
+        if isinstance(eps, float):  # past the compute dtype: its largest finite value
+            eps = in_range(eps, compute)
+        factor, eps = _hyper(be, self.clip_factor, compute, g), _hyper(be, eps, compute, g)
+        limit = factor * be.maximum(_unit_norm(be, p32, axes), eps)
         clipped = g32 * (limit / be.maximum(g_norm, 1e-6))
         out = be.where(g_norm < limit, g32, clipped)
         return out if dtype == compute else be.cast_toward_zero(out, dtype)  # never above limit
+
+
+def _params_by_path(named: list[tuple[str, Any]], params: Tree) -> list:
+    """The parameter at each gradient's path (None for a None gradient), pairing by path,
+    not position: ``jax.jit`` hands dicts back with sorted keys. A None gradient matches any
+    params subtree (§6 rule 5: Equinox's ``filter_grad`` gives None where a whole model,
+    passed as params, holds no array); parameters elsewhere without a gradient path, or a
+    gradient without a parameter, are a structure mismatch. Counts name non-None gradients."""
+    p_by_path = dict(leaves_with_paths(params))
+    wanted = [path for path, g in named if g is not None]
+    nones = [path for path, g in named if g is None]
+    missing = [path for path in wanted if path not in p_by_path]
+    paired = set(wanted)
+    extra = [p for p in p_by_path if p not in paired and not _under_any(p, nones)]
+    if missing or extra:
+        raise InvalidArgumentError(
+            "Expected params with the structure of grads. Received: "
+            f"{len(wanted)} gradient leaves (not None) and {len(p_by_path)} parameter leaves"
+            + (f"; no parameter at {missing[0] or 'the root'}" if missing else "")
+            + (f"; no gradient at {extra[0] or 'the root'}" if extra and not missing else "")
+        )
+    return [None if g is None else p_by_path[path] for path, g in named]
+
+
+def _under_any(path: str, prefixes: list[str]) -> bool:
+    """``path`` is one of ``prefixes`` or lies below one: ``.w[0]`` lies below ``''`` (the
+    root), ``.w`` and ``.w[0]``; ``.weight`` does not lie below ``.w``."""
+    return any(path == q or (path.startswith(q) and path[len(q)] in ".[") for q in prefixes)
 
 
 def _unit_norm(be: Backend, x: Array, axes: tuple[int, ...] | None) -> Array:

@@ -138,11 +138,13 @@ def _check_inputs(be: Backend, hidden, weight, labels, bias) -> tuple[int, int, 
             f"Expected labels of an integer dtype (class ids). Received: labels.dtype={label_dtype}"
         )
     shape, w_shape = be.shape(hidden), be.shape(weight)
-    if len(shape) < 1 or shape[-1] is None or any(n is None for n in shape):
+    if len(shape) < 1 or not v.is_static_shape(shape):
         raise InvalidArgumentError(
             f"Expected hidden of rank >= 1 with a static shape. Received: hidden.shape={shape}"
         )
-    if len(w_shape) != 2 or w_shape[1] != shape[-1] or w_shape[0] in (None, 0):
+    # a symbolic vocab (jax.export) is not static: its comparison with 0 may be inconclusive
+    static_w = v.is_static_shape(w_shape)
+    if not static_w or len(w_shape) != 2 or w_shape[1] != shape[-1] or w_shape[0] == 0:
         raise InvalidArgumentError(
             f"Expected weight of shape (vocab, {shape[-1]}) with vocab >= 1, for hidden of "
             f"shape {shape}. Received: weight.shape={w_shape}"

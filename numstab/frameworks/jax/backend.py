@@ -46,7 +46,7 @@ class JaxBackend(NamespaceBackend):
         return jnp.asarray(x, dtype=dtype)
 
     def to_numpy(self, x):
-        x = np.asarray(x)
+        x = np.asarray(_concrete(x) if isinstance(x, jax.core.Tracer) else x)
         return x.astype(np.float32) if x.dtype.name == "bfloat16" else x
 
     def dtype_name(self, x):
@@ -71,8 +71,8 @@ class JaxBackend(NamespaceBackend):
 
     def can_read(self, x):
         # not traced, or traced eagerly with its value at hand (jax.grad without jit), which
-        # is_tracing does not tell apart; jax.core.is_concrete, removed in JAX 0.11, did this
-        return not isinstance(x, jax.core.Tracer) or x.to_concrete_value() is not None
+        # is_tracing does not tell apart; to_numpy reads such a value the same way
+        return not isinstance(x, jax.core.Tracer) or _concrete(x) is not None
 
     def stop_gradient(self, x):
         return jax.lax.stop_gradient(x)
@@ -158,6 +158,14 @@ class JaxBackend(NamespaceBackend):
 
 
 BACKEND = JaxBackend()
+
+
+def _concrete(x: jax.core.Tracer) -> jax.Array | None:
+    """The value a tracer carries, or None: an eager ``jax.grad`` / ``jacfwd`` / ``jacrev`` /
+    ``hessian`` (no jit) traces with the primal at hand, nested too (``hessian``); ``jit``,
+    ``vmap`` and ``eval_shape`` tracers have none. ``np.asarray`` refuses every tracer
+    (TracerArrayConversionError): read through this instead."""
+    return x.to_concrete_value()
 
 
 def _magnitude_from_bits(x):

@@ -33,6 +33,7 @@ import optax
 from numstab import _validate as v
 from numstab.clipping import clip_by_global_norm, global_norm
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.jax.eager import eager_jit
 from numstab.frameworks.jax.sharding import pvary, varying
 from numstab.loss_scale import LossScaler, LossScaleState
 
@@ -64,7 +65,7 @@ def loss_scaled(
     scaler: LossScaler | None = None,
     *,
     max_norm: float | None = None,
-    norm_type: float = 2.0,
+    norm_type: float | None = None,
     axis_name: Hashable | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so that it receives unscaled, checked and (optionally) clipped gradients.
@@ -75,7 +76,9 @@ def loss_scaled(
         ``LossScaler.preset("jmp")`` reproduces ``jmp.DynamicLossScale(2**15)``.
       max_norm: clip the unscaled gradients to this global norm (after unscaling, never on
         the scaled values); ``None`` does not clip.
-      norm_type: the p of the global p-norm (``math.inf`` for the max-norm).
+      norm_type: the p of the global p-norm (``math.inf`` for the max-norm); None is 2.0.
+        It picks the code, so it is static: with ``optax.inject_hyperparams`` (which makes
+        numeric arguments arrays, hence the None default) pass it in ``static_args``.
       axis_name: a mapped axis (``shard_map``, ``pmap``, ``vmap``) over which the gradients
         are sharded, each device holding a disjoint slice (as after a reduce-scatter): the
         finite flag is AND-reduced (``lax.pmin``) and the norm is that of the whole tree
@@ -88,6 +91,10 @@ def loss_scaled(
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`LossScaledState`.
       ``update(grads, state, params=None, **extra_args)`` expects the gradients of the scaled
       loss (:func:`scale_loss`).
+
+    ``optax.inject_hyperparams(loss_scaled)(inner, ...)``: ``max_norm`` is injected (while
+    traced it clips by ``1 / max(norm / max_norm, 1)``, which is ``max_norm / max(norm,
+    max_norm)`` to one rounding). Eager updates run as one cached ``jax.jit``.
 
     Edge cases: a non-finite global norm (elements beyond about 1e19 overflow a float32 sum of
     squares) counts as a non-finite step. With a fixed scaler (``dynamic=False``, e.g.
@@ -104,6 +111,11 @@ def loss_scaled(
             grad_norm=None if max_norm is None else jnp.zeros([], jnp.float32),
         )
 
+    # eagerly one compiled call, not a lax.cond compiled each time; a traced max_norm (closed
+    # over, unseen by eager_jit's test of the arguments) is already inside a trace
+    step = _step_fn(inner, scaler, max_norm, norm_type, axis_name)
+    eager_step = step if isinstance(max_norm, jax.core.Tracer) else eager_jit(step)
+
     def update(
         updates: Any, state: LossScaledState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LossScaledState]:
@@ -113,6 +125,15 @@ def loss_scaled(
                 f"{type(state).__name__}"
             )
         _check_matches(updates, params)
+        return eager_step(updates, state, params, extra_args)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _step_fn(inner, scaler, max_norm, norm_type, axis_name) -> Callable[..., tuple]:
+    """loss_scaled's traced update: ``step(updates, state, params, extra_args)``."""
+
+    def step(updates: Any, state: LossScaledState, params: Any, extra_args: dict) -> tuple:
         grads, finite, norm = _unscaled_and_clipped(
             updates, scaler, state.loss_scale, max_norm, norm_type, axis_name
         )
@@ -134,10 +155,12 @@ def loss_scaled(
             loss_scale=loss_scale,
             last_finite=finite,
             total_notfinite=state.total_notfinite + jnp.where(finite, 0, 1).astype(jnp.int32),
-            grad_norm=norm,
+            # float32 as init made it: float64 gradients (x64) give a float64 norm, and a
+            # leaf changing dtype breaks lax.scan and recompiles a jitted loop
+            grad_norm=None if norm is None else norm.astype(state.grad_norm.dtype),
         )
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    return step
 
 
 def _checked(inner: Any, scaler: Any, max_norm: Any, norm_type: Any, axis_name: Any) -> tuple:
@@ -154,7 +177,8 @@ def _checked(inner: Any, scaler: Any, max_norm: Any, norm_type: Any, axis_name: 
             f"{type(scaler).__name__}"
         )
     if max_norm is not None:
-        max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+        max_norm = v.check_number_or_traced("max_norm", max_norm, low=0.0, low_open=True)
+    norm_type = 2.0 if norm_type is None else v.check_static("norm_type", norm_type)
     if norm_type != math.inf:
         norm_type = v.check_number("norm_type", norm_type, low=0.0, low_open=True)
     if axis_name is not None and not isinstance(axis_name, Hashable):
@@ -171,12 +195,22 @@ def _unscaled_and_clipped(updates, scaler, loss_scale, max_norm, norm_type, axis
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
     norm = None
     if max_norm is not None:
-        if axis_name is None:
-            grads, norm = clip_by_global_norm(grads, max_norm, norm_type=norm_type, backend="jax")
-        else:
-            grads, norm = _clip_across(grads, max_norm, norm_type, axis_name)
+        norm = None if axis_name is None else _norm_across(grads, norm_type, axis_name)
+        grads, norm = _clip(grads, max_norm, norm_type, norm)
         finite = finite & jnp.isfinite(norm)
     return grads, finite, norm
+
+
+def _clip(grads: Any, max_norm: Any, norm_type: float, norm: Any) -> tuple[Any, jax.Array]:
+    """``clip_by_global_norm``; a traced ``max_norm`` (``inject_hyperparams`` under jit; the
+    function takes a Python bound) by the bound 1 on ``norm / max_norm``: the factor
+    ``1 / max(norm / max_norm, 1)``, exactly 1 where ``norm <= max_norm``."""
+    if isinstance(max_norm, float):
+        return clip_by_global_norm(grads, max_norm, norm_type=norm_type, norm=norm, backend="jax")
+    if norm is None:
+        norm = global_norm(grads, norm_type, backend="jax")
+    bound = jnp.asarray(max_norm, norm.dtype)
+    return clip_by_global_norm(grads, 1.0, norm_type=norm_type, norm=norm / bound)[0], norm
 
 
 def _same_varying_axes(*branches: Callable[[None], Any]) -> list[Callable[[None], Any]]:
@@ -229,21 +263,17 @@ def _check_matches(grads: Any, params: Any) -> None:
         ) from error
 
 
-def _clip_across(
-    grads: Any, max_norm: float, norm_type: float, axis_name: Hashable
-) -> tuple[Any, jax.Array]:
-    """clip_by_global_norm where each device holds part of the tree: the norm is combined
-    over ``axis_name`` before the (identical) scale factor is applied."""
+def _norm_across(grads: Any, norm_type: float, axis_name: Hashable) -> jax.Array:
+    """The global norm of a tree of which each device holds part: the local norms combined
+    over ``axis_name`` (clip_by_global_norm then applies the same factor everywhere)."""
     local = global_norm(grads, norm_type, backend="jax")
     if norm_type == math.inf:
-        norm = jax.lax.pmax(local, axis_name)
-    elif norm_type == 2.0:
-        norm = jnp.sqrt(jax.lax.psum(local * local, axis_name))
-    elif norm_type == 1.0:
-        norm = jax.lax.psum(local, axis_name)
-    else:
-        norm = jax.lax.psum(local**norm_type, axis_name) ** (1.0 / norm_type)
-    return clip_by_global_norm(grads, max_norm, norm_type=norm_type, norm=norm, backend="jax")
+        return jax.lax.pmax(local, axis_name)
+    if norm_type == 2.0:
+        return jnp.sqrt(jax.lax.psum(local * local, axis_name))
+    if norm_type == 1.0:
+        return jax.lax.psum(local, axis_name)
+    return jax.lax.psum(local**norm_type, axis_name) ** (1.0 / norm_type)
 
 
 def find_loss_scale_state(opt_state: Any) -> LossScaleState:
@@ -286,28 +316,79 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
 
 # -- adaptive clipping (ZClip, AGC) --------------------------------------------------------------
-def zclip(**kwargs: Any) -> optax.GradientTransformation:
-    """``numstab.adaptive_clipping.ZClip(**kwargs)`` as a GradientTransformation; its state
-    is a ``ZClipState`` (``state.norm``: the last raw global norm). Chain it before the
-    optimizer: ``optax.chain(zclip(), optax.adamw(schedule))``."""
+def zclip(
+    alpha: float = 0.97,
+    z_thresh: float = 2.5,
+    max_grad_norm: float | None = 1.0,
+    eps: float = 1e-6,
+    warmup_steps: int = 25,
+    mode: str = "zscore",
+    clip_option: str = "adaptive_scaling",
+    clip_factor: float = 1.0,
+    skip_update_on_spike: bool = False,
+) -> optax.GradientTransformation:
+    """``numstab.adaptive_clipping.ZClip`` (same arguments and defaults) as a
+    GradientTransformation; its state is a ``ZClipState`` (``state.norm``: the last raw
+    global norm). Chain it before the optimizer: ``optax.chain(zclip(), optax.adamw(lr))``.
+
+    ``optax.inject_hyperparams(zclip)(...)``: ``alpha``, ``z_thresh``, ``max_grad_norm``,
+    ``eps`` and ``clip_factor`` are injected (``state.hyperparams`` changes them).
+    ``warmup_steps`` sets the state's buffer shape at ``init``: while traced, ``update`` takes
+    it from that buffer (``max(warmup_steps, 1)``); a changed readable value raises."""
     from numstab.adaptive_clipping import ZClip
 
-    policy = ZClip(**kwargs)
+    settings = {
+        "alpha": alpha,
+        "z_thresh": z_thresh,
+        "max_grad_norm": max_grad_norm,
+        "eps": eps,
+        "mode": mode,
+        "clip_option": clip_option,
+        "clip_factor": clip_factor,
+        "skip_update_on_spike": skip_update_on_spike,
+    }
+    traced = v.host_scalar(warmup_steps) is v.TRACED
+    policy = None if traced else ZClip(warmup_steps=warmup_steps, **settings)
 
     def init_fn(params: Any) -> Any:
-        return policy.init(params, backend="jax")
+        return (policy or ZClip(warmup_steps=warmup_steps, **settings)).init(params, backend="jax")
 
     def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        return policy.update(updates, state, backend="jax")
+        _check_zclip_state(state, policy)
+        # traced (inject_hyperparams under jit): the buffer holds max(warmup_steps, 1) norms
+        own = policy or ZClip(warmup_steps=jnp.shape(state.buffer)[0], **settings)
+        return own.update(updates, state, backend="jax")
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_zclip_state(state: Any, policy: Any) -> None:
+    """InvalidArgumentError unless ``state`` is a ZClipState whose buffer fits ``policy``
+    (None: warmup_steps traced, any buffer): warmup_steps cannot change after init."""
+    from numstab.adaptive_clipping import ZClipState
+
+    if not isinstance(state, ZClipState):
+        raise InvalidArgumentError(
+            f"Expected the ZClipState made by this transformation's init. Received: "
+            f"{type(state).__name__}"
+        )
+    size = jnp.shape(state.buffer)
+    if policy is not None and size != (policy.buffer_size,):
+        raise InvalidArgumentError(
+            f"Expected a ZClipState made with warmup_steps={policy.warmup_steps} (a buffer of "
+            f"{policy.buffer_size}): warmup_steps sets its shape, so it cannot change after "
+            f"init. Received: a state with a buffer of shape {size}"
+        )
 
 
 def agc(
     clip_factor: float = 0.01, eps: float = 1e-3, *, layout: str = "io", axis: Any = None
 ) -> optax.GradientTransformation:
     """``numstab.adaptive_clipping.AGC`` as a GradientTransformation: the values of
-    ``optax.adaptive_grad_clip(clip_factor, eps)`` (16-bit gradients normed in float32)."""
+    ``optax.adaptive_grad_clip(clip_factor, eps)`` (16-bit gradients normed in float32).
+
+    ``optax.inject_hyperparams(agc)(...)``: ``clip_factor`` and ``eps`` are injected;
+    ``axis`` picks the units and must be in ``static_args`` when given as an int."""
     from numstab.adaptive_clipping import AGC
 
     policy = AGC(clip_factor, eps, layout=layout, axis=axis)
