@@ -229,7 +229,7 @@ def clip_by_global_norm(
     if norm is None:
         norm = _tree_norm(found, norm_type, fused)
     else:
-        norm = _given_norm(be, norm, like=numeric[0] if numeric else None)
+        norm = _given_norm(be, norm, like=numeric[0] if numeric else None, host=found.dtype)
     factor = _coefficient(be, norm, max_norm, fused)
     # no None and no empty leaf: the leaves are ``numeric`` (which may carry facts to reuse)
     present = numeric if len(numeric) == len(leaves) else _present(leaves)
@@ -244,11 +244,16 @@ def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None
     return _coefficient(be, _given_norm(be, norm), max_norm)
 
 
-def _given_norm(be: Backend, norm: Any, like: Any = None) -> Array:
-    """A caller's norm as a 0-d floating array (``scalar_array``; integers as float32). A
-    negative host number raises; an array's sign is not read (that would sync the host)."""
-    if isinstance(norm, numbers.Real) and not isinstance(norm, bool) and norm < 0:
+def _given_norm(be: Backend, norm: Any, like: Any = None, host: str | None = None) -> Array:
+    """A caller's norm as a 0-d floating array (``scalar_array``; integers as float32), a
+    host number as ``host`` when given (the tree's accumulation dtype: NumPy made it float64,
+    torch and TF float32). A negative host number raises; an array's sign is not read (that
+    would sync the host)."""
+    is_host = isinstance(norm, numbers.Real) and not isinstance(norm, bool)
+    if is_host and norm < 0:
         raise InvalidArgumentError(f"Expected norm >= 0. Received: norm={norm!r}")
+    if is_host and host is not None:
+        return be.asarray(float(norm), dtype=host, like=like)
     norm = scalar_array(be, "norm", norm, like)
     return norm if v.is_floating(be.dtype_name(norm)) else be.cast(norm, "float32")
 
