@@ -65,7 +65,9 @@ def check_number(
     except OverflowError:
         value = math.inf
     too_low = value <= low if low_open else value < low
-    if not math.isfinite(value) or too_low or value > high:
+    # comparisons, not math.isfinite: torch.compile passes a float it made dynamic (a second
+    # value of max_norm) as a SymFloat, which comparisons guard on and isfinite cannot take
+    if not -math.inf < value < math.inf or too_low or value > high:
         left = "(" if low_open else "["
         right = ")" if high == math.inf else "]"
         raise InvalidArgumentError(

@@ -153,7 +153,7 @@ def _check_norm_type(norm_type: Any) -> float:
     if (
         isinstance(norm_type, numbers.Real)
         and not isinstance(norm_type, bool)
-        and (norm_type > 0 and not math.isnan(norm_type))
+        and norm_type > 0  # False for NaN; a comparison, so torch.compile's SymFloat passes
     ):
         return float(norm_type)
     raise InvalidArgumentError(
