@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend, to_backend
 from numstab._layouts import dense_only
-from numstab.backends._base import native_op
+from numstab.backends._base import Backend, native_op
 from numstab.clipping import scale_leaves
 from numstab.errors import InvalidArgumentError
 from numstab.tree import flatten, unflatten
@@ -78,6 +78,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Megatron-LM: --initial-loss-scale 2**32, --loss-scale-window 1000, --hysteresis 2
     "megatron": {"init_scale": 2.0**32, "growth_interval": 1000, "hysteresis": 2, "min_scale": 1.0},
 }
+
+
+def _unscaled(be: Backend, leaves: list, scale: Array) -> list:
+    """``leaves / scale``: times ``1 / scale`` (in float32: exact for the powers of two that
+    scales are in practice), or ``Backend.unscale_leaves`` where the backend flushes
+    subnormals (past 2**126 that reciprocal is one: TensorFlow and XLA gave zero gradients)."""
+    if not be.flushes_subnormals:
+        return scale_leaves(be, leaves, 1.0 / scale)
+    present = [g for g in leaves if g is not None]
+    unscaled = iter(native_op(be, "unscale_leaves")(present, scale) if present else [])
+    return [None if g is None else next(unscaled) for g in leaves]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +232,7 @@ class LossScaler:
                     f"Expected floating-point gradients in grads ({v.FLOAT_DTYPES}). "
                     f"Received: leaf {i} with dtype={be.dtype_name(g)}"
                 )
-        inv_scale = 1.0 / state.scale  # scales are powers of two in practice: exact
-        unscaled = scale_leaves(be, leaves, inv_scale)
+        unscaled = _unscaled(be, leaves, state.scale)
         numeric = be.nonempty([g for g in unscaled if g is not None])
         finite = native_op(be, "all_finite")(numeric) if numeric else be.asarray(True)
         return unflatten(treedef, unscaled), finite

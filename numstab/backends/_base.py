@@ -51,6 +51,9 @@ class Backend(TreeOps, abc.ABC):
     fused_chunk_bytes: int = 32 * 2**20
     #: the same on a GPU: its products need about 2048 rows to run at speed (docs/performance.md §3)
     fused_chunk_bytes_gpu: int = 2**30
+    #: whether its kernels flush float32 subnormals to 0 (TensorFlow, XLA): a loss scale's
+    #: reciprocal past 2**126 is one, so ``LossScaler.unscale`` takes ``unscale_leaves``
+    flushes_subnormals: bool = False
 
     # -- conversion and metadata ------------------------------------------------------------
     @abc.abstractmethod

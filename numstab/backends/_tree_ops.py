@@ -13,6 +13,8 @@ Array = Any
 
 #: leaf dtypes that ``scale_leaves`` multiplies in their own precision
 _OWN_PRECISION = ("float32", "float64", "complex64", "complex128")
+#: past it ``1 / scale`` is a float32 subnormal, which TensorFlow's and XLA's kernels flush to 0
+SUBNORMAL_RECIPROCAL = 2.0**126
 
 
 class TreeOps:
@@ -105,6 +107,26 @@ class TreeOps:
             out.append(
                 self.cast_toward_zero(product, dtype) if toward_zero else self.cast(product, dtype)
             )
+        return out
+
+    def unscale_leaves(self, leaves: list[Array], scale: Array) -> list[Array]:
+        """Each leaf divided by a 0-d float32 loss ``scale``, exact for every power of two up
+        to float32's largest: ``leaf * (1 / (scale * s)) * s``, ``s = 2**-64`` where ``scale >
+        2**126`` and 1 elsewhere (``x * 1`` is exact: then the values of ``leaf * (1 /
+        scale)``). One factor would not do past 2**126: ``1 / scale`` is a float32 subnormal
+        there, which TensorFlow's and XLA's kernels flush to 0 (every gradient became 0).
+        float32/64 (and complex) leaves in their dtype, 16-bit ones in float32, rounded back
+        once. For backends that flush subnormals (``flushes_subnormals``)."""
+        tiny = self.asarray(2.0**-64, dtype="float32", like=scale)
+        shift = self.where(scale > SUBNORMAL_RECIPROCAL, tiny, 1.0)
+        first = 1.0 / (scale * shift)
+        out = []
+        for leaf in leaves:
+            dtype = self.dtype_name(leaf)
+            if dtype in _OWN_PRECISION:
+                out.append(leaf * self.cast(first, dtype) * self.cast(shift, dtype))
+            else:
+                out.append(self.cast(self.cast(leaf, "float32") * first * shift, dtype))
         return out
 
     def cast_toward_zero(self, x: Array, dtype: str) -> Array:

@@ -41,6 +41,7 @@ class JaxBackend(NamespaceBackend):
     name = "jax"
     xp = jnp
     index_dtype = "int32"
+    flushes_subnormals = True  # XLA's CPU kernels: 1 / 2**127 is 0
 
     def asarray(self, x, dtype=None, like=None):
         return jnp.asarray(x, dtype=dtype)
@@ -88,6 +89,11 @@ class JaxBackend(NamespaceBackend):
         return _magnitude_from_bits(x)
 
     # fused kernels with the generic semantics
+    def native_unscale_leaves(self, leaves, scale):
+        # the generic's two multiplies, one compiled call (fused; eagerly one dispatch);
+        # XLA turns x / s into x * (1 / s), so a division would flush too
+        return _unscale_leaves(leaves, scale)
+
     def native_leaf_finite(self, leaves):
         return _stack([_leaf_finite(x) for x in leaves])
 
@@ -158,6 +164,7 @@ class JaxBackend(NamespaceBackend):
 
 
 BACKEND = JaxBackend()
+_unscale_leaves = jax.jit(functools.partial(JaxBackend.unscale_leaves, BACKEND))
 
 
 def _concrete(x: jax.core.Tracer) -> jax.Array | None:
