@@ -87,8 +87,10 @@ class Backend(TreeOps, abc.ABC):
     def moveaxis(self, x: Array, source: int, destination: int) -> Array: ...
 
     def size(self, x: Array, dtype: str) -> int | Array:
-        """Number of elements: a Python int when static, else a scalar array of ``dtype``."""
-        return int(math.prod(self.shape(x)))
+        """Number of elements: a Python int when static, else a scalar array of ``dtype`` (a
+        ``jax.export`` symbolic size: a value of the program)."""
+        n = math.prod(self.shape(x))
+        return n if isinstance(n, int) else self.asarray(n, dtype)
 
     @abc.abstractmethod
     def unflatten_rows(self, rows: Array, like: Array) -> Array:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -46,12 +45,6 @@ class JaxBackend(NamespaceBackend):
 
     def asarray(self, x, dtype=None, like=None):
         return jnp.asarray(x, dtype=dtype)
-
-    def size(self, x, dtype):
-        n = math.prod(x.shape)
-        if isinstance(n, int):
-            return n
-        return jnp.asarray(n, dtype)  # a jax.export symbolic size: a value of the program
 
     def to_numpy(self, x):
         x = np.asarray(_concrete(x) if isinstance(x, jax.core.Tracer) else x)
