@@ -236,3 +236,23 @@ def test_gradscaler_gradients_are_clipped_unscaled(unscaled_before):
     tol = (LR * M * 64 + 4 * scale) * EPS
     for p, q in zip(*results, strict=True):
         assert torch.allclose(p, q, rtol=0, atol=tol), (p - q).abs().max().item()
+
+
+def test_no_pass_over_the_gradients_below_the_threshold(monkeypatch):
+    """With the norm the guard read already, a factor that is surely 1 is not multiplied in
+    (torch's multiply by 1 changes no bit); at or above the threshold the clip is torch's."""
+    from numstab.frameworks.torch.step_guard import clip_with_norm
+
+    calls = []
+    real_mul = torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda *a: calls.append(1) or real_mul(*a))
+    grads = [torch.full((3,), 0.5), torch.full((2,), -0.25)]
+    total = torch.linalg.vector_norm(torch.cat(grads))
+    before = [g.clone() for g in grads]
+    clip_with_norm(grads, 10.0, total, float(total))
+    assert calls == [] and all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))
+    clip_with_norm(grads, 10.0, total)  # no host norm: multiplied by exactly 1, as torch
+    assert calls == [1] and all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))
+    clip_with_norm(grads, 0.1, total, float(total))
+    want = [b * torch.clamp(0.1 / (total + 1e-6), max=1.0) for b in before]
+    assert calls == [1, 1] and all(torch.equal(g, w) for g, w in zip(grads, want, strict=True))

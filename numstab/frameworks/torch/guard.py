@@ -169,6 +169,7 @@ class TorchGuard(RunnerResults):
         self.runner.take_pending_snapshot()
         grads = self._grads()
         measured, self._measured = self._measured, None
+        self.step_norm = None
         if self._device is not None and measured is None and self._one_call(loss):
             return self._device.step_from_grads(loss, grads, step_fn)
         with torch.no_grad():
@@ -184,6 +185,7 @@ class TorchGuard(RunnerResults):
             if self._device is not None:
                 return self._device.step(pair, norms, step_fn)
             loss_h, norm_h = pair.tolist()  # the one host sync of the step
+            self.step_norm = norm_h if grads else None
         decision, state = policy.decide(
             self.guard,
             self._host,
@@ -201,6 +203,7 @@ class TorchGuard(RunnerResults):
         return d["apply"]
 
     _measured: tuple[Any, Any] | None = None
+    step_norm: float | None = None  # host mode: this step's global norm, read with the decision
 
     def loss_scaled(self) -> bool:
         """Whether an enabled dynamic loss scaler (``scaler``) handles gradient overflow:

@@ -254,7 +254,7 @@ class StepGuard:
 
         def clipped_step() -> Any:
             if total is not None:
-                clip_with_norm(tg._grads(), self.max_grad_norm, total)
+                clip_with_norm(tg._grads(), self.max_grad_norm, total, tg.step_norm)
             return real_step()
 
         return clipped_step
@@ -330,11 +330,16 @@ def _kept_state(model: torch.nn.Module) -> Any:
                     b.copy_(saved)
 
 
-def clip_with_norm(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+def clip_with_norm(
+    grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, host_norm: float | None = None
+) -> None:
     """``grads *= min(1, max_norm / (total + 1e-6))`` in place: ``clip_grad_norm_`` with the
-    norm ``total`` taken already, computed as torch does (on ``total``'s device and dtype, and
-    like torch it multiplies by a factor of 1 too: no host read). One ``torch._foreach_mul_``
-    per device."""
+    norm ``total`` taken already, computed as torch does (on ``total``'s device and dtype).
+    ``host_norm``: ``total`` as the guard read it with its decision (no new read); where it is
+    surely below ``max_norm`` the factor is exactly 1, whose multiply (torch makes it) would
+    change no bit: no pass over the gradients then. One ``torch._foreach_mul_`` per device."""
+    if host_norm is not None and (host_norm + 1e-6) * (1.0 + 2.0**-20) < max_norm:
+        return
     factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
