@@ -119,7 +119,7 @@ class TorchGuard(RunnerResults):
         self.scheduler, self.sharded, self.process_group = scheduler, sharded, process_group
         self.scaler = scaler
         # every parameter that can ever take a gradient, trainable now or not: the history
-        # has a column for each; a step checks those it can update (``_grads``), so one
+        # has a column for each; a step checks those it can update (``grads``), so one
         # unfrozen later (gradual unfreezing) is checked from then on
         named = [
             (n, p) for n, p in model.named_parameters() if p.is_floating_point() or p.is_complex()
@@ -167,7 +167,7 @@ class TorchGuard(RunnerResults):
             )
         loss = _scalar_loss(self._torch, loss, self._norm_device)
         self.runner.take_pending_snapshot()
-        grads = self._grads()
+        grads = self.grads()
         measured, self._measured = self._measured, None
         self.step_norm = None
         if self._device is not None and measured is None and self._one_call(loss):
@@ -216,11 +216,19 @@ class TorchGuard(RunnerResults):
         decide on: for loops that clip between the backward pass and ``optimizer.step()``
         (Lightning's ``on_before_optimizer_step`` comes before its clipping), so that the
         guard sees the gradients the backward pass made, not the clipped ones."""
-        grads = self._grads()
+        grads = self.grads()
         with torch.no_grad():
             self._measured = layer_norms(self._torch, grads) if grads else (None, None)
 
-    def _grads(self) -> list[torch.Tensor]:
+    def step_grad_norm(self) -> torch.Tensor | None:
+        """This step's global gradient norm (a device tensor; None without parameters to
+        check), the one the next ``step`` decides on: measured now unless ``measure_grads``
+        already did this step."""
+        if self._measured is None:
+            self.measure_grads()
+        return self._measured[1]
+
+    def grads(self) -> list[torch.Tensor]:
         """The gradients of the parameters checked (an empty tensor, norm 0, for one without
         ``.grad``). A frozen one joins them once it requires grad (gradual unfreezing: read
         every step, one attribute per frozen parameter); one frozen later stays (norm 0)."""

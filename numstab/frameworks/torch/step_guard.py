@@ -243,18 +243,16 @@ class StepGuard:
 
     def _clipping(self, real_step: Callable[[], Any], scaler: Any) -> Callable[[], Any]:
         """``real_step`` preceded by clipping to ``max_grad_norm``, with the norm the guard is
-        about to decide on: measured here once (``measure_grads``; kept if the loop measured
+        about to decide on: measured here once (``step_grad_norm``; kept if the loop measured
         already), on gradients unscaled first where a GradScaler still holds them scaled."""
         tg = self.torch_guard
         if scaler is not None and scaler.is_enabled() and _still_scaled(scaler, tg.optimizer):
             scaler.unscale_(tg.optimizer)
-        if tg._measured is None:
-            tg.measure_grads()
-        total = tg._measured[1]  # a device tensor; None without parameters to check
+        total = tg.step_grad_norm()
 
         def clipped_step() -> Any:
             if total is not None:
-                clip_with_norm(tg._grads(), self.max_grad_norm, total, tg.step_norm)
+                clip_with_norm(tg.grads(), self.max_grad_norm, total, tg.step_norm)
             return real_step()
 
         return clipped_step
