@@ -194,12 +194,17 @@ class Backend(TreeOps, abc.ABC):
     def gather(self, vector: Array, index: Array) -> Array:
         """``vector[index]`` for a 1-D ``vector`` and in-range integer ``index``."""
 
-    # -- generic composites (backends may add native_* fused versions; the tree ones: TreeOps) --
     @abc.abstractmethod
+    def bitcast(self, x: Array, dtype: str) -> Array:
+        """The bits of ``x`` read as ``dtype``, of the same width (float16 <-> int16,
+        float32 <-> int32): no conversion of values."""
+
+    # -- generic composites (backends may add native_* fused versions; the tree ones: TreeOps) --
     def step_toward_zero(self, x: Array) -> Array:
         """The next representable value toward 0 of each element of a 16-bit float array,
         for nonzero ``x`` (elsewhere the result is unspecified): the bits read as int16,
         minus 1 (sign and magnitude: one less magnitude, whatever the sign)."""
+        return self.bitcast(self.bitcast(x, "int16") - 1, self.dtype_name(x))
 
     def count(self, mask: Array, axis: int | None, dtype: str, keepdims: bool = False) -> Array:
         """Number of true entries along ``axis``, as ``dtype``."""

@@ -145,6 +145,19 @@ class TreeOps:
         may keep 16-bit values in float32 reads it from the bits instead)."""
         return self.abs(self.cast(x, "float32"))
 
+    def magnitude_from_bits(self, x: Array) -> Array:
+        """``|x|`` of a float16 / bfloat16 ``x`` as float32, built from its bit pattern alone
+        (``magnitude_float32`` where a compiler keeps 16-bit values in float32: a cast would
+        read the unrounded value). Integer operators, so for backends whose arrays have them."""
+        bits = self.cast(self.bitcast(x, "int16"), "int32") & 0x7FFF  # the sign bit cleared
+        if self.dtype_name(x) == "bfloat16":  # the top half of a float32
+            return self.bitcast(bits << 16, "float32")
+        exponent, mantissa = bits >> 10, bits & 0x3FF  # float16: 5 exponent, 10 mantissa bits
+        normal = self.bitcast(((exponent + 112) << 23) | (mantissa << 13), "float32")
+        special = self.bitcast((mantissa << 13) | 0x7F800000, "float32")  # inf, NaN
+        subnormal = self.cast(mantissa, "float32") * 2.0**-24
+        return self.where(exponent == 0, subnormal, self.where(exponent == 31, special, normal))
+
     def leaf_finite(self, leaves: list[Array]) -> Array:
         """A boolean vector, one entry per (non-empty) leaf: every element of that leaf is
         finite. Stays on the device: the first pass of ``find_nonfinite`` and ``all_finite``."""

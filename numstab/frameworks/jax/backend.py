@@ -78,15 +78,14 @@ class JaxBackend(NamespaceBackend):
     def stop_gradient(self, x):
         return jax.lax.stop_gradient(x)
 
-    def step_toward_zero(self, x):
-        bits = jax.lax.bitcast_convert_type(x, jnp.int16)
-        return jax.lax.bitcast_convert_type(bits - jnp.int16(1), x.dtype)
+    def bitcast(self, x, dtype):
+        return jax.lax.bitcast_convert_type(x, dtype)
 
     def magnitude_float32(self, x):
         # from the bits: XLA:GPU may keep a 16-bit intermediate in float32 (excess
         # precision), so cast_toward_zero's float32(rounded) > x never held (an H200: clipped
         # float16 norms 0.6% over max_norm); a bitcast needs the rounded bits
-        return _magnitude_from_bits(x)
+        return self.magnitude_from_bits(x)
 
     # fused kernels with the generic semantics
     def native_unscale_leaves(self, leaves, scale):
@@ -173,15 +172,3 @@ def _concrete(x: jax.core.Tracer) -> jax.Array | None:
     ``vmap`` and ``eval_shape`` tracers have none. ``np.asarray`` refuses every tracer
     (TracerArrayConversionError): read through this instead."""
     return x.to_concrete_value()
-
-
-def _magnitude_from_bits(x):
-    """``|x|`` of a float16 / bfloat16 ``x`` as float32, built from its bit pattern alone."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) & 0x7FFF
-    if x.dtype == jnp.bfloat16:  # the top half of a float32
-        return jax.lax.bitcast_convert_type(bits << 16, jnp.float32)
-    exponent, mantissa = bits >> 10, bits & 0x3FF  # float16: 5 exponent bits, 10 mantissa bits
-    normal = jax.lax.bitcast_convert_type(((exponent + 112) << 23) | (mantissa << 13), jnp.float32)
-    special = jax.lax.bitcast_convert_type((mantissa << 13) | 0x7F800000, jnp.float32)  # inf, nan
-    subnormal = mantissa.astype(jnp.float32) * jnp.float32(2.0**-24)
-    return jnp.where(exponent == 0, subnormal, jnp.where(exponent == 31, special, normal))

@@ -133,19 +133,12 @@ class TorchBackend(NamespaceBackend):
     def stop_gradient(self, x):
         return x.detach()
 
-    def step_toward_zero(self, x):
-        return (x.view(torch.int16) - 1).view(x.dtype)
+    def bitcast(self, x, dtype):
+        return x.view(getattr(torch, dtype))
 
     def magnitude_float32(self, x):
         # compiled, from the bits: inductor keeps cast_toward_zero's rounded value in float32
-        if not torch.compiler.is_compiling():
-            return x.float().abs()
-        bits = x.view(torch.int16).int() & 0x7FFF
-        if x.dtype == torch.bfloat16:  # the top half of a float32
-            return (bits << 16).view(torch.float32)
-        e, m = bits >> 10, (bits & 0x3FF) + 1024 * (bits >= 1024)  # float16: (1.)m * 2**(e-25)
-        value = m.float() * ((e.clamp(min=1) + 102) << 23).view(torch.float32)
-        return torch.where(e == 31, math.inf, value)  # inf and NaN: never above a finite x
+        return self.magnitude_from_bits(x) if torch.compiler.is_compiling() else x.float().abs()
 
     def maximum(self, x, y):
         return torch.clamp(x, min=y) if not isinstance(y, torch.Tensor) else torch.maximum(x, y)
