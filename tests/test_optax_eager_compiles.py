@@ -27,6 +27,11 @@ TRANSFORMS = {
     "loss_scaled max_norm": lambda: nso.loss_scaled(optax.adam(1e-3), max_norm=1.0),
     "zclip": lambda: nso.zclip(warmup_steps=2),
     "agc": lambda: nso.agc(),
+    "inject loss_scaled": lambda: optax.inject_hyperparams(nso.loss_scaled)(
+        optax.adam(1e-3), max_norm=1.0
+    ),
+    "inject zclip": lambda: optax.inject_hyperparams(nso.zclip)(warmup_steps=2),
+    "inject agc": lambda: optax.inject_hyperparams(nso.agc)(),
     "loss_scaled chain": lambda: nso.loss_scaled(
         optax.chain(nso.zclip(warmup_steps=2), nso.agc(), optax.adam(1e-3)), max_norm=1.0
     ),

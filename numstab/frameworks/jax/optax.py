@@ -100,6 +100,7 @@ def loss_scaled(
     squares) counts as a non-finite step. With a fixed scaler (``dynamic=False``, e.g.
     ``LossScaler.for_dtype(jnp.bfloat16)``) non-finite steps are still skipped, without limit.
     """
+    given = inner
     inner, scaler, max_norm, norm_type = _checked(inner, scaler, max_norm, norm_type, axis_name)
 
     def init(params: Any) -> LossScaledState:
@@ -111,10 +112,12 @@ def loss_scaled(
             grad_norm=None if max_norm is None else jnp.zeros([], jnp.float32),
         )
 
-    # eagerly one compiled call, not a lax.cond compiled each time; a traced max_norm (closed
-    # over, unseen by eager_jit's test of the arguments) is already inside a trace
-    step = _step_fn(inner, scaler, max_norm, norm_type, axis_name)
-    eager_step = step if isinstance(max_norm, jax.core.Tracer) else eager_jit(step)
+    # a traced max_norm (closed over, unseen by eager_jit's test of the arguments) is already
+    # inside a trace; eagerly one compiled call, not a lax.cond compiled each time
+    if isinstance(max_norm, jax.core.Tracer):
+        eager_step = _step_fn(inner, scaler, max_norm, norm_type, axis_name)
+    else:
+        eager_step = _eager_step(given, inner, scaler, max_norm, norm_type, axis_name)
 
     def update(
         updates: Any, state: LossScaledState, params: Any = None, **extra_args: Any
@@ -128,6 +131,28 @@ def loss_scaled(
         return eager_step(updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _eager_step(given, inner, scaler, max_norm, norm_type, axis_name) -> Callable[..., tuple]:
+    """``_step_fn`` as one ``eager_jit``, kept per setting (``given``: the inner transformation
+    as the caller passed it): ``optax.inject_hyperparams`` builds ``loss_scaled`` anew on every
+    update, which compiled the step anew each time (an unhashable setting is not kept)."""
+    key = (given, scaler, max_norm, norm_type, axis_name)
+    try:
+        step = _EAGER_STEPS.get(key)
+    except TypeError:
+        return eager_jit(_step_fn(inner, scaler, max_norm, norm_type, axis_name))
+    if step is None:
+        if len(_EAGER_STEPS) >= _EAGER_STEPS_KEPT:
+            _EAGER_STEPS.pop(next(iter(_EAGER_STEPS)))  # the oldest
+        step = _EAGER_STEPS[key] = eager_jit(
+            _step_fn(inner, scaler, max_norm, norm_type, axis_name)
+        )
+    return step
+
+
+_EAGER_STEPS: dict[tuple, Callable[..., tuple]] = {}
+_EAGER_STEPS_KEPT = 64
 
 
 def _step_fn(inner, scaler, max_norm, norm_type, axis_name) -> Callable[..., tuple]:
