@@ -37,7 +37,7 @@ import struct
 from typing import Any, NamedTuple
 
 from numstab import _validate as v
-from numstab._dispatch import resolve_backend, to_backend
+from numstab._dispatch import HOST, framework_of, resolve_backend, to_backend
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend, native_op
 from numstab.clipping import scale_leaves
@@ -209,6 +209,7 @@ class LossScaler:
     def scale(self, loss: Array, state: LossScaleState, *, backend: str | None = None) -> Array:
         """``loss * scale``, multiplied in float32 and returned in the loss's dtype."""
         be = resolve_backend(loss, _state(state).scale, backend=backend)
+        state = _state_on(be, state, loss)
         loss = to_backend(be, loss, like=state.scale, name="loss")
         dtype = be.dtype_name(loss)
         v.check_floating("loss", dtype)
@@ -225,6 +226,7 @@ class LossScaler:
         leaves, treedef = flatten(grads)
         present = [g for g in leaves if g is not None]
         be = resolve_backend(_state(state).scale, *present, backend=backend)
+        state = _state_on(be, state, *present)
         leaves = [to_backend(be, g, like=state.scale, name="grads") for g in leaves]
         for i, g in enumerate(g for g in leaves if g is not None):
             if not v.is_floating(be.dtype_name(g)):
@@ -247,6 +249,7 @@ class LossScaler:
         flax does), since a scale of 0 would make every later step non-finite forever.
         """
         be = resolve_backend(_state(state).scale, finite, backend=backend)
+        state = _state_on(be, state, finite)
         finite = _finite_flag(be, finite, like=state.scale)
         if not self.dynamic:
             return state
@@ -302,6 +305,13 @@ class LossScaler:
                 f"Expected state_dict to be a numstab loss-scaler state dict "
                 f"(LossScaler.state_dict()). Received: a mapping missing or mistyping {exc!r}"
             ) from exc
+        scale = float(values["scale"])
+        if not 0.0 < scale < math.inf:  # an update never leaves a scale it could not recover from
+            raise InvalidArgumentError(
+                f"Expected state_dict's scale to be a positive finite number (inf unscales every "
+                f"gradient to 0, a negative scale flips their sign, NaN skips every step). "
+                f"Received: scale={values['scale']!r}"
+            )
         if not 0 <= int(values["hysteresis_left"]) <= scaler.hysteresis:  # no update makes it
             raise InvalidArgumentError(
                 f"Expected state_dict's hysteresis_left within [0, hysteresis={scaler.hysteresis}]"
@@ -317,6 +327,16 @@ def _state(state: Any) -> LossScaleState:
             f"type {type(state).__name__}"
         )
     return state
+
+
+def _state_on(be: Any, state: LossScaleState, *arrays: Any) -> LossScaleState:
+    """``state`` as arrays of ``be``: a host (NumPy) state, as ``init()`` makes without a
+    backend, joins the backend of the arrays it meets (on the device of the first of them that
+    is a framework array); any other state is returned as it is."""
+    if be.name == "numpy" or framework_of(state.scale) != HOST:
+        return state
+    like = next((a for a in arrays if a is not None and framework_of(a) != HOST), None)
+    return LossScaleState(*(to_backend(be, field, like=like, name="state") for field in state))
 
 
 def _finite_flag(be: Any, finite: Any, like: Any) -> Any:

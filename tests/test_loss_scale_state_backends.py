@@ -1,0 +1,83 @@
+"""LossScaler states across backends and from state dicts (docs/semantics.md §8.3, §8.5).
+
+- A host state (``LossScaler().init()`` with no backend: NumPy arrays) meeting torch,
+  TensorFlow or JAX arrays joins their backend: before, torch's ``scale``/``unscale``/``update``
+  raised a raw AttributeError or TypeError (``.to`` on a NumPy array) and TensorFlow's
+  ``update`` an AttributeError.
+- ``from_state_dict`` (and the torch ``GradScaler.load_state_dict`` built on it) refuses a
+  scale that is not a positive finite number: inf unscaled every gradient to 0 with
+  ``finite=True``, -4 flipped their sign (gradient ascent), NaN skipped every step, forever.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import numstab as ns
+from numstab._dispatch import framework_of
+from numstab.backends import load_backend
+from numstab.errors import InvalidArgumentError
+
+FRAMEWORKS = ["torch", "tensorflow", "jax"]
+
+
+def _values(be, tree):
+    return [np.asarray(be.to_numpy(x)) for x in tree]
+
+
+@pytest.mark.parametrize("backend", FRAMEWORKS)
+def test_a_host_state_joins_the_backend_of_the_arrays(backend):
+    be = load_backend(backend)
+    scaler = ns.LossScaler(init_scale=8.0, growth_interval=1)
+    host_state = scaler.init()
+    assert type(host_state.scale).__module__.startswith("numpy")
+    own_state = scaler.init(backend=backend)
+    grads = [be.asarray(np.array([2.0, -4.0], np.float32))]
+    loss = be.asarray(np.float32(3.0))
+    for state in (host_state, own_state):
+        scaled = scaler.scale(loss, state)
+        unscaled, finite = scaler.unscale(grads, state)
+        new = scaler.update(state, finite)
+        assert float(be.to_numpy(scaled)) == 24.0
+        np.testing.assert_array_equal(_values(be, unscaled)[0], [0.25, -0.5])
+        assert bool(be.to_numpy(finite))
+        assert float(be.to_numpy(new.scale)) == 16.0  # grown: growth_interval=1
+        assert framework_of(new.scale) == backend
+    bad = scaler.update(host_state, be.asarray(np.bool_(False)))
+    assert float(be.to_numpy(bad.scale)) == 4.0
+
+
+@pytest.mark.parametrize("backend", FRAMEWORKS)
+def test_a_host_state_and_host_data_under_a_chosen_backend(backend):
+    scaler = ns.LossScaler(init_scale=4.0)
+    state = scaler.init()
+    grads, finite = scaler.unscale([np.array([2.0], np.float32)], state, backend=backend)
+    assert framework_of(grads[0]) == backend
+    with ns.use_backend(backend):
+        new = scaler.update(state, finite)
+    assert framework_of(new.scale) == backend
+
+
+@pytest.mark.parametrize("scale", [math.inf, -math.inf, math.nan, -4.0, 0.0])
+def test_from_state_dict_refuses_a_scale_that_cannot_recover(scale):
+    data = ns.LossScaler().state_dict(ns.LossScaler().init())
+    data["state"]["scale"] = scale
+    with pytest.raises(InvalidArgumentError, match="scale to be a positive finite number"):
+        ns.LossScaler.from_state_dict(data)
+
+
+def test_torch_grad_scaler_refuses_an_infinite_scale_before_changing_anything():
+    from numstab.integrations.torch import GradScaler
+
+    scaler = GradScaler(device="cpu", init_scale=2.0**10)
+    before = scaler.state_dict()
+    torch_style = {k: v for k, v in before.items() if k != "numstab"}  # torch's GradScaler's
+    own = {**before, "numstab": {**before["numstab"], "state": {**before["numstab"]["state"]}}}
+    own["numstab"]["state"]["scale"] = math.inf
+    for bad in ({**torch_style, "scale": math.inf}, own):
+        with pytest.raises(InvalidArgumentError, match="scale=inf"):
+            scaler.load_state_dict(bad)
+        assert scaler.state_dict() == before
