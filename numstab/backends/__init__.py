@@ -42,7 +42,7 @@ def load_backend(name: str) -> Backend:
     framework = FRAMEWORKS[name]
     try:
         module = frameworks.module(framework.name, "backend")  # the folder the entry names
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:  # OSError: a broken install (a missing CUDA library)
         hint = (
             f" Install it with: pip install 'numstab[{framework.extra}]'" if framework.extra else ""
         )
@@ -50,6 +50,8 @@ def load_backend(name: str) -> Backend:
             f"numstab backend {name!r} needs {' and '.join(framework.distributions)}, which "
             f"could not be imported ({exc}).{hint}"
         ) from exc
+    if frameworks.has_module(framework.name, "tree"):  # its tree hooks, imported with it:
+        frameworks.module(framework.name, "tree")  # a torch.compile trace cannot import them
     backend = module.BACKEND
     _loaded[name] = backend
     return backend
@@ -62,7 +64,7 @@ def preload_imported_frameworks() -> None:
     call, which may be traced by torch.compile(fullgraph=True), where imports cannot run.
     """
     for name, framework in FRAMEWORKS.items():
-        if name != "numpy" and all(d in sys.modules for d in framework.distributions):
+        if name != "numpy" and all(sys.modules.get(d) is not None for d in framework.distributions):
             with contextlib.suppress(BackendUnavailableError):
                 load_backend(name)
 

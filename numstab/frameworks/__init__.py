@@ -43,7 +43,7 @@ class Framework:
 
     def imported(self) -> bool:
         """Whether the process has already imported the framework itself."""
-        return self.distributions[0] in sys.modules
+        return sys.modules.get(self.distributions[0]) is not None  # None: an import blocked
 
 
 #: the array frameworks; NumPy is the readable reference. A Keras 3 variable is no entry: it
@@ -101,7 +101,9 @@ LIBRARIES = ("optax", "jmp", "keras", "flax", "equinox", "transformers", "lightn
 def module(framework: str, name: str) -> ModuleType:
     """``numstab.frameworks.<framework>.<name>``, imported (and its framework with it).
     ``framework`` may also be a folder that is not a backend (``"keras"``)."""
-    return importlib.import_module(f"{__name__}.{framework}.{name}")
+    full_name = f"{__name__}.{framework}.{name}"
+    # imported already: no importlib call, which torch.compile cannot trace (fullgraph raises)
+    return sys.modules.get(full_name) or importlib.import_module(full_name)
 
 
 def imported_class(module_name: str, attribute: str) -> type | None:
@@ -143,18 +145,32 @@ def loaded(module_name: str, attribute: str) -> tuple[Any, ...]:
     key = (module_name, attribute)
     found = _hook_cache.get(key)
     if found is None:
-        found = _hook_cache[key] = tuple(
+        # inside a torch.compile trace nothing can be imported: the hook modules imported
+        # already answer, uncached (an eager call fills the cache with every folder's)
+        tracing = _torch_compiling()
+        found = tuple(
             getattr(module(folder, module_name), attribute)
             for folder, _ in HOOK_FOLDERS
-            if folder in _imported_folders and _has_hook(folder, module_name, attribute)
+            if folder in _imported_folders
+            and (not tracing or f"{__name__}.{folder}.{module_name}" in sys.modules)
+            and _has_hook(folder, module_name, attribute)
         )
+        if not tracing:
+            _hook_cache[key] = found
     return found
+
+
+def _torch_compiling() -> bool:
+    """Whether torch.compile is tracing this call (torch not imported: no)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
 
 
 def _note_new_imports() -> None:
     _modules_seen[0] = len(sys.modules)
     for folder, framework in HOOK_FOLDERS:
-        if folder not in _imported_folders and framework in sys.modules:
+        # a None entry is an import blocked on purpose (sys.modules["torch"] = None)
+        if folder not in _imported_folders and sys.modules.get(framework) is not None:
             _imported_folders.add(folder)
             _hook_cache.clear()
 
