@@ -15,21 +15,31 @@ _INTERNAL_PACKAGES = (
 )  # fmt: skip
 
 
-def _internal_roots() -> tuple[str, ...]:
-    roots = {sysconfig.get_paths()["stdlib"]}
+def _internal_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the internal packages' folders and the standard library's, the site-packages folders).
+    Under pyenv or conda, site-packages lies inside the standard library's folder: what is
+    installed there (transformers, flax) is the user's code unless it is an internal package."""
+    paths = sysconfig.get_paths()
+    site = {paths["purelib"], paths["platlib"]}
+    roots = {paths["stdlib"]}
     for name in _INTERNAL_PACKAGES:
         module = sys.modules.get(name)
         path = getattr(module, "__file__", None)
         if path:
             roots.add(os.path.dirname(os.path.abspath(path)))
-    return tuple(root + os.sep for root in roots)
+    return tuple(root + os.sep for root in roots), tuple(root + os.sep for root in site)
 
 
-def is_user_file(filename: str, roots: tuple[str, ...] | None = None) -> bool:
+def is_user_file(
+    filename: str, roots: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+) -> bool:
     if filename.startswith("<"):
         return False
-    roots = _internal_roots() if roots is None else roots
-    return not os.path.abspath(filename).startswith(roots)
+    internal, site = _internal_roots() if roots is None else roots
+    path = os.path.abspath(filename)
+    if path.startswith(site):  # an installed library: internal only if one of the packages
+        return not path.startswith(tuple(r for r in internal if r.startswith(site)))
+    return not path.startswith(internal)
 
 
 def _last_user(frames: list[tuple[str, int]]) -> str | None:
