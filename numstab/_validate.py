@@ -68,7 +68,7 @@ def check_number(
     # comparisons, not math.isfinite: torch.compile passes a float it made dynamic (a second
     # value of max_norm) as a SymFloat, which comparisons guard on and isfinite cannot take
     if not -math.inf < value < math.inf or too_low or value > high:
-        left = "(" if low_open else "["
+        left = "(" if low_open or low == -math.inf else "["  # -inf is never accepted
         right = ")" if high == math.inf else "]"
         raise InvalidArgumentError(
             f"Expected {name} in {left}{low:g}, {high:g}{right}. Received: {name}={value!r}"

@@ -241,7 +241,7 @@ def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None
     clip_by_global_norm multiplies by (for in-place or cross-device clipping)."""
     max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
     be = resolve_backend(norm, backend=backend)
-    return _coefficient(be, _given_norm(be, norm), max_norm)
+    return _coefficient(be, _given_norm(be, norm, host="float32"), max_norm)  # as every backend
 
 
 def _given_norm(be: Backend, norm: Any, like: Any = None, host: str | None = None) -> Array:
@@ -327,6 +327,29 @@ def clip_by_value(
 
 
 def _clip(be: Backend, x: Array, low: float, high: float) -> Array:
-    """One leaf clamped to the bounds, each first brought into the leaf dtype's range."""
+    """One leaf clamped to the bounds, each first brought into the leaf dtype's range and
+    rounded to it once (``rounded_once``)."""
     dtype = be.dtype_name(x)
-    return be.clip(x, in_range(low, dtype), in_range(high, dtype))
+    return be.clip(
+        x, rounded_once(in_range(low, dtype), dtype), rounded_once(in_range(high, dtype), dtype)
+    )
+
+
+#: (significand bits with the implicit one, exponent of the smallest normal) of the 16-bit
+#: floats whose Python bounds the frameworks round through float32
+_HALF_FORMATS = {"float16": (11, -14), "bfloat16": (8, -126)}
+
+
+def rounded_once(value: float, dtype: str) -> float:
+    """A finite ``value`` within ``dtype``'s range, rounded to the 16-bit ``dtype`` once, to
+    nearest even; other dtypes' values as they are. torch, TensorFlow and JAX take a Python
+    bound for a 16-bit array through float32 first (two roundings: ``1 + 2**-11 + 2**-40``
+    became 1.0 in float16, not 1 + 2**-10), and NumPy's bfloat16 too; the value returned here
+    is exact in the dtype, so their conversions keep it."""
+    half = _HALF_FORMATS.get(dtype)
+    if half is None or value == 0.0:
+        return value
+    bits, smallest_normal_exponent = half
+    exponent = max(math.frexp(value)[1], smallest_normal_exponent + 1)  # subnormals: fixed
+    spacing = math.ldexp(1.0, exponent - bits)  # of the dtype's values near ``value``
+    return round(value / spacing) * spacing  # exact quotient (a power of 2); round: half even
