@@ -255,15 +255,29 @@ def _hard_label_loss(be, x, y, labels, eps, ignore_index, weight, z_loss, cdt, r
     """The loss of integer labels: per-row losses for "none", else their sum or mean.
 
     Eagerly the labels are read once on the host (the range check needs them anyway) and the
-    device work is one ``be.compiled_eager`` kernel; traced logits mean a trace, even where
-    the labels are constants, and the masks are computed on the device."""
+    device work is one ``be.compiled_eager`` kernel. Traced logits mean a trace; labels that
+    are concrete there (``vmap`` over the logits only) are still read and checked, while
+    traced labels (jit, even of constants; vmap over them) have their masks computed on the
+    device."""
     matchable = matchable_ignore_index(be, ignore_index)  # None: no label can equal it
+    num_classes = be.shape(x)[-1]
     if be.can_read(x) and be.can_read(y):
-        rows_counted = _read_label_masks(be, y, labels, be.shape(x)[-1], ignore_index, matchable)
+        rows_counted = _read_label_masks(be, y, labels, num_classes, ignore_index, matchable)
         kernel = be.compiled_eager(_hard_label_kernel, _HARD_LABEL_STATIC)
+    elif _concrete_here(be, y):
+        rows_counted = _read_label_masks(be, y, labels, num_classes, ignore_index, matchable)
+        kernel = _hard_label_kernel
     else:
         rows_counted, kernel = TRACED, _hard_label_kernel
     return kernel(be, x, y, weight, eps, matchable, z_loss, cdt, reduction, rows_counted)
+
+
+def _concrete_here(be: Backend, y: Array) -> bool:
+    """Whether labels met beside traced logits hold values here: True under a ``vmap`` of the
+    logits only (torch's or JAX's, without jit), where they pass through as they are. An op
+    on them tells: under jit (JAX stages even a closed-over constant), tf.function,
+    torch.compile or a vmap over the labels its result is traced."""
+    return be.can_read(y) and not be.is_tracing(y < 0)
 
 
 # How the rows to count are known, a static argument of _hard_label_kernel:

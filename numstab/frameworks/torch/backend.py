@@ -26,6 +26,7 @@ from numstab.frameworks.torch.fused import (
     mm_nt_cpu,
     records_grad,
 )
+from numstab.frameworks.torch.host import host_array
 
 # str(dtype) costs ~1 us and clipping asks per leaf. Filled once here and never mutated:
 # torch.compile guards on it, so filling it lazily would recompile.
@@ -56,8 +57,7 @@ class TorchBackend(NamespaceBackend):
         return torch.as_tensor(x, dtype=getattr(torch, dtype) if dtype else None, device=device)
 
     def to_numpy(self, x):
-        x = self.replicated(x).detach().cpu()
-        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+        return host_array(self.replicated(x))  # (also inside torch.func.grad)
 
     def label_summary(self, labels, ignore_index):
         if labels.numel() == 0:
