@@ -34,6 +34,16 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def ratio_text(ratio: float, goal: float | None, digits: int = 3) -> str:
+    """``ratio`` to ``digits`` decimals, or more where fewer would hide the verdict: the
+    verdict is on the unrounded ratio, so 1.0204 against a goal of 1.02 prints ``1.0204``,
+    not a ``1.020`` that reads as met (at most 9 decimals)."""
+    if goal is not None and not math.isnan(ratio):
+        while digits < 9 and (round(ratio, digits) <= goal) != (ratio <= goal):
+            digits += 1
+    return f"{ratio:.{digits}f}"
+
+
 def print_rows(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
     """The rows as a table: ``case``, then ``columns`` (``(key, format)``, e.g.
     ``("numstab_ms", ".3f")``), then ratio, goal and whether it is met."""
@@ -43,7 +53,7 @@ def print_rows(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]
         [
             str(row["case"]),
             *(format(row[key], spec) for key, spec in columns),
-            f"{row['ratio']:.3f}",
+            ratio_text(row["ratio"], row["goal"]),
             "-" if row["goal"] is None else f"<= {row['goal']:g}",
             {None: "-", True: "yes", False: "NO"}[row["meets_goal"]],
         ]

@@ -13,14 +13,20 @@
 #   chunks: memory.py --device gpu --backends torch at --chunk-size 1024 and 4096, beside
 #     the default 2048 of the memory step: is the 1 GiB chunk budget the right one (120 s each)
 #   guard_keras: benchmarks/guard.py --quick --backends keras with KERAS_BACKEND=jax, then
-#     torch (no --device: Keras puts both on the GPU itself), where keras imports: the wheels of keras 3.15.1 and
-#     its dependencies, for a machine without them, are `pip download`-ed into the ignored
-#     .whl/ (install: pip install --no-deps --target DIR .whl/*.whl)         (90 s each)
+#     torch (no --device: Keras puts both on the GPU itself); skipped where keras does not
+#     import. gpu.sh installs nothing: for a GPU machine without network, download the wheels
+#     of keras 3.15.1 and its dependencies beforehand on one with network (pip download
+#     keras==3.15.1 -d .whl; .whl/ is gitignored, so copy it over yourself) and install them
+#     there (pip install --no-deps --target DIR .whl/*.whl; PYTHONPATH=DIR)  (90 s each)
 # Usage: [GPU_STEPS=memory,guard_torch,...] bash benchmarks/gpu.sh [OUT_DIR]
 #   (GPU_STEPS: the steps to run, default all; OUT_DIR: default bench-results/gpu-<date>,
 #   gitignored)
-# Each step's output goes to OUT_DIR/<step>.log (JSON beside it); the exit code is the first
-# failing step's. pytest-xdist, where installed, spreads the conformance suite over 8 workers.
+# Each step's output goes to OUT_DIR/<step>.log, and each timed step's rows to
+# OUT_DIR/<step>.json beside it (bench: OUT_DIR/bench/results.json and report.md); the exit
+# code is the first failing step's. pytest-xdist, where installed, spreads the conformance
+# suite over 8 workers. Without a CUDA GPU for torch, gpu.sh stops at once with exit 2
+# (NUMSTAB_GPU_SH_ANYWAY=1 runs the steps anyway, each of which then exits non-zero with a
+# one-line reason: a check of the script itself on a CPU machine).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${1:-bench-results/gpu-$(date +%Y%m%d-%H%M%S)}"
@@ -39,6 +45,11 @@ step() {  # step NAME SECONDS COMMAND...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python -c "import torch, jax; print('torch', torch.__version__, torch.cuda.is_available(),
 '| jax', jax.__version__, jax.devices())"
+if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" \
+  && [ "${NUMSTAB_GPU_SH_ANYWAY:-0}" != 1 ]; then
+  echo "gpu.sh: torch sees no CUDA GPU here; nothing run (NUMSTAB_GPU_SH_ANYWAY=1 to try)"
+  exit 2
+fi
 want() { [[ ",${GPU_STEPS:-all}," == *",all,"* || ",${GPU_STEPS:-}," == *",$1,"* ]]; }
 
 workers=()
@@ -67,7 +78,8 @@ want guard_jax && step guard_jax 70 python benchmarks/guard.py --device gpu --qu
   --backends jax --json "$OUT/guard_jax.json"
 want guard_torch && step guard_torch 110 python benchmarks/guard.py --device gpu --quick \
   --backends torch --json "$OUT/guard_torch.json"
-want loss_scaling && step loss_scaling 40 python benchmarks/loss_scaling_torch.py --device cuda
+want loss_scaling && step loss_scaling 40 python benchmarks/loss_scaling_torch.py --device cuda \
+  --json "$OUT/loss_scaling.json"
 want overhead && step overhead 60 python benchmarks/overhead.py --device gpu --quick \
   --backends torch,jax --json "$OUT/overhead.json"
 if [[ ",${GPU_STEPS:-}," == *",chunks,"* ]]; then

@@ -78,7 +78,9 @@ import sys
 import time
 import types
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _host_reads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _host_reads, _goals
+from _goals import ratio_text
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 GOAL = 1.05  # guarded / plain step time; and no host read beyond the plain loop's
@@ -774,6 +776,12 @@ def main() -> None:
         parser.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(CASES)}")
     if args.device == "gpu" and "keras" in args.backends.split(","):
         parser.error("--device gpu runs torch and jax; keras runs where its backend puts it")
+    if args.device == "gpu":
+        from _device import gpu_missing
+
+        for name in args.backends.split(","):
+            if why := gpu_missing(name.strip()):
+                parser.error(f"--device gpu: {why}.")
     if args.quick:
         args.width, args.layers, args.batch = 256, 4, 64
         args.steps, args.repeats, args.warmup = 20, 11, 1
@@ -788,7 +796,8 @@ def main() -> None:
             q = r["ratio_quartiles"]
             print(
                 f"{r['backend']:>6} {r['mode']:<34} base {r['plain_ms']:7.3f} ms/step, guarded "
-                f"{r['guard_ms']:7.3f}, ratio {r['ratio']:.3f} [{q[0]:.2f}, {q[1]:.2f}] (goal "
+                f"{r['guard_ms']:7.3f}, ratio {ratio_text(r['ratio'], r['goal'])} "
+                f"[{q[0]:.2f}, {q[1]:.2f}] (goal "
                 f"{GOAL}); host reads per "
                 f"steady step {r['plain_host_reads_steady_step']:.0f} -> "
                 f"{r['guard_host_reads_steady_step']:.0f}, amortised "

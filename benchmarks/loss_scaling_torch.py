@@ -26,8 +26,12 @@ copies (untimed). The two sides alternate order every round (AB BA ...), after u
 warmup rounds; the garbage collector is off and CUDA is synchronised while the clock runs.
 Before any timing the results are asserted to agree: identical parameters and scale after a
 step (also on an overflow step, which both skip), clipped gradients and norms equal to
-rounding (torch adds 1e-6 to the norm). Goals (printed, not asserted): step ratio <= 1.0,
-clip and clip_ ratios <= 1.05. ``clip/_`` has no goal: it shows what allocating the output
+rounding (torch adds 1e-6 to the norm). Goals (printed, not asserted): step, clip, clip_ and
+combined ratios <= 1.05, issue 20's goal for an eager call against its native counterpart
+(``_goals.EAGER_GOAL``). Until 2026-12-06 ``step`` and ``combined`` had a goal of 1.0, set
+with the first version of this script and never explained: parity with the same calls of
+torch, which a median of two equal costs meets or misses by noise alone (+-5% on 2 shared
+cores). ``clip/_`` has no goal: it shows what allocating the output
 costs, which a functional API cannot avoid (on CPU, fresh pages; on CUDA the caching allocator
 makes it small).
 
@@ -67,7 +71,7 @@ from numstab.integrations.torch import GradScaler, clip_grad_norm_
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _host_reads, _goals
 
-from _goals import add_json_option, goal_row, print_rows, write_json
+from _goals import EAGER_GOAL, add_json_option, goal_row, print_rows, write_json
 
 SCALE = 2.0**16
 MAX_NORM = 1.0
@@ -298,18 +302,18 @@ def main() -> None:
 
     unscaled = [g / SCALE for g in base_grads]
     rows = {
-        "step": (_step(ours), _step(theirs), None, 1.0),
+        "step": (_step(ours), _step(theirs), None, EAGER_GOAL),
         "clip": (
             lambda: numstab.clip_by_global_norm(params_grads(), MAX_NORM),
             lambda: _torch_functional_clip(params_grads()),
             unscaled,
-            1.05,
+            EAGER_GOAL,
         ),
         "clip_": (
             lambda: clip_grad_norm_(params, MAX_NORM),
             lambda: torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True),
             unscaled,
-            1.05,
+            EAGER_GOAL,
         ),
         "clip/_": (
             lambda: numstab.clip_by_global_norm(params_grads(), MAX_NORM),
@@ -321,7 +325,7 @@ def main() -> None:
             lambda: ours.scaler.step_and_update(ours.opt, MAX_NORM),
             _torch_combined(theirs),
             None,
-            1.0,
+            EAGER_GOAL,
         ),
     }
     times: dict[str, tuple[list, list]] = {k: ([], []) for k in rows}
@@ -372,6 +376,11 @@ def main() -> None:
     print(
         "cpu_ratio: median process CPU time, numstab / torch; host reads and aten ops "
         "(kernel launches on a GPU): one call each"
+    )
+    print(
+        f"goal: ratio <= {EAGER_GOAL} for step, clip, clip_ and combined (issue 20's goal for "
+        "an eager call against its native one); clip/_ none: it shows what allocating a "
+        "functional result costs"
     )
     write_json(args.json, args, table)
     print(sync_note)

@@ -688,6 +688,12 @@ def main(argv=None) -> int:
         run = interleaved_worker if args.variant == "interleaved" else worker
         print(json.dumps(run(args)))
         return 0
+    if args.device == "gpu":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _device import gpu_missing_in_subprocess
+
+        if missing := gpu_missing_in_subprocess(args.backends.split(",")):
+            parser.error("--device gpu: " + "; ".join(missing) + ".")
 
     how = (
         "framework peak counter (bytes above those in use before the step)"

@@ -91,6 +91,7 @@ import numstab
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _overhead_tree
+from _goals import ratio_text
 from _host_reads import counting
 
 BACKENDS = ("torch", "jax", "tensorflow")
@@ -526,7 +527,8 @@ def bench_large(
 
 def _print_done(row: Row) -> None:
     """The row's ratio as soon as it is measured: a run stopped at a time limit keeps it."""
-    print(f"    ratio {row.ratio:.3f} (goal {row.goal}, {row.rounds} rounds)", flush=True)
+    ratio = ratio_text(row.ratio, row.goal)
+    print(f"    ratio {ratio} (goal {row.goal}, {row.rounds} rounds)", flush=True)
 
 
 def bench_tree(
@@ -660,7 +662,7 @@ def ratio_table(first: str, rows: list[Row]) -> str:
                 r.mode,
                 f"{r.numstab_ms:.2f}",
                 f"{r.native_ms:.2f}",
-                f"{r.ratio:.3f}",
+                ratio_text(r.ratio, r.goal),
                 _span(r.round_ratios_q1_q3),
                 f"{r.rounds}x{r.calls_per_round}",
                 f"<= {r.goal:.2f}",
@@ -772,7 +774,8 @@ def print_summary(rows: list[Row], tiny: list[TinyRow], dispatch: list[DispatchR
         if not r.meets_goal:
             noise = r.floor_q1_q3 is not None and r.floor_q1_q3[1] > r.goal
             print(
-                f"  over budget: {r.case} | {r.backend} | {r.mode}: ratio {r.ratio:.3f}; "
+                f"  over budget: {r.case} | {r.backend} | {r.mode}: "
+                f"ratio {ratio_text(r.ratio, r.goal)}; "
                 f"native against itself {r.floor:.3f} (q1-q3 {_span(r.floor_q1_q3)})"
                 + ("; within this run's noise" if noise else "")
             )

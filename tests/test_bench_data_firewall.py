@@ -1,6 +1,7 @@
 """benchmarks/data_firewall.py's own parts: a row that misses its goal times the bare loader
-against itself, and the miss is called noise only where that comparison of identical work
-spreads past the margin; the walk floor does the drop floor's work after visiting every field."""
+against itself, and the miss is called noise only where it is no larger than the spread of
+that comparison of identical work; the walk floor does the drop floor's work after visiting
+every field."""
 
 from __future__ import annotations
 
@@ -21,21 +22,27 @@ def data_firewall(monkeypatch):
     return data_firewall
 
 
+STEADY = [1.0, 1.0, 1.01, 1.0, 0.99, 1.0, 1.0, 1.01]  # identical work within 1%
+NOISY = [1.0, 1.3, 1.0, 0.8, 1.0, 1.2, 1.0, 0.7]  # +-30% from pass to pass
+
+
 @pytest.mark.parametrize(
-    ("passes", "within_noise"),
+    ("passes", "miss", "within_noise"),
     [
-        ([1.0, 1.0, 1.01, 1.0, 0.99, 1.0, 1.0, 1.01], False),  # steady: a miss is a miss
-        ([1.0, 1.3, 1.0, 0.8, 1.0, 1.2, 1.0, 0.7], True),  # +-30% from pass to pass
+        (STEADY, 0.05, False),  # steady: a miss is a miss
+        (NOISY, 0.05, True),  # a miss smaller than the spread of identical work
+        (NOISY, 0.49, False),  # a miss larger than that spread is real, however noisy
     ],
 )
 def test_noise_of_pairs_passes_in_alternating_order(
-    data_firewall, monkeypatch, passes, within_noise
+    data_firewall, monkeypatch, passes, miss, within_noise
 ):
     """Round r times the two sides in turns (first then second, then second then first);
-    the ratio is the median of first / second per round, with its quartiles."""
+    the ratio is the median of first / second per round, with its quartiles; the noise is
+    the farther quartile's distance from 1, and the miss is within it when no larger."""
     clock = itertools.chain(passes)
     monkeypatch.setattr(data_firewall, "timed", lambda fn: (next(clock), 0))
-    got = data_firewall.noise_of(lambda: 0, rounds=4)
+    got = data_firewall.noise_of(lambda: 0, rounds=4, miss=miss)
     # rounds 0 and 2 time `first` then `second`; rounds 1 and 3 `second` then `first`
     first = [passes[0], passes[3], passes[4], passes[7]]
     second = [passes[1], passes[2], passes[5], passes[6]]
@@ -43,6 +50,8 @@ def test_noise_of_pairs_passes_in_alternating_order(
     assert got["bare_against_itself"] == pytest.approx((ratios[1] + ratios[2]) / 2)
     q1, q3 = got["bare_against_itself_quartiles"]
     assert q1 <= got["bare_against_itself"] <= q3
+    assert got["noise"] == pytest.approx(max(q3 - 1, 1 - q1))
+    assert got["miss"] == miss
     assert got["miss_within_noise"] is within_noise
 
 
