@@ -3,7 +3,9 @@
 Leaves: the arrays of the loaded frameworks (torch, TensorFlow, JAX, NumPy; a Keras 3
 variable stands for its backend tensor) and ``None``. Containers: dict (any Mapping subclass
 whose constructor takes pairs, and defaultdict), list, tuple, namedtuple, dataclass instances,
-iterators (a generator such as torch's ``model.parameters()``, rebuilt as a list), and — when
+iterators (a generator such as torch's ``model.parameters()``, rebuilt as a list), a library's
+container that a loaded framework's ``tree.node_children`` hook opens (a transformers
+``Cache``: its key and value tensors; read, never rebuilt), and — when
 JAX is loaded — any registered JAX pytree node (flax NNX variables and modules, equinox
 modules, optax states; a dataclass JAX knows, such as an Equinox module, as JAX flattens it,
 without its static fields), whose children that are neither arrays nor containers (an
@@ -91,6 +93,8 @@ def _special_children(node: Any, kind: int, dense: bool):
         return _sparse_children(node, dense)
     if kind is _WRAPPED:  # a Keras 3 variable: its backend tensor, under its own path
         return [("", node.value)], _only
+    if kind is _NODE:  # a library's container (a transformers Cache)
+        return _node_children[type(node)](node)
     return [], lambda _: node.value  # a _Static: no leaf, its value back in place
 
 
@@ -121,9 +125,13 @@ def _as_list(values: list) -> list:
 #: how ``_children`` takes a node of a type: a leaf (``None``, and the arrays of every loaded
 #: framework: torch, TensorFlow and JAX arrays, NumPy arrays and scalars), a sparse gradient
 #: (``_sparse_children``), a Keras 3 variable (its ``.value``), a module's static value
-#: (``_Static``), or by the container rules
-_ARRAY, _SPARSE, _WRAPPED, _STATIC, _OTHER = range(5)
+#: (``_Static``), a library's container that a framework's hook opens (``_node_children``),
+#: or by the container rules
+_ARRAY, _SPARSE, _WRAPPED, _STATIC, _OTHER, _NODE = range(6)
 _kinds: dict[type, int] = {}
+#: a ``_NODE`` type's children function (``(path suffix, child)`` pairs and a rebuild), from a
+#: loaded framework's ``tree.node_children(cls)`` hook
+_node_children: dict[type, Callable] = {}
 
 
 class _Static:
@@ -152,9 +160,22 @@ def _classify(cls: type) -> int:
     elif any(cls in types for types in frameworks.loaded("tree", "sparse_type")):
         kind = _SPARSE
     else:
-        kind = _OTHER
+        kind = _library_node(cls)
     _kinds[cls] = kind
     return kind
+
+
+def _library_node(cls: type) -> int:
+    """``_NODE`` when a loaded framework's ``tree.node_children`` hook opens ``cls`` (torch's:
+    a transformers ``Cache``, which a Hugging Face model returns; before, it was a leaf and
+    ``assert_finite(model(...))`` raised "Expected tree leaves to be an array of numbers"),
+    else ``_OTHER``."""
+    for children_of in frameworks.loaded("tree", "node_children"):
+        children = children_of(cls)
+        if children is not None:
+            _node_children[cls] = children
+            return _NODE
+    return _OTHER
 
 
 def _is_numpy(cls: type) -> bool:

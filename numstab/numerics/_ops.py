@@ -47,7 +47,7 @@ KINDS: dict[str, str] = {
     **dict.fromkeys(["logsumexp", "reducelogsumexp"], "logsumexp"),
     **dict.fromkeys(["sum", "reducesum"], "sum"),
     **dict.fromkeys(["mean", "reducemean"], "mean"),
-    **dict.fromkeys(["cast", "convertelementtype", "tocopy", "to", "astype"], "cast"),
+    **dict.fromkeys(["cast", "convertelementtype", "tocopy", "to", "astype", "deviceput"], "cast"),
     **dict.fromkeys(["tanh"], "tanh"),
     **dict.fromkeys(["sigmoid", "logistic"], "sigmoid"),
     **dict.fromkeys(["convolution", "conv2d", "conv", "convgeneraldilated"], "conv"),

@@ -32,6 +32,13 @@ from numstab.numerics._ops import floating_point_match, op_error
 
 _OPTIONS = ("jax_debug_nans", "jax_debug_infs", "jax_traceback_filtering")
 _MESSAGE = re.compile(r"invalid value \((nan|inf)\) encountered in (\S+)")
+#: primitives reported under another name, with their kind (``op_error``'s ``kind``): JAX's
+#: ``stage`` (``jax.lax.stage``) lifts a value into the trace; eagerly it is the transfer of
+#: a host value (a NumPy array, a Python scalar: ``jnp.asarray(x)``) to the device, the one
+#: place JAX checks it, so a ``-inf`` mask built with NumPy was reported as ``op="stage"``,
+#: ``op_kind=None``. Named as the public API that does it, of kind ``cast`` (torch's
+#: ``_to_copy``, its transfer, is one too)
+_RENAMED = {"stage": ("device_put", "cast")}
 
 
 class Arm:
@@ -61,15 +68,17 @@ class Arm:
         groups = floating_point_match(exc, _MESSAGE)
         if groups is None:
             return None
-        kind, op = groups
-        phase, where = _phase_and_where(exc, op)
+        value, primitive = groups
+        phase, where = _phase_and_where(exc, primitive)
+        op, kind = _RENAMED.get(primitive, (primitive, None))
         return op_error(
             "jax",
             op,
-            produced="NaN" if kind == "nan" else "inf",
+            produced="NaN" if value == "nan" else "inf",
             phase=phase,
             where=where,
-            detail=f"jax: {exc}",
+            detail=f"jax: {exc}",  # JAX's own name stays here
+            kind=kind,
         )
 
 

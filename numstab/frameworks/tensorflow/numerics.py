@@ -7,7 +7,8 @@
   kernel: such a function fails to compile), so numstab also sets
   ``tf.config.run_functions_eagerly(True)`` inside the context: every ``tf.function``, XLA
   or not, runs op by op and is checked, as ``torch.compile`` and ``jax.jit`` are.
-  The callback is TensorFlow's own, but for float8 and complex outputs (``_Callback``).
+  The callback is TensorFlow's own, but for float8, complex and eager 0-d bfloat16 outputs
+  (``_Callback``).
 - ``mode="sentinel"``: nothing is switched on; ``watch`` records per-leaf sums (float32 or
   wider) from a ``tf.function`` without a host sync.
 """
@@ -40,25 +41,33 @@ def is_enabled() -> bool:
 
 
 class _Callback(tf_callback.CheckNumericsCallback):
-    """TensorFlow's check-numerics op callback, except for the outputs its ``CheckNumericsV2``
-    kernel cannot take: 8-bit floats (``Value for attr 'T' of float8_e4m3fn is not in the
-    list of allowed values``: a Keras model quantized to float8 failed in ``mode="op"``) and
-    complex numbers (TensorFlow skipped them: a complex overflow was reported at the first
-    real op after it, where JAX and NumPy name the op itself). Executed eagerly, as every op
-    in the context is, such an output is read on the host (float8 upcast to float32; complex:
-    both parts), and a NaN or inf in it raises TensorFlow's own error with its own message;
-    float6/float4 outputs hold neither. In a graph (tf.data) an op with such an output is
-    not instrumented."""
+    """TensorFlow's check-numerics op callback, except for the outputs it cannot take:
+    8-bit floats (its ``CheckNumericsV2`` kernel refuses them: ``Value for attr 'T' of
+    float8_e4m3fn is not in the list of allowed values``; a Keras model quantized to float8
+    failed in ``mode="op"``), complex numbers (TensorFlow skipped them: a complex overflow
+    was reported at the first real op after it, where JAX and NumPy name the op itself), and
+    eager scalar bfloat16 outputs (TensorFlow builds its message, NaN and inf counts
+    included, for every eager output, clean or not, with ``np.isinf(tensor)``, and a 0-d
+    bfloat16 tensor's ``__array__`` gives a NumPy scalar, not an array: ``ValueError: object
+    __array__ method not producing an array`` from ``tf.nn.gelu`` on bfloat16, whose
+    ``Cast`` of a constant makes one; a Keras ``mixed_bfloat16`` model could not run; TF's
+    own ``enable_check_numerics`` fails the same way). Executed eagerly, as every op in the
+    context is, such an output is read on the host (float8 and bfloat16 upcast to float32;
+    complex: both parts), and a NaN or inf in it raises TensorFlow's own error with its own
+    message, its counts read from the host copy (a 0-d float8 NaN failed the same way);
+    float6/float4 outputs hold neither. In a graph (tf.data) an op with a float8 or complex
+    output is not instrumented; bfloat16 is, by TensorFlow (no values read there)."""
 
     def callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        if not any(map(_read_on_host, outputs)):
+        eager = graph is None
+        if not any(_read_on_host(out, eager) for out in outputs):
             return super().callback(op_type, inputs, attrs, outputs, op_name, graph)
         op = op_type.encode() if isinstance(op_type, str) else op_type
         skip = tf_callback.op_callbacks_common.OP_CALLBACK_SKIP_OPS + tf_callback.SAFE_OPS
-        if graph is not None or op in skip:
+        if not eager or op in skip:
             return None
         for slot, out in enumerate(outputs):
-            on_host = _read_on_host(out)
+            on_host = _read_on_host(out, eager)
             if not (out.dtype.is_floating or on_host):
                 continue
             if (op, slot) in tf_callback.IGNORE_OP_OUTPUTS or (on_host and _finite_on_host(out)):
@@ -68,7 +77,7 @@ class _Callback(tf_callback.CheckNumericsCallback):
                     slot,
                     len(outputs),
                     op_type,
-                    out,
+                    _HostCopy(out) if on_host else out,
                     inputs,
                     stack_height_limit=self._stack_height_limit,
                     path_length_limit=self._path_length_limit,
@@ -81,18 +90,42 @@ class _Callback(tf_callback.CheckNumericsCallback):
         return None
 
 
-def _read_on_host(out: tf.Tensor) -> bool:
-    """An output ``CheckNumericsV2`` cannot check: an 8-bit float or a complex tensor."""
-    return out.dtype.is_complex or v.is_narrow_float(out.dtype.name)
+def _read_on_host(out: tf.Tensor, eager: bool) -> bool:
+    """An output TensorFlow's callback cannot check: an 8-bit float or a complex tensor, or
+    (eagerly) a 0-d bfloat16 tensor, which NumPy cannot read as an array."""
+    dtype = out.dtype
+    return (
+        dtype.is_complex
+        or v.is_narrow_float(dtype.name)
+        or (eager and dtype == tf.bfloat16 and out.shape.rank == 0)
+    )
+
+
+class _HostCopy:
+    """What TensorFlow's message reads of an output (``dtype``, ``shape``, its values through
+    NumPy), the values as a NumPy array: float8 and bfloat16 upcast to float32 (exact),
+    complex as it is. A 0-d bfloat16 or float8 tensor gives NumPy a scalar of an ``ml_dtypes``
+    type, which ``np.isinf`` refused."""
+
+    def __init__(self, out: tf.Tensor) -> None:
+        self.dtype, self.shape, self._out = out.dtype, out.shape, out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        values = np.asarray(self._out.numpy())
+        if not self.dtype.is_complex:
+            values = values.astype(np.float32)
+        return values if dtype is None else values.astype(dtype)
 
 
 def _finite_on_host(out: tf.Tensor) -> bool:
-    """An eager float8 or complex tensor holds no NaN or inf (float6/float4 cannot)."""
+    """An eager float8, bfloat16 or complex tensor holds no NaN or inf (float6/float4
+    cannot)."""
     if out.dtype.is_complex:
         return bool(np.isfinite(out.numpy()).all())  # both parts
-    return not holds_nonfinite(out.dtype.name) or bool(
-        np.isfinite(out.numpy().astype(np.float32)).all()
-    )
+    name = out.dtype.name
+    if v.is_narrow_float(name) and not holds_nonfinite(name):
+        return True
+    return bool(np.isfinite(np.asarray(out.numpy()).astype(np.float32)).all())
 
 
 def _enable() -> None:
