@@ -53,3 +53,20 @@ def test_only_the_name_changes():
     with pytest.raises(NonFiniteError) as info, check_numerics(backend="jax", inf=False):
         jnp.asarray(np.float32(np.nan) * _mask())
     assert (info.value.op, info.value.op_kind) == ("device_put", "cast")
+
+
+def test_a_jitted_call_whose_rerun_names_no_primitive():
+    """An inf that comes in through a jitted call's NumPy argument: JAX finds it in the
+    output, reruns the call op by op, finds no primitive that made it and raises a bare
+    ``FloatingPointError("('jit(add_one)', 'inf'). Because ...")``; it is a NonFiniteError
+    naming the call (before, the raw error escaped)."""
+
+    @jax.jit
+    def add_one(x):
+        return x + 1
+
+    with pytest.raises(NonFiniteError) as info, check_numerics(backend="jax"):
+        add_one(_mask())
+    e = info.value
+    assert (e.op, e.phase, e.framework) == ("jit(add_one)", "forward", "jax")
+    assert "jax jit(add_one) produced inf" in str(e)

@@ -39,6 +39,9 @@ _MESSAGE = re.compile(r"invalid value \((nan|inf)\) encountered in (\S+)")
 #: ``op_kind=None``. Named as the public API that does it, of kind ``cast`` (torch's
 #: ``_to_copy``, its transfer, is one too)
 _RENAMED = {"stage": ("device_put", "cast")}
+#: what JAX raises when a jitted call's output holds NaN/inf and the de-optimized rerun finds
+#: no primitive that made it: ``('jit(<lambda>)', 'inf'). Because ...``
+_JIT_MESSAGE = re.compile(r"^\('([^']+)', '(nan|inf)'\)")
 
 
 class Arm:
@@ -67,7 +70,12 @@ class Arm:
     def convert(self, exc: BaseException) -> NonFiniteError | None:
         groups = floating_point_match(exc, _MESSAGE)
         if groups is None:
-            return None
+            # a jitted call's output held the value, and its de-optimized rerun named no
+            # primitive (an inf or NaN that came in through the arguments): the call is named
+            groups = floating_point_match(exc, _JIT_MESSAGE)
+            if groups is None:
+                return None
+            groups = groups[::-1]
         value, primitive = groups
         phase, where = _phase_and_where(exc, primitive)
         op, kind = _RENAMED.get(primitive, (primitive, None))
