@@ -43,7 +43,8 @@ class ZClipState(NamedTuple):
     count: int32, finite norms collected for the warmup (stops at the warmup length);
     buffer: float32 [max(warmup_steps, 1)], those norms; mean, var: float32, the EMA
     statistics (valid once ``count`` reaches the warmup length); norm: float32, the raw global
-    norm of the last update (for logging).
+    norm of the last update (for logging; a float64 norm past float32's range reads inf here,
+    yet is clipped as the finite norm it is). float32 whatever the gradients' dtype.
     """
 
     count: Array
@@ -160,35 +161,50 @@ class ZClip:
         self, norm: Array, state: ZClipState, *, backend: str | None = None
     ) -> tuple[Array, ZClipState]:
         """(factor to multiply the gradients by, next state) for a global norm computed
-        elsewhere (for example across ranks). The factor is a float32 0-d array."""
+        elsewhere (for example across ranks). The factor is a 0-d array: float64 for a float64
+        norm (float64 gradients), else float32. The state stays float32 whatever the norm."""
         be = resolve_backend(norm, *state, backend=backend)
         # a DTensor norm (FSDP2 gradients) becomes the plain global value the state holds
-        norm = be.cast(be.replicated(to_backend(be, norm, like=state.mean, name="norm")), "float32")
+        norm = be.replicated(to_backend(be, norm, like=state.mean, name="norm"))
+        if be.dtype_name(norm) != "float64":
+            norm = be.cast(norm, "float32")
         return self._step(be, norm, state)
 
     def _step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:
         with be.float_errors_ignored():
             return self._masked_step(be, g, state)
 
-    def _settings(self, be: Backend, g: Array) -> tuple:
-        """(alpha, z_thresh, eps, clip_factor, max_grad_norm) for the float32 math: Python
-        floats, or 0-d float32 arrays where traced (``_hyper``). The norm and the statistics
-        are float32: a larger max_grad_norm clips nothing more (clamped; a traced one past
-        float32's range is inf, which clips nothing either)."""
+    def _settings(self, be: Backend, g: Array, dtype: str) -> tuple:
+        """(alpha, z_thresh, eps, clip_factor, max_grad_norm): Python floats, or 0-d arrays
+        where traced (``_hyper``); the first four for the float32 statistics, max_grad_norm
+        for the factor, in ``dtype`` (the norm's). A larger max_grad_norm clips nothing more
+        (clamped; a traced one past the dtype's range is inf, which clips nothing either)."""
         settings = (self.alpha, self.z_thresh, self.eps, self.clip_factor)
         max_norm = self.max_grad_norm
         if isinstance(max_norm, float):
-            max_norm = in_range(max_norm, "float32")
+            max_norm = in_range(max_norm, dtype)
         elif max_norm is not None:
-            max_norm = _hyper(be, max_norm, "float32", g)
+            max_norm = _hyper(be, max_norm, dtype, g)
         return (*(_hyper(be, x, "float32", g) for x in settings), max_norm)
 
     def _masked_step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:
+        """The step for a float32 or float64 norm ``g``. The statistics (state) are float32;
+        the factor is taken in ``g``'s dtype, so a finite float64 norm past float32's range
+        (cast to inf) is clipped, not treated as non-finite. For a float32 ``g``, ``exact``
+        and ``g`` are the same array and ``wide`` is the identity."""
         n = self.buffer_size
-        raw = g
-        alpha, z_thresh, eps, factor, max_norm = self._settings(be, g)
+        dtype = be.dtype_name(g)
+        alpha, z_thresh, eps, factor, max_norm = self._settings(be, g, dtype)
         finite = be.isfinite(g)
-        g = be.where(finite, g, 0.0)  # keeps NaN out of every branch; masked below
+        exact = be.where(finite, g, 0.0)  # keeps NaN out of every branch; masked below
+        raw, g = g, exact
+        if dtype == "float64":  # the statistics in float32, g clamped to its largest value
+            raw = be.cast(raw, "float32")
+            g = be.cast(_min(be, exact, in_range(float("inf"), "float32")), "float32")
+
+        def wide(x: Array) -> Array:  # a float32 value in the factor's dtype
+            return x if dtype != "float64" else be.cast(x, dtype)
+
         warming = state.count < n
 
         # warmup: collect g, clip to max_grad_norm, initialise the EMA at the n-th norm
@@ -199,7 +215,9 @@ class ZClip:
         initialise = collect & (count >= n)
         first_mean = be.sum(buffer) / float(n)
         first_var = be.sum((buffer - first_mean) ** 2) / float(n)
-        warm_coef = g * 0.0 + 1.0 if max_norm is None else _min(be, max_norm / (g + 1e-6), 1.0)
+        warm_coef = (
+            exact * 0.0 + 1.0 if max_norm is None else _min(be, max_norm / (exact + 1e-6), 1.0)
+        )
 
         # active: threshold from the EMA statistics, clip, then update the EMA with the clip
         std = be.sqrt(state.var)
@@ -219,8 +237,9 @@ class ZClip:
                 threshold = state.mean + (z_thresh * std) / (safe_z / z_thresh)
                 threshold = threshold * factor
         clip = be.where(spike, threshold, g)
-        limit = clip if max_norm is None else _min(be, clip, max_norm)
-        active_coef = be.where(g > limit, limit / (g + 1e-6), 1.0)
+        limit = clip if dtype != "float64" else be.where(spike, wide(threshold), exact)
+        limit = limit if max_norm is None else _min(be, limit, max_norm)
+        active_coef = be.where(exact > limit, limit / (exact + 1e-6), 1.0)
         mean = alpha * state.mean + (1.0 - alpha) * clip
         var = alpha * state.var + (1.0 - alpha) * (clip - mean) ** 2
         learn = ~warming & finite
@@ -230,7 +249,7 @@ class ZClip:
         coef = be.where(finite, be.where(warming, warm_coef, active_coef), 1.0)
         mean = be.where(initialise, first_mean, be.where(learn, mean, state.mean))
         var = be.where(initialise, first_var, be.where(learn, var, state.var))
-        return be.cast(coef, "float32"), ZClipState(count, buffer, mean, var, raw)
+        return be.cast(coef, dtype), ZClipState(count, buffer, mean, var, raw)
 
 
 def _min(be: Backend, x: Array, bound: float | Array) -> Array:

@@ -11,6 +11,7 @@ tensor (TensorFlow's) is one field too, read through its stored values (a framew
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,15 +236,28 @@ def replaced(field: Field, value: float) -> Array:
     return be.where(be.isfinite(x), x, value)
 
 
+def check_replace_value(value: Any) -> float:
+    """``replace_value`` as a float: a finite real number (``InvalidArgumentError`` otherwise)."""
+    try:
+        return v.check_number("replace_value", value, low=-np.inf)
+    except InvalidArgumentError:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise  # "Expected replace_value to be a real number"
+    raise InvalidArgumentError(
+        f"Expected replace_value to be a finite real number. Received: replace_value={value!r}"
+    )
+
+
 def check_replacement(label: str, dtype: str, value: float) -> None:
     """``InvalidArgumentError`` unless ``value`` rounded to ``dtype`` is finite: ``1e5`` in
-    float16 would put inf back where NaN/inf were replaced (a host cast of one number)."""
+    float16 would put inf back where NaN/inf were replaced (a host cast of one number); the
+    message names what it would become (``inf`` or ``-inf``)."""
     with np.errstate(over="ignore"):
         held = load_backend("numpy").cast(np.asarray(value), dtype)
     if not np.isfinite(held):
         raise InvalidArgumentError(
             f"Expected replace_value finite in the dtype of field {label} ({dtype}): it would "
-            f"replace NaN/inf with inf. Received: replace_value={value!r}"
+            f"replace NaN/inf with {float(held)!r}. Received: replace_value={value!r}"
         )
 
 

@@ -30,6 +30,7 @@ from numstab.data._fields import (
     Batch,
     backend_of,
     check_batch_axis,
+    check_replace_value,
     check_replacement,
     compress,
     replaced,
@@ -83,7 +84,7 @@ class Firewall:
         self.policy, self.outlier_policy = policy, outlier_policy
         self.outliers = make_outlier_filter(outliers)
         self.outlier_fields = _check_outlier_fields(outlier_fields)
-        self.replace_value = v.check_number("replace_value", replace_value, low=-np.inf)
+        self.replace_value = check_replace_value(replace_value)
         self.batch_axis = check_batch_axis(batch_axis)
         self.quarantine_dir = quarantine.check_destination(quarantine_dir, quarantine_prefix)
         self.quarantine_prefix = quarantine_prefix

@@ -255,11 +255,9 @@ class IsolationForestFilter(OutlierFilter):
         random_state: int | None = 0,
     ) -> None:
         self.warmup = _check_count("warmup", warmup, low=2)
-        self.contamination = v.check_number("contamination", contamination, low=0.0, high=0.5)
-        if self.contamination == 0.0:
-            raise InvalidArgumentError(
-                f"Expected contamination in (0, 0.5]. Received: contamination={contamination}"
-            )
+        self.contamination = v.check_number(
+            "contamination", contamination, low=0.0, high=0.5, low_open=True
+        )
         self.n_estimators = _check_count("n_estimators", n_estimators, low=1)
         if extrapolation_margin is not None:
             extrapolation_margin = v.check_number(

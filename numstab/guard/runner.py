@@ -74,7 +74,7 @@ class GuardRunner:
         self.ring.add(Snapshot(steps_seen, payload, state, lr_factor))
         self._rolled_back_to_latest = False
         self.offending_steps = []
-        path = None
+        written: dict[str, str] = {}  # ``path`` only when written to disk (§16.7)
         if self.disk is not None:
             tree = {
                 "payload": self.adapter.to_host(payload),
@@ -82,8 +82,8 @@ class GuardRunner:
                 "lr_factor": lr_factor,
                 "step": steps_seen,
             }
-            path = self.disk.save(steps_seen, tree)
-        self.log.emit("snapshot", steps_seen, lr_factor=lr_factor, path=path)
+            written["path"] = self.disk.save(steps_seen, tree)
+        self.log.emit("snapshot", steps_seen, lr_factor=lr_factor, **written)
 
     def consume_skip_batch(self, steps_seen: int) -> bool:
         """True (and logged) while batches after a rollback are being skipped."""

@@ -193,8 +193,14 @@ def load_npz(path: str | os.PathLike) -> Any:
         ) from None
 
 
+def _name(step: int) -> str:
+    """The file name the writer gives the snapshot of ``step`` (zero-padded to 9 digits)."""
+    return f"snapshot-{step:09d}.npz"
+
+
 class SnapshotDirectory:
-    """``snapshot-<step>.npz`` files in ``directory``, the newest ``keep`` kept."""
+    """``snapshot-<step>.npz`` files in ``directory`` (the step zero-padded to 9 digits), the
+    newest ``keep`` kept."""
 
     def __init__(self, directory: str | os.PathLike, keep: int = 2) -> None:
         if not isinstance(directory, (str, os.PathLike)):
@@ -206,12 +212,14 @@ class SnapshotDirectory:
         os.makedirs(self.directory, exist_ok=True)
 
     def path(self, step: int) -> str:
-        return os.path.join(self.directory, f"snapshot-{step:09d}.npz")
+        return os.path.join(self.directory, _name(step))
 
     def steps(self) -> list[int]:
-        """Steps of the complete snapshot files, oldest first (temporary files ignored)."""
+        """Steps of the complete snapshot files, oldest first. Only the names the writer
+        produces (the step zero-padded to 9 digits) count: temporary files and any other
+        ``snapshot-*.npz`` (say ``snapshot-7.npz``) are ignored, never loaded nor pruned."""
         found = (_NAME.match(name) for name in os.listdir(self.directory))
-        return sorted(int(m.group(1)) for m in found if m)
+        return sorted(int(m.group(1)) for m in found if m and m.group(0) == _name(int(m.group(1))))
 
     def save(self, step: int, tree: Any) -> str:
         path = self.path(step)

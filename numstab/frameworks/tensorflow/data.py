@@ -13,7 +13,6 @@ They keep counts only, not indices (enumerate the dataset first to keep an index
 use ``numstab.data.protect(dataset)``, which iterates eagerly and records global indices).
 Elements may be tensors, tuples or dicts (``map`` unpacks tuples into arguments).
 
-``host_view`` is the firewall's in-place read of an eager tensor in host memory.
 ``datasets`` (the ``data.datasets`` hook) refuses an unbatched ``tf.data.Dataset`` when
 ``protect`` is called, from its ``element_spec``, and gives ``GuardedIterable.as_tf_dataset``.
 
@@ -28,8 +27,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from numstab import _validate as v
-from numstab.data._fields import check_batch_axis, check_replacement, split_batch
+from numstab.data._fields import (
+    check_batch_axis,
+    check_replace_value,
+    check_replacement,
+    split_batch,
+)
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.tensorflow.backend import is_finite
 from numstab.tree import leaves_with_paths
@@ -45,7 +48,7 @@ class TFDataGuard:
     (outside any tf.function), then pass its methods to ``filter`` / ``map``."""
 
     def __init__(self, replace_value: float = 0.0, batch_axis: int = 0) -> None:
-        self.replace_value = v.check_number("replace_value", replace_value, low=-float("inf"))
+        self.replace_value = check_replace_value(replace_value)
         self.batch_axis = check_batch_axis(batch_axis)
         self.samples_seen = tf.Variable(0, dtype=tf.int64, trainable=False)
         self.samples_flagged = tf.Variable(0, dtype=tf.int64, trainable=False)

@@ -305,7 +305,8 @@ class Arm:
         self._stack.close()
 
     # -- sentinel hooks ----------------------------------------------------------------------
-    def _resolver(self, module: torch.nn.Module) -> Any:
+    def _resolver(self, module: torch.nn.Module, param: str | None = None) -> Any:
+        """Names at report time: ``"1.fc2 (Linear)"``; a gradient ``"1.fc2.weight (Linear)"``."""
         ref = weakref.ref(module)
         modules = self._modules
 
@@ -318,18 +319,27 @@ class Arm:
                 for name, sub in root.named_modules():
                     if sub is target and len(name) > len(qualified):
                         qualified = name
+            if param is not None:
+                qualified = f"{qualified}.{param}" if qualified else param
             kind = type(target).__name__
             return f"{qualified} ({kind})" if qualified else kind
 
         return resolve
 
-    def _record(self, key: Any, module: torch.nn.Module, phase: str, t: torch.Tensor) -> None:
+    def _record(
+        self,
+        key: Any,
+        module: torch.nn.Module,
+        phase: str,
+        t: torch.Tensor,
+        param: str | None = None,
+    ) -> None:
         slot = self._slots.get(key)
         if slot is None:
             slot = self._slots[key] = self.recorder.slot(
                 key,
                 name=type(module).__name__,
-                resolve=self._resolver(module),
+                resolve=self._resolver(module, param),
                 phase=phase,
                 framework="torch",
             )
@@ -353,20 +363,20 @@ class Arm:
                 self._hook_params(owner)
 
     def _hook_params(self, module: torch.nn.Module) -> None:
-        for param in module._parameters.values():
+        for pname, param in module._parameters.items():
             if param is not None and param.requires_grad and id(param) not in self._hooked_params:
                 self._hooked_params.add(id(param))
                 key = (id(module), id(param), "backward")
                 self._handles.append(
                     param.register_post_accumulate_grad_hook(
-                        lambda p, key=key, m=module: self._param_hook(key, m, p)
+                        lambda p, key=key, m=module, n=pname: self._param_hook(key, m, p, n)
                     )
                 )
 
-    def _param_hook(self, key: Any, module: torch.nn.Module, param: torch.Tensor) -> None:
-        grad = param.grad
+    def _param_hook(self, key: Any, module: torch.nn.Module, p: torch.Tensor, name: str) -> None:
+        grad = p.grad
         if checkable(grad):
-            self._record(key, module, "backward", grad)
+            self._record(key, module, "backward", grad, name)
 
     # -- conversion --------------------------------------------------------------------------
     def convert(self, exc: BaseException) -> NonFiniteError | None:
