@@ -73,6 +73,8 @@ def test_views_make_no_values_the_op_reading_them_is_blamed():
         lambda x: torch.softmax(x.masked_fill(x > 1, -INF), 0),
         lambda x: (x.masked_fill(x > 1, -INF) * 2).mul_(3).add_(1),  # propagated, in place
         lambda x: torch.cat([torch.full((1,), -INF), x]).exp(),
+        # transformers' finite fp16 mask: scores + finfo.min overflows to -inf on purpose
+        lambda x: (x.half() * -20 + torch.tensor([0.0, -65504.0, -65504.0]).half()).float(),
     ],
 )
 def test_an_inf_the_op_received_is_not_reported(make):
@@ -88,6 +90,7 @@ def test_an_inf_the_op_received_is_not_reported(make):
         (lambda x: torch.log(x * 0), "aten.log.default", "log"),
         (lambda x: torch.exp(x * 1000), "aten.exp.default", "exp"),
         (lambda x: (x * 1000).exp_(), "aten.exp_.default", "exp"),  # in place on a finite x
+        (lambda x: x.half() * 60000, "aten.mul.Tensor", "mul"),  # an fp16 overflow, no mask
         (lambda x: torch.full((2,), INF) * 0, "aten.mul.Tensor", "mul"),  # NaN: always
         (
             lambda x: x.masked_fill(x > 0, -INF) - x.masked_fill(x > 0, -INF),

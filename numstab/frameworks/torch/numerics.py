@@ -126,12 +126,15 @@ _PLANS: dict[Any, _Plan] = {}  # per aten overload
 
 
 def _holds_inf(t: Any) -> Any:
-    """Whether a tensor argument holds inf (a device bool, read only when needed), or a Python
-    scalar is ±inf; ``False`` for anything else."""
+    """Whether a tensor argument holds inf or ±its dtype's largest value (a device bool, read
+    when needed: the finite mask idiom, transformers' ``scores + finfo(dtype).min``, overflows
+    to -inf on purpose), or a Python scalar is ±inf; ``False`` for anything else."""
     if isinstance(t, torch.Tensor):
         if not checkable(t) or t.device.type == "meta" or t.layout != torch.strided:
             return False
-        return torch.isinf(readable(t)).any()
+        read, dtype = readable(t), t.dtype
+        largest = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
+        return (torch.isinf(read) | (read.abs() == largest)).any()
     if isinstance(t, float):
         return math.isinf(t)
     if isinstance(t, complex):
