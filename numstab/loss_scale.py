@@ -332,8 +332,10 @@ def _state(state: Any) -> LossScaleState:
 def _state_on(be: Any, state: LossScaleState, *arrays: Any) -> LossScaleState:
     """``state`` as arrays of ``be``: a host (NumPy) state, as ``init()`` makes without a
     backend, joins the backend of the arrays it meets (on the device of the first of them that
-    is a framework array); any other state is returned as it is."""
-    if be.name == "numpy" or framework_of(state.scale) != HOST:
+    is a framework array); any other state is returned as it is (a framework's arrays, or
+    wrappers that compute as them: flax NNX's ``OptArray`` in an ``nnx.Optimizer``)."""
+    numpy_scale = type(state.scale).__module__ == "numpy" or isinstance(state.scale, float)
+    if be.name == "numpy" or not numpy_scale or framework_of(state.scale) != HOST:
         return state
     like = next((a for a in arrays if a is not None and framework_of(a) != HOST), None)
     return LossScaleState(*(to_backend(be, field, like=like, name="state") for field in state))
