@@ -100,7 +100,9 @@ class LocateReport:
     Absolute maxima are NaN / inf when the group is not finite, None when the layer has no
     such tensors. ``nan_count`` / ``inf_count`` count the bad output (forward) or the bad
     gradients the layer produced (backward). ``layer == ""`` is the model itself (its own
-    code between sub-layers); ``"<loss>"`` is the loss function.
+    code between sub-layers); ``"<loss>"`` is the loss function. ``inf_layer`` /
+    ``inf_layer_type``: the layer where an ±inf of the forward pass that is not the reported
+    fault was born (a ``-inf`` mask whose loss stayed finite), else None.
     """
 
     framework: str
@@ -119,16 +121,25 @@ class LocateReport:
     grad_output_absmax: float | None = None
     layers_checked: int = 0
     backward_checked: bool = False
+    inf_layer: str | None = None
+    inf_layer_type: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
         passes = "forward and backward" if self.backward_checked else "forward"
+        end = "the loss" if self.backward_checked else "the model's output"
         if not self.found:
+            if self.inf_layer is None:
+                return (
+                    f"locate_nonfinite ({self.framework}): no NaN or inf in the {passes} "
+                    f"pass of {self.layers_checked} layer call(s)."
+                )
             return (
-                f"locate_nonfinite ({self.framework}): no NaN or inf in the {passes} pass "
-                f"of {self.layers_checked} layer call(s)."
+                f"locate_nonfinite ({self.framework}): no NaN in the {passes} pass of "
+                f"{self.layers_checked} layer call(s), and no inf reaching {end}; "
+                f"{self._inf_at()} output inf in the forward pass ({end} stayed finite)."
             )
         what = "output" if self.phase == "forward" else "gradient"
         lines = [
@@ -151,7 +162,17 @@ class LocateReport:
                 lines.append(
                     f"  non-finite parameter gradients: {', '.join(self.nonfinite_params)}"
                 )
+        if self.inf_layer is not None:
+            what = (
+                f"forward inf, not the fault ({end} stayed finite)"
+                if self.phase == "backward"
+                else "earlier forward inf, not this fault's cause"
+            )
+            lines.append(f"  {what}: first at {self._inf_at()}")
         return "\n".join(lines)
+
+    def _inf_at(self) -> str:
+        return f"layer {self.inf_layer or '<model>'!r} ({self.inf_layer_type})"
 
 
 def _state(finite: bool | None, value: float | None) -> str:
@@ -172,25 +193,33 @@ def summarise(
 ) -> LocateReport:
     """Read every call's maxima in one transfer and report the first bad layer.
 
-    Forward: the call that FINISHED first with a non-finite output (a sub-layer finishes
-    before its parent, so the innermost culprit wins); when its inputs are non-finite
-    already, the enclosing call whose own code made them (``_maker``). Backward (only if
-    the forward was clean): the call earliest in the backward pass whose own gradients
-    (w.r.t. its inputs or own parameters) are non-finite. ``counts(call, phase) -> (nan, inf)`` and
-    ``param_paths(call) -> names`` give the details of the chosen call only; so may
-    ``fill(call, phase)``, which sets maxima an adapter computes for the chosen call only
-    (its inputs, parameters, incoming gradient). The maxima may already be on the host
-    (Python floats or NumPy, with ``be`` the numpy backend and ``framework`` set).
+    Where a non-finite value was born (``_Forward.born``): the call that FINISHED first
+    with a non-finite output (a sub-layer finishes before its parent, so the innermost
+    culprit wins); when its inputs are non-finite already, the enclosing call whose own code
+    made them. The forward fault (``_Forward.fault``): the first NaN, when it was born in a
+    call from finite inputs (or, when that call's own code turned an inf made inside it into
+    NaN, where that inf was born); else where the first non-finite value was born, when it
+    is a NaN made from an inf input or when the end result (the loss; the model's output
+    without one) is not finite. An inf that reached neither (a ``-inf`` mask) is no fault:
+    the backward pass is examined, and the report names where that inf was born
+    (``inf_layer``). Backward (only without a forward fault): the call earliest in the
+    backward pass whose own gradients (w.r.t. its inputs or own parameters) are non-finite.
+    ``counts(call, phase) -> (nan, inf)`` and ``param_paths(call) -> names`` give the
+    details of the chosen call only; so may ``fill(call, phase)``, which sets maxima an
+    adapter computes for the chosen call only (its inputs, parameters, incoming gradient).
+    The maxima may already be on the host (Python floats or NumPy, with ``be`` the numpy
+    backend and ``framework`` set).
     """
     host = _read_all(be, calls)
-    fwd = [c for c, h in zip(calls, host, strict=True) if _bad(h["outputs"])]
+    forward = _Forward(be, calls, host, fill)
+    born = forward.born(_bad, calls)
+    fault = forward.fault(born)
     base = {"framework": framework or be.name, "layers_checked": len(calls)}
-    if fwd:
-        call = min(fwd, key=lambda c: c.end)
-        h = _filled(be, call, host[calls.index(call)], "forward", fill)
-        if _bad(h["inputs"]):  # born before it, in no earlier call's output
-            call, h = _maker(be, calls, host, call, h, fill)
-        return _report(call, h, "forward", base, backward_checked, counts, param_paths)
+    if born is not None and fault is not born:
+        base.update(inf_layer=born.name, inf_layer_type=born.kind)
+    if fault is not None:
+        h = forward.maxima(fault)
+        return _report(fault, h, "forward", base, backward_checked, counts, param_paths)
     bwd = [
         c
         for c, h in zip(calls, host, strict=True)
@@ -203,19 +232,65 @@ def summarise(
     return _report(call, h, "backward", base, backward_checked, counts, param_paths)
 
 
-def _maker(be: Backend, calls: list, host: list, first: LayerCall, h: dict, fill: Any):
-    """``(call, maxima)`` of the call whose own code made the non-finite inputs of
-    ``first``, the first call to finish with a non-finite output: no call finished before
-    it with one, so they were made between sub-layers, by the innermost enclosing call
-    (started before ``first``, finished after it) whose own inputs are finite (or not
-    floating: token ids). When no enclosing call received finite inputs (the model's inputs
-    were not), ``first`` stays."""
-    enclosing = [c for c in calls if c.start < first.start and c.end > first.end]
-    for parent in sorted(enclosing, key=lambda c: -c.start):  # innermost first
-        got = _filled(be, parent, host[calls.index(parent)], "forward", fill)
-        if not _bad(got["inputs"]):  # (no floating inputs: token ids, finite)
-            return parent, got
-    return first, h
+def backward_needed(calls: list[LayerCall]) -> bool:
+    """Whether ``summarise`` looks at the backward pass, from the calls' output maxima on
+    the host: no NaN output, and the end result (the call that finished last: the loss, or
+    the model) finite. An adapter that finds gradients lazily asks this first."""
+    if not calls or any(_nan(c.outputs) for c in calls):
+        return False
+    return not _bad(max(calls, key=lambda c: c.end).outputs)
+
+
+class _Forward:
+    """The forward rules of ``summarise`` over the calls' maxima (``host``), each call's
+    inputs filled once, when a rule first reads them (``fill``)."""
+
+    def __init__(self, be: Backend, calls: list, host: list, fill: Any) -> None:
+        self.be, self.calls, self.fill = be, calls, fill
+        self.host = {id(c): h for c, h in zip(calls, host, strict=True)}
+        self.filled: set[int] = set()
+
+    def maxima(self, call: LayerCall) -> dict:
+        if id(call) not in self.filled:
+            self.filled.add(id(call))
+            self.host[id(call)] = _filled(self.be, call, self.host[id(call)], "forward", self.fill)
+        return self.host[id(call)]
+
+    def fault(self, born: LayerCall | None) -> LayerCall | None:
+        """The forward pass's fault, None when it has none (see ``summarise``); ``born``:
+        where its first non-finite value was born."""
+        if born is None:
+            return None
+        nan = self.born(_nan, self.calls)
+        if nan is not None:
+            if _bad(self.maxima(nan)["inputs"]):  # a NaN made from an inf it received
+                return born
+            # born in ``nan``'s own code, from finite values or from an inf made there
+            # (by its sub-layers or its own code): where that inf was born
+            inner = [c for c in self.calls if nan.start <= c.start and c.end <= nan.end]
+            return self.born(_bad, inner)
+        last = max(self.calls, key=lambda c: c.end)
+        return born if _bad(self.host[id(last)]["outputs"]) else None
+
+    def born(self, bad: Any, calls: list) -> LayerCall | None:
+        """Where the first output among ``calls`` that is ``bad`` (non-finite, or NaN) was
+        born: the call that finished first with one; when its inputs are ``bad`` already,
+        no earlier call's output made them: the call whose own code made them, between
+        sub-layers, the innermost enclosing call (started before it, finished after it)
+        whose own inputs are not ``bad`` (or not floating: token ids). When no enclosing
+        call received such inputs (the model's inputs were ``bad``), it stays. None when no
+        output is ``bad``."""
+        found = [c for c in calls if bad(self.host[id(c)]["outputs"])]
+        if not found:
+            return None
+        first = min(found, key=lambda c: c.end)
+        if not bad(self.maxima(first)["inputs"]):
+            return first
+        enclosing = [c for c in calls if c.start < first.start and c.end > first.end]
+        for parent in sorted(enclosing, key=lambda c: -c.start):  # innermost first
+            if not bad(self.maxima(parent)["inputs"]):  # (no floating inputs: token ids)
+                return parent
+        return first
 
 
 def _filled(be: Backend, call: LayerCall, h: dict, phase: str, fill: Any) -> dict:
@@ -227,6 +302,11 @@ def _filled(be: Backend, call: LayerCall, h: dict, phase: str, fill: Any) -> dic
 
 def _bad(value: float | None) -> bool:
     return value is not None and not math.isfinite(value)
+
+
+def _nan(value: float | None) -> bool:
+    """A group's abs max is NaN exactly when the group holds a NaN (a max propagates it)."""
+    return value is not None and math.isnan(value)
 
 
 def _read_all(be: Backend, calls: list[LayerCall]) -> list[dict[str, float | None]]:

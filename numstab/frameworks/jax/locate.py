@@ -101,8 +101,16 @@ class _Recorder:
         self.calls: list[_Call] = []
         self.prefix: list[str] = []
         self.clock = itertools.count()
+        self.open: list[tuple[str, Any]] = []  # (full name, trace state) of running calls
 
     def call(self, name, fn, params, args, kwargs):
+        here = _trace_state()
+        if self.open and here is not None and self.open[-1][0] and self.open[-1][1] != here:
+            # called under a transformation that the running layer's own code opened
+            # (Equinox's MultiheadAttention vmaps its Linear layers): its values cannot
+            # leave it, so it is part of that layer. At the model's top level ("") it is
+            # recorded, and its leaked values make the typed error of ``locate``.
+            return fn(params, *args, **kwargs)
         full = ".".join(part for part in [*self.prefix, name] if part)  # "": the model
         record = _Call(full, getattr(fn, "__name__", type(fn).__name__), next(self.clock))
         record.param_paths = getattr(fn, "param_paths", None) or [
@@ -121,10 +129,12 @@ class _Recorder:
             params, (args, kwargs) = put_p(p_leaves), put_in(in_leaves)
         record.params, record.inputs = p_leaves, in_leaves
         self.prefix.append(name)
+        self.open.append((full, here))
         try:
             out = fn(params, *args, **kwargs)
         finally:
             self.prefix.pop()
+            self.open.pop()
         record.end = next(self.clock)
         out_leaves, put_out = _split(out)
         if self.probes is not None:
@@ -147,6 +157,17 @@ class _Recorder:
         out = self.call("", fn, {}, inputs, kwargs)
         self.calls[first].hidden = any(c.name == "" for c in self.calls[first + 1 :])
         return out
+
+
+def _trace_state() -> Any:
+    """An opaque, comparable token of the JAX trace running now (it changes inside
+    ``jax.vmap``, ``lax.scan``, ``jax.checkpoint``, ``jax.jit``, ...); None on a JAX too
+    old to tell (before 0.4.36), where every layer call is recorded."""
+    try:
+        from jax.extend.core import get_opaque_trace_state
+    except ImportError:
+        return None
+    return get_opaque_trace_state(convention="numstab")
 
 
 def _absmax(xs: list) -> jax.Array | None:
@@ -298,7 +319,10 @@ def locate(
             "Expected the model's layers to be called directly, not inside a JAX "
             "transformation of its own (jax.vmap, lax.scan, jax.checkpoint, ...): each "
             "layer's values are recorded, and cannot leave that transformation. Locate one "
-            "sample with the model that the transformation maps (Equinox: model(x[0])). "
+            "sample with the model that the transformation maps (Equinox: model(x[0])); a "
+            "sub-layer called so inside a layer (Equinox's MultiheadAttention, "
+            "jax.vmap(self.linear) in a block) is part of that layer, so only the model's "
+            "own top-level code cannot do it (move it into a sub-module). "
             f"Received: {type(error).__name__} from inside the model"
         ) from error
     values = jax.device_get(vector)  # the one host transfer

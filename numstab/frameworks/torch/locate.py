@@ -28,7 +28,14 @@ from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.backend import flat_values
 from numstab.frameworks.torch.numerics import checkable, readable
-from numstab.locate._report import LOSS, LayerCall, LocateReport, check_loss, summarise
+from numstab.locate._report import (
+    LOSS,
+    LayerCall,
+    LocateReport,
+    backward_needed,
+    check_loss,
+    summarise,
+)
 from numstab.nonfinite import find_nonfinite
 from numstab.tree import flatten
 
@@ -80,7 +87,7 @@ class _Extrema:
             low, high = [x.to(device) for x in low], [x.to(device) for x in high]
         # stack promotes float16 / bfloat16 to float32 (float64 stays), exactly
         low, high = torch.stack(low).to(wide), torch.stack(high).to(wide)
-        values = torch.maximum(-low, high).cpu().numpy()
+        values = (torch.maximum(-low, high) + 0.0).cpu().numpy()  # + 0.0: no -0 shown
         self.host = np.concatenate([self.host, values.astype(np.float64)])  # exact
 
     def absmax(self, slots: list[int]) -> float | None:
@@ -197,7 +204,7 @@ def locate(
     calls = [rec.call for rec in records]
     for rec in records:
         rec.call.outputs = ext.absmax(rec.out_slots)
-    if backward is not None and not any(_bad(c.outputs) for c in calls):
+    if backward is not None and backward_needed(calls):  # no forward fault (summarise)
         backward.find_first()
     by_call = {id(rec.call): rec for rec in records}
 
