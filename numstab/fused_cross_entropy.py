@@ -13,11 +13,16 @@ chunk's gradients (Liger-Kernel's scheme):
 Only those small gradients are kept; the backward pass scales them by the incoming cotangent.
 ``reduction="none"`` cannot pre-scale per row, so its backward recomputes the chunks with the
 cotangent as the row scale. See docs/semantics.md §11 for the full contract.
+
+A ``-inf`` bias entry masks its class, as a ``-inf`` logit does in ``cross_entropy``: the
+mask is one vector over the vocabulary (``hidden @ weight.T`` is finite), so K_valid, the
+smoothing weights 1/K_valid and the masked rows' sum of ``weight`` are computed once per call
+on the device (``_vocab_mask``), and a chunk costs what it does with a finite bias.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend
@@ -30,6 +35,7 @@ from numstab._loss_checks import (
     to_labels,
 )
 from numstab.backends._base import Backend, has_native, native_op
+from numstab.clipping import LARGEST_FINITE
 from numstab.errors import InvalidArgumentError
 from numstab.losses import REDUCTIONS, _safe_divide
 
@@ -77,6 +83,10 @@ def fused_linear_cross_entropy(
     x = the row's logits, eps = label_smoothing, z = z_loss:
 
         loss = (1 - eps) * (lse(x) - x[y]) + eps * (lse(x) - mean(x)) + z * lse(x)**2
+
+    A ``-inf`` ``bias`` entry masks its class as a ``-inf`` logit does in ``cross_entropy``:
+    the mean is over the K_valid unmasked classes, a masked class gets gradient 0, and a row
+    whose label is masked costs +inf (gradient 0).
 
     Rows labelled ``ignore_index`` add 0 and no gradient; "mean" divides by the number of
     counted rows and is 0.0 (zero gradient) when there is none. The logits are computed in the
@@ -224,15 +234,26 @@ class _Plan:
         be, cdt = self.be, self.cdt
         want_grads = row_scale is not None and any(needs)
         want_rows = row_scale is None or self.reduction != "none"
-        b32 = None if b is None else be.cast(b, cdt)
+        mask = b32 = None
+        if b is not None:
+            want_dh = want_grads and needs[0]
+            mask = _vocab_mask(be, be.cast(b, cdt), w, self.eps, self.vocab, cdt, want_dh)
+            b32 = mask.bias
         none = self.reduction == "none"
 
         def step(carry, chunk_inputs):
             total, dw, db = carry
             h_part, y_part, ignored_part, out_of_range_part, scale = chunk_inputs
-            rows, g, pending = self._chunk(h_part, w, b32, y_part, scale, want_rows)
+            target_ok = None
+            if mask is not None:  # a row whose label is masked: +inf, gradient 0
+                target_ok = be.gather(mask.valid, y_part) > 0.5
+                if scale is not None:
+                    scale = be.where(target_ok, scale, mask.fill)
+            rows, g, pending = self._chunk(h_part, w, b32, y_part, scale, want_rows, mask)
             row_out = dh = None
             if want_rows:
+                if target_ok is not None:
+                    rows = be.where(target_ok, rows, float("inf"))
                 rows = be.where(out_of_range_part, NAN, rows)
                 rows = be.where(ignored_part, 0.0, rows)
                 if none:
@@ -240,7 +261,10 @@ class _Plan:
                 else:
                     total = be.sum(rows) if total is None else total + be.sum(rows)
             if g is not None:
-                dh, dw, db = self._chunk_grads(g, pending, h_part, w, dw, db, needs)
+                fix = None  # a masked column's smoothing shift, in g, taken back out of dh
+                if mask is not None and self.eps and needs[0]:
+                    fix = (scale * mask.eps_k, mask.w_masked)
+                dh, dw, db = self._chunk_grads(g, pending, h_part, w, dw, db, needs, fix)
             return (total, dw, db), (row_out, dh)
 
         inputs = (h, y, ignored, out_of_range, row_scale if want_grads else None)
@@ -250,6 +274,10 @@ class _Plan:
         out = (row_losses if none else total) if want_rows else None
         if not want_grads:
             return out, (None, None, None, None)
+        if mask is not None and self.eps:  # masked classes: no smoothing mass, gradient 0
+            keep = mask.valid + mask.fill  # every class masked: NaN (jitted, NaN * 0 gave 0)
+            dw = dw if dw is None else be.scale_owned(dw, be.reshape(keep, (-1, 1)))
+            db = db if db is None else be.scale_owned(db, keep)
         grads = (
             dh if needs[0] else None,
             _cast_if_needed(be, dw, be.dtype_name(w)) if needs[1] else None,
@@ -258,11 +286,14 @@ class _Plan:
         )
         return out, grads
 
-    def _chunk_grads(self, g, pending, h, w, dw, db, needs):
+    def _chunk_grads(self, g, pending, h, w, dw, db, needs, fix=None):
         """The chunk's ``dhidden`` rows and the running ``dweight``, ``dbias``. A ``pending``
         row scale s (not yet in ``g``) goes into the narrow operands instead of the [C, V] one:
         ``(s * g) @ w = s * (g @ w)``, ``(s * g).T @ h = g.T @ (s * h)``, one pass less over the
-        chunk (float32 / float64 inputs without a bias gradient; else ``g`` is scaled)."""
+        chunk (float32 / float64 inputs without a bias gradient; else ``g`` is scaled).
+        ``fix = (shift, w_masked)``: ``g`` holds ``-shift`` on every masked column (the
+        smoothing term's, which those classes do not get): ``dh += shift * w_masked``, with
+        ``w_masked`` the masked rows' sum of ``w`` (0 for a finite bias: dh as it was)."""
         be, dtype = self.be, self.be.dtype_name(h)
         if pending is not None and (needs[2] or dtype != self.cdt):
             g, pending = g * be.reshape(pending, (-1, 1)), None
@@ -272,15 +303,20 @@ class _Plan:
         if needs[0]:
             dh = be.matmul(g_in, w)
             dh = dh if s is None else dh * s
+            if fix is not None:
+                shift, w_masked = fix
+                wide = be.cast(dh, self.cdt) + be.reshape(shift, (-1, 1)) * w_masked
+                dh = _cast_if_needed(be, wide, dtype)
         if needs[1]:  # summed in float32 for 16-bit inputs
             dw = be.matmul_accumulate(dw, g_in, h if s is None else h * s)
         if needs[2]:
             db = be.sum(g, axis=0) if db is None else db + be.sum(g, axis=0)
         return dh, dw, db
 
-    def _chunk(self, h, w, b32, y, scale, want_rows):
+    def _chunk(self, h, w, b32, y, scale, want_rows, mask=None):
         """One chunk: (loss rows or None, dL/dlogits or None, a row scale still to apply to
-        dL/dlogits or None); the logits die here."""
+        dL/dlogits or None); the logits die here. ``mask`` (a bias was given): the smoothing
+        mean and shift over the valid classes (``_vocab_mask``)."""
         be, eps, z, vocab = self.be, self.eps, self.z_loss, self.vocab
         x = be.cast(be.matmul(h, w, transpose_b=True), self.cdt)
         if b32 is not None:
@@ -298,15 +334,15 @@ class _Plan:
         rows = None
         if want_rows:
             rows = lse - be.take_rows(x, y)
-            if eps:
-                mean = be.sum(x * (1.0 / vocab), axis=-1)  # a sum of x may overflow
+            if eps:  # a sum of x / K: a sum of x may overflow
+                mean = be.sum(x * (1.0 / vocab if mask is None else mask.mean_weights), axis=-1)
                 rows = rows * (1.0 - eps) + eps * (lse - mean)
             if z:
                 rows = rows + z * (lse + m) * (lse + m)
         if scale is None:
             return rows, None, None
         coefficient = scale * (1.0 + 2.0 * z * (lse + m)) if z else scale
-        shift = scale * (eps / vocab) if eps else None
+        shift = (scale * (eps / vocab if mask is None else mask.eps_k)) if eps else None
         x = be.softmax_grad_owned(x, lse, coefficient, shift)  # reusing the name frees x
         if eps < 1.0:
             x = be.add_at_rows(x, y, scale * -(1.0 - eps))
@@ -323,3 +359,46 @@ def _equal(y: Array, value: int) -> Array:
 def _cast_if_needed(be: Backend, x: Array, dtype: str) -> Array:
     """``x`` itself when it has ``dtype`` (torch.compile rejects saving a no-op cast's alias)."""
     return x if be.dtype_name(x) == dtype else be.cast(x, dtype)
+
+
+class _Mask(NamedTuple):
+    """The vocabulary mask of a bias (``_vocab_mask``); arrays over the vocabulary or 0-d."""
+
+    bias: Array  # the bias, -inf replaced by half the lowest finite value (compute dtype)
+    valid: Array  # 1.0 on unmasked classes, 0.0 on masked ones (compute dtype)
+    fill: Array  # the row scale of a row whose label is masked: 0, NaN when all are masked
+    mean_weights: Array | None  # 1/K_valid on valid classes, 0 on masked (eps > 0)
+    eps_k: Array | None  # eps / K_valid (eps > 0)
+    w_masked: Array | None  # the masked rows' sum of weight (eps > 0 and dhidden wanted)
+
+
+def _vocab_mask(be: Backend, b32, w, eps: float, vocab: int, cdt: str, want_dh: bool) -> _Mask:
+    """A ``-inf`` bias entry masks its class for every row (``hidden @ weight.T`` is finite),
+    as a ``-inf`` logit does in ``cross_entropy`` (docs/semantics.md §4.4.3): K_valid and the
+    per-class weights are computed here, once per call, on the device (no host read).
+
+    Masked logits get half the lowest finite value instead of -inf: ``exp`` still gives 0
+    (softmax, lse), but ``x * 0`` is 0, not NaN, so the smoothing mean is one weighted sum as
+    before, ``sum_c x[c] * mean_weights[c]``. The smoothing shift the softmax gradient puts on
+    every column is taken back on the masked ones: out of dhidden by ``w_masked``, and out of
+    dweight and dbias by zeroing their masked rows once at the end. A finite bias gives the
+    same values as no mask at all: weights ``1/V`` and ``eps/V``, ``w_masked`` 0. NaN compares
+    false (valid, it propagates); +inf is valid (non-finite results)."""
+    lowest = -LARGEST_FINITE[cdt]
+    masked = b32 < lowest  # -inf only
+    valid = be.cast(~masked, cdt)
+    count = be.sum(valid)
+    full = count > vocab - 0.5  # K_valid = V: the same constants as without a mask
+    fill = be.where(count < 0.5, NAN, count * 0.0)  # all masked: NaN, as cross_entropy
+    bias = be.where(masked, 0.5 * lowest, b32)
+    if not eps:
+        return _Mask(bias, valid, fill, None, None, None)
+    inverse = be.where(full, 1.0 / vocab, 1.0 / count)
+    mean_weights = be.where(masked, 0.0, be.reshape(inverse, (1,)) * valid)
+    eps_k = be.where(full, eps / vocab, eps / count)
+    w_masked = None
+    if want_dh:  # elementwise and a reduction (no GEMM: sharded meshes)
+        dtype = be.dtype_name(w)
+        picked = w * be.reshape(be.cast(masked, dtype), (-1, 1))
+        w_masked = be.reshape(be.cast(be.sum(picked, axis=0), cdt), (1, -1))
+    return _Mask(bias, valid, fill, mean_weights, eps_k, w_masked)
