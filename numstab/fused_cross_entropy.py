@@ -397,8 +397,7 @@ def _vocab_mask(be: Backend, b32, w, eps: float, vocab: int, cdt: str, want_dh: 
     mean_weights = be.where(masked, 0.0, be.reshape(inverse, (1,)) * valid)
     eps_k = be.where(full, eps / vocab, eps / count)
     w_masked = None
-    if want_dh:  # elementwise and a reduction (no GEMM: sharded meshes)
-        dtype = be.dtype_name(w)
-        picked = w * be.reshape(be.cast(masked, dtype), (-1, 1))
-        w_masked = be.reshape(be.cast(be.sum(picked, axis=0), cdt), (1, -1))
+    if want_dh:  # one read of weight, no [V, d] temporary (a finite bias pays this too)
+        rows = be.reshape(be.cast(masked, be.dtype_name(w)), (1, -1))
+        w_masked = be.cast(be.matmul(rows, w), cdt)
     return _Mask(bias, valid, fill, mean_weights, eps_k, w_masked)
