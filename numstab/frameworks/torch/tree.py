@@ -61,8 +61,7 @@ def node_children(cls: type) -> Callable | None:
 
 
 def _is_cache(value: Any) -> bool:
-    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
-    return isinstance(cache, type) and isinstance(value, cache)
+    return node_children(type(value)) is not None
 
 
 #: a transformers cache layer's tensors, by their public names: ``keys`` and ``values`` (every
