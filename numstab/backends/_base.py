@@ -108,6 +108,12 @@ class Backend(TreeOps, abc.ABC):
         """True when ``x``'s values can be read on the host now (not traced)."""
         return not self.is_tracing(x)
 
+    def host_view(self, x: Array) -> Any:
+        """``x``'s values as a NumPy array, where reading them waits for no device and no
+        trace (an eager array in host memory), else None. For small state machines
+        (ZClip's statistics): NumPy's 0-d ops cost less than a framework's eager dispatch."""
+        return None
+
     def compiled_eager(self, fn: Callable[..., Array], static: tuple[str, ...]) -> Callable:
         """``fn`` for eager calls on readable arrays, its ``static`` arguments (names) being
         hashable settings: ``fn`` itself here. A backend whose eager ops each cost a dispatch

@@ -305,8 +305,7 @@ def sample_nonfinite(field: Field, batch_axis: int) -> tuple[np.ndarray, np.ndar
 def _readable(x: Any) -> np.ndarray | None:
     """``x`` as a NumPy float16/32/64 array read in place: a NumPy array itself, or a
     framework's zero-copy view of its host tensor (``data.host_view``: a strided CPU torch
-    tensor, a TensorFlow eager tensor in host memory); None for anything else (bfloat16,
-    other devices and frameworks)."""
+    tensor); None for anything else (bfloat16, other devices and frameworks)."""
     if type(x) is np.ndarray:
         return x if x.dtype.kind == "f" else None
     for view in frameworks.loaded("data", "host_view"):

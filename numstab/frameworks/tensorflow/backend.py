@@ -119,6 +119,10 @@ class TensorflowBackend(Backend):
     def is_tracing(self, x):
         return not tf.executing_eagerly()
 
+    def host_view(self, x):
+        eager = tf.executing_eagerly() and isinstance(x, tf.Tensor) and hasattr(x, "numpy")
+        return x.numpy() if eager and "CPU" in x.device else None
+
     def where(self, condition, x, y):
         if not isinstance(x, (tf.Tensor, tf.Variable)):
             x = _as_operand(x, y)

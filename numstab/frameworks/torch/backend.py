@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from operator import attrgetter
 
 import numpy as np
@@ -26,19 +25,12 @@ from numstab.frameworks.torch.fused import (
     mm_nt_cpu,
     records_grad,
 )
-from numstab.frameworks.torch.host import host_array
+from numstab.frameworks.torch.host import host_array, host_view, is_dtensor
 
 # str(dtype) costs ~1 us and clipping asks per leaf. Filled once here and never mutated:
 # torch.compile guards on it, so filling it lazily would recompile.
 _NAMED = "float16 bfloat16 float32 float64 int8 int16 int32 int64 uint8 bool complex64 complex128"
 _DTYPE_NAMES: dict[torch.dtype, str] = {getattr(torch, name): name for name in _NAMED.split()}
-
-
-def is_dtensor(x) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (FSDP2 parameters and gradients). None
-    exists before that module is imported, so nothing is imported here."""
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return dtensor is not None and isinstance(x, dtensor)
 
 
 _FAST_FLOATS = (torch.float32, torch.float64)
@@ -58,6 +50,10 @@ class TorchBackend(NamespaceBackend):
 
     def to_numpy(self, x):
         return host_array(self.replicated(x))  # (also inside torch.func.grad)
+
+    def host_view(self, x):
+        # a tensor recording gradients keeps torch's ops: NumPy's would cut its graph
+        return None if getattr(x, "requires_grad", False) else host_view(x)
 
     def label_summary(self, labels, ignore_index):
         if labels.numel() == 0:

@@ -10,6 +10,8 @@ import torch
 import torch.utils.data as torch_data
 from torch.utils.data import default_collate
 
+from numstab.frameworks.torch.host import host_view as _view
+
 __all__ = ["batch_leaf", "default_collate", "flat_leaf", "host_view", "in_worker"]
 
 
@@ -52,17 +54,8 @@ batch_leaf = (torch.Tensor, _batch_leaf)
 
 
 def host_view(x: Any) -> np.ndarray | None:
-    """The zero-copy ``.numpy()`` view of a strided, non-negated float16/32/64 CPU tensor
-    (detached: only read), else None."""
-    if (
-        isinstance(x, torch.Tensor)
-        and x.dtype in _HOST_FLOATS
-        and x.device.type == "cpu"
-        and x.layout == torch.strided
-        and not x.is_neg()
-    ):
-        return x.detach().numpy()
-    return None
+    """The zero-copy view (``host.host_view``) of a float16/32/64 CPU tensor, else None."""
+    return _view(x) if isinstance(x, torch.Tensor) and x.dtype in _HOST_FLOATS else None
 
 
 class _Gather:

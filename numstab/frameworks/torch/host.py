@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import numpy as np
 import torch
 
 FT = torch._C._functorch
+
+
+def is_dtensor(x) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (FSDP2 parameters and gradients). None
+    exists before that module is imported, so nothing is imported here."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(x, dtensor)
 
 
 def host_array(x: torch.Tensor) -> np.ndarray:
@@ -27,3 +37,17 @@ def host_array(x: torch.Tensor) -> np.ndarray:
 def _numpy(x: torch.Tensor) -> np.ndarray:
     x = x.detach().cpu()
     return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+
+
+def host_view(x: Any) -> np.ndarray | None:
+    """``x``'s values as a zero-copy NumPy view (detached: only read) where reading them waits
+    for nothing: a strided CPU tensor, not negated or conjugated, of a dtype NumPy has, not a
+    ``DTensor`` (its ``.numpy()`` is one shard), outside torch.compile and torch.func; else
+    None (CUDA, bfloat16, sparse, traced)."""
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.layout != torch.strided:
+        return None
+    if x.is_neg() or x.is_conj() or x.dtype is torch.bfloat16 or is_dtensor(x):
+        return None
+    if torch.compiler.is_compiling() or FT.peek_interpreter_stack() is not None:
+        return None
+    return x.detach().numpy()
