@@ -4,7 +4,11 @@
 A row is a plain dict: ``case`` (what was measured), the measured numbers, then ``ratio``
 (numstab over the native or naive alternative timed in the same run; lower is better),
 ``goal`` (the largest ratio that meets it) and ``meets_goal``. Benchmarks with their own
-table (``overhead.py``, ``guard.py``, ...) write the same three keys.
+table (``overhead.py``, ``guard.py``, ...) write the same three keys. A row with nothing to
+compare (a count, a workspace size) has ``ratio`` None; a row without a goal (a reference, a
+diagnostic) ``goal`` and ``meets_goal`` None; each prints ``-`` there. ``dump_json`` (and
+``write_json``) rewrite the whole file: called after each row, a run stopped part-way (a
+time limit) leaves the rows measured so far.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,10 +39,12 @@ def add_json_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def ratio_text(ratio: float, goal: float | None, digits: int = 3) -> str:
+def ratio_text(ratio: float | None, goal: float | None, digits: int = 3) -> str:
     """``ratio`` to ``digits`` decimals, or more where fewer would hide the verdict: the
     verdict is on the unrounded ratio, so 1.0204 against a goal of 1.02 prints ``1.0204``,
-    not a ``1.020`` that reads as met (at most 9 decimals)."""
+    not a ``1.020`` that reads as met (at most 9 decimals); ``-`` for a row without one."""
+    if ratio is None:
+        return "-"
     if goal is not None and not math.isnan(ratio):
         while digits < 9 and (round(ratio, digits) <= goal) != (ratio <= goal):
             digits += 1
@@ -46,7 +53,7 @@ def ratio_text(ratio: float, goal: float | None, digits: int = 3) -> str:
 
 def print_rows(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
     """The rows as a table: ``case``, then ``columns`` (``(key, format)``, e.g.
-    ``("numstab_ms", ".3f")``), then ratio, goal and whether it is met."""
+    ``("numstab_ms", ".3f")``), then ratio, goal and whether it is met (``-`` where None)."""
     keys = [key for key, _ in columns]
     headers = ["case", *keys, "ratio", "goal", "met"]
     cells = [
@@ -69,7 +76,16 @@ def print_rows(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]
 
 
 def write_json(path: str | None, args: argparse.Namespace, rows: Sequence[dict]) -> None:
-    """``{"args": ..., "rows": [...]}`` at ``path`` (nothing when ``path`` is None)."""
+    """``{"args": ..., "rows": [...]}`` at ``path`` (nothing when ``path`` is None), by
+    ``dump_json``: call it after each row, and a run stopped part-way keeps the rows so far."""
+    dump_json(path, {"args": vars(args), "rows": list(rows)})
+
+
+def dump_json(path: str | None, results: Any) -> None:
+    """``results`` as JSON at ``path`` (nothing when ``path`` is None), the whole file
+    rewritten: written beside it, then renamed over it, so that a run killed while writing
+    leaves the last complete file, never a truncated one."""
     if path:
-        with open(path, "w") as f:
-            json.dump({"args": vars(args), "rows": list(rows)}, f, indent=1)
+        with open(f"{path}.partial", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(f"{path}.partial", path)

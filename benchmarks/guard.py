@@ -57,11 +57,12 @@ guard that silently skips cannot look fast. Every loop then runs 128 + k steps (
 spike windows' first fill and a read). Each round times ``--steps`` consecutive steps of
 every loop, in an order that rotates from round to round (with a device sync after each);
 warmup rounds are not timed. Reported: median milliseconds per step; ratio = the median over
-rounds of guarded / base in the same round, with its quartiles (goal <= 1.05); and the
-device-to-host reads of each loop (``_host_reads``: the CPU stand-in for
-``torch.cuda.set_sync_debug_mode``) over k steps: per steady step (the median step) and
-amortised. Goal: no read beyond the base loop's on a steady step. Timings are printed, not
-asserted.
+rounds of guarded / base in the same round, with its quartiles (goal <= 1.05; a floor row
+is a reference: it prints no goal, and its ``goal`` and ``meets_goal`` are None in the
+JSON, which is rewritten after each backend); and the device-to-host reads of each loop
+(``_host_reads``: the CPU stand-in for ``torch.cuda.set_sync_debug_mode``) over k steps:
+per steady step (the median step) and amortised. Goal: no read beyond the base loop's on a
+steady step. Timings are printed, not asserted.
 
 Usage: python benchmarks/guard.py [--quick] [--backends torch,jax,keras] [--threads 1]
        [--host-every K] [--device cpu|gpu] [--json PATH]
@@ -71,7 +72,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -79,7 +79,7 @@ import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _host_reads, _goals
-from _goals import ratio_text
+from _goals import goal_row, ratio_text, write_json
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -717,11 +717,19 @@ def _measure(framework: str, loops: dict, pairs: list, args, sync) -> list[dict]
             row[f"extra_{kind}_per_step"] = amortised[name] - amortised[base]
             row[f"extra_{kind}_steady_step"] = steady[name] - steady[base]
             extra = max(extra, steady[name] - steady[base])
-        row["goal"] = GOAL
-        floor = mode.startswith("floor")
-        row["meets_goal"] = None if floor else bool(row["ratio"] <= GOAL and extra <= 0)
-        rows.append(row)
+        rows.append(judged(row, extra))
     return rows
+
+
+def judged(row: dict, extra_reads: float) -> dict:
+    """``row`` with its ``goal`` and ``meets_goal``: a floor (its mode starts with "floor")
+    is a reference, goal and verdict None; another row meets GOAL when its ratio is at most
+    GOAL and its steady step reads the host no more than the base loop's
+    (``extra_reads <= 0``)."""
+    goal = None if row["mode"].startswith("floor") else GOAL
+    verdict = goal_row(row["mode"], row["ratio"], goal)["meets_goal"]
+    meets = None if verdict is None else bool(verdict and extra_reads <= 0)
+    return row | {"goal": goal, "meets_goal": meets}
 
 
 def _ticks(fn, n: int, counter) -> list[int]:
@@ -792,29 +800,33 @@ def main() -> None:
     rows = []
     for name in args.backends.split(","):
         for r in CASES[name.strip()](args):
-            verdict = {None: "floor", True: "meets goal", False: "MISSES goal"}[r["meets_goal"]]
-            q = r["ratio_quartiles"]
-            print(
-                f"{r['backend']:>6} {r['mode']:<34} base {r['plain_ms']:7.3f} ms/step, guarded "
-                f"{r['guard_ms']:7.3f}, ratio {ratio_text(r['ratio'], r['goal'])} "
-                f"[{q[0]:.2f}, {q[1]:.2f}] (goal "
-                f"{GOAL}); host reads per "
-                f"steady step {r['plain_host_reads_steady_step']:.0f} -> "
-                f"{r['guard_host_reads_steady_step']:.0f}, amortised "
-                f"{r['plain_host_reads_per_step']:.2f} -> {r['guard_host_reads_per_step']:.2f}"
-                + (
-                    f"; CUDA syncs per steady step {r['plain_cuda_syncs_steady_step']:.0f} -> "
-                    f"{r['guard_cuda_syncs_steady_step']:.0f}, amortised "
-                    f"{r['plain_cuda_syncs_per_step']:.2f} -> {r['guard_cuda_syncs_per_step']:.2f}"
-                    if "guard_cuda_syncs_per_step" in r
-                    else ""
-                )
-                + f" [{verdict}]"
-            )
+            print(row_line(r))
             rows.append(r)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+            write_json(args.json, args, rows)  # a run stopped part-way keeps the rows so far
+
+
+def row_line(r: dict) -> str:
+    """One printed row: times, the ratio [quartiles] against its goal (``-`` for a floor,
+    which has none), the host reads (and CUDA syncs, where counted), the verdict."""
+    verdict = {None: "floor", True: "meets goal", False: "MISSES goal"}[r["meets_goal"]]
+    q = r["ratio_quartiles"]
+    goal = "-" if r["goal"] is None else f"{r['goal']:g}"
+    cuda = (
+        f"; CUDA syncs per steady step {r['plain_cuda_syncs_steady_step']:.0f} -> "
+        f"{r['guard_cuda_syncs_steady_step']:.0f}, amortised "
+        f"{r['plain_cuda_syncs_per_step']:.2f} -> {r['guard_cuda_syncs_per_step']:.2f}"
+        if "guard_cuda_syncs_per_step" in r
+        else ""
+    )
+    return (
+        f"{r['backend']:>6} {r['mode']:<34} base {r['plain_ms']:7.3f} ms/step, guarded "
+        f"{r['guard_ms']:7.3f}, ratio {ratio_text(r['ratio'], r['goal'])} "
+        f"[{q[0]:.2f}, {q[1]:.2f}] (goal {goal}); host reads per "
+        f"steady step {r['plain_host_reads_steady_step']:.0f} -> "
+        f"{r['guard_host_reads_steady_step']:.0f}, amortised "
+        f"{r['plain_host_reads_per_step']:.2f} -> {r['guard_host_reads_per_step']:.2f}"
+        f"{cuda} [{verdict}]"
+    )
 
 
 CASES = {"torch": torch_case, "jax": jax_case, "keras": keras_case}

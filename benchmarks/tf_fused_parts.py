@@ -28,7 +28,9 @@ What is measured
    at 256 rows for vocab 65536.
 
 Each ratio is printed against its reference measured in the same run; ``--json PATH``
-writes the rows (``ratio`` = the variant over ``fresh buffer``). No goal is asserted.
+writes the rows (``ratio`` = the variant over ``fresh buffer``; the workspace rows have no
+ratio, ``ratio`` None). No goal: a diagnostic, so every row prints ``-`` for its goal and
+carries ``goal`` and ``meets_goal`` None.
 
 Usage: python benchmarks/tf_fused_parts.py [--chunk 256] [--d-model 1024] [--vocab 65536]
        [--rounds 5] [--updates 4] [--json PATH]
@@ -37,10 +39,13 @@ Usage: python benchmarks/tf_fused_parts.py [--chunk 256] [--d-model 1024] [--voc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _goals
+from _goals import goal_row, print_rows, write_json
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -139,8 +144,10 @@ def update_times(args) -> list[dict]:
     for name, t in times.items():
         q = statistics.quantiles([x / base for x in t], n=4) if len(t) > 1 else [t[0] / base] * 3
         median = statistics.median(t)
-        row = {"part": "dweight update", "variant": name, "ms": 1e3 * median}
-        rows.append(row | {"ratio": median / base, "q1": q[0], "q3": q[2]})
+        rows.append(
+            goal_row(name, median / base, None, part="dweight update", variant=name,
+                     ms=1e3 * median, q1=q[0], q3=q[2])
+        )  # fmt: skip
     return rows
 
 
@@ -162,8 +169,11 @@ def logits_workspace(args) -> list[dict]:
             fn(h, weight).numpy()
             peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
             extras.append(max(peak - before - output, 0) / 2**20)
-        row = {"part": "logits workspace", "rows": m, "output_mib": output / 2**20}
-        rows.append(row | {"extra_mib_min": min(extras), "extra_mib_max": max(extras)})
+        rows.append(
+            goal_row(f"M={m}", None, None, part="logits workspace", rows=m,
+                     output_mib=output / 2**20, extra_mib_min=min(extras),
+                     extra_mib_max=max(extras))
+        )  # fmt: skip
     return rows
 
 
@@ -182,26 +192,19 @@ def main() -> int:
     updates = update_times(args)
     print(
         f"dweight += g.T @ h per chunk: C={args.chunk}, d={args.d_model}, V={args.vocab}, "
-        f"float32, median of {args.rounds} interleaved rounds ({args.updates} updates each)"
+        f"float32, median of {args.rounds} interleaved rounds ({args.updates} updates each); "
+        "ratio: over fresh buffer, with its quartiles q1, q3 (no goal: a diagnostic)"
     )
-    for r in updates:
-        print(
-            f"  {r['variant']:<24} {r['ms']:8.1f} ms   x{r['ratio']:.3f} fresh buffer "
-            f"(q1-q3 {r['q1']:.2f}-{r['q3']:.2f})"
-        )
+    print_rows(updates, [("ms", ".1f"), ("q1", ".2f"), ("q3", ".2f")])
     workspace = logits_workspace(args)
     print(
         f"logits product h[:M] @ weight.T (V={args.vocab}): allocator peak beyond its output, "
         f"least and most of {args.rounds} calls"
     )
-    for r in workspace:
-        print(
-            f"  M={r['rows']:<5} output {r['output_mib']:6.0f} MiB   extra "
-            f"{r['extra_mib_min']:6.1f} to {r['extra_mib_max']:6.1f} MiB"
-        )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "rows": updates + workspace}, fh, indent=2)
+    print_rows(
+        workspace, [("output_mib", ".0f"), ("extra_mib_min", ".1f"), ("extra_mib_max", ".1f")]
+    )
+    write_json(args.json, args, updates + workspace)
     return 0
 
 

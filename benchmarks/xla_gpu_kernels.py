@@ -13,7 +13,10 @@ the time: the H200 run of 2026-12-04 measured the bare step (34 kernels here) at
 Programs: the bare step; the floor any skip-capable guard pays (gradient norms + a select of
 every leaf on a finite global norm); the guarded step (``guarded_step``) with the guard state
 as 11 arrays (``policy.GuardState``) and packed in 2 (``PackedGuardState``, the default on an
-accelerator); and ``policy.decide`` alone. Printed: kernels, and kernels over the floor's.
+accelerator); and ``policy.decide`` alone. Printed: kernels, and kernels over the floor's
+(``ratio``: kernels / the floor's, for the bare and guarded steps; None for the rest).
+No goal: counts, not times, so every row prints ``-`` for its goal and carries ``goal`` and
+``meets_goal`` None (``guard.py`` judges the time they cost).
 ``--keras``: also the Keras guard's device-mode step on Keras' JAX backend (its check and
 Keras' train step in one jit) with either form of the state.
 Counts, not times: a GPU run of ``benchmarks/guard.py --device gpu`` times them.
@@ -28,12 +31,15 @@ Needs JAX's CUDA plugin, installed apart (``benchmarks/_xla_gpu.py`` says how), 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _hlo, guard
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _hlo, guard, _goals
+from _goals import dump_json, goal_row
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+FLOOR = "floor: norms + skip select"
 
 
 def kernel_counts(args: argparse.Namespace) -> dict:
@@ -62,7 +68,7 @@ def kernel_counts(args: argparse.Namespace) -> dict:
     scalar = spec(jnp.float32(0))
     lowered = {
         "plain step": programs.plain_step.lower(params, opt_state, x, y),
-        "floor: norms + skip select": programs.norms_step.lower(True, params, opt_state, x, y),
+        FLOOR: programs.norms_step.lower(True, params, opt_state, x, y),
         "guarded step, 11-array state": programs.guard_step.lower(
             guard, params, opt_state, spec(state), x, y
         ),
@@ -138,19 +144,32 @@ def main() -> None:
     if args.keras:
         os.environ["KERAS_BACKEND"] = "jax"  # before keras is imported
         counts.update(keras_counts(args))
-    floor = sum(counts["floor: norms + skip select"].values())
     target = "an H200 (compile-only)" if args.platform == "gpu" else "XLA:CPU"
     print(f"MLP {args.layers}x{args.width}, batch {args.batch}, Adam; compiled for {target}")
+    rows = kernel_rows(counts)
+    for row in rows:
+        extra = ""
+        if row["ratio"] is not None:
+            extra = (
+                f"  ({row['kernels'] - row['floor']:+d} over the floor, ratio {row['ratio']:.3f})"
+            )
+        print(f"  {row['program']:<42} {row['kernels']:4d} kernels{extra}  goal -  {row['ops']}")
+    dump_json(args.json, {"platform": args.platform, "rows": rows})
+
+
+def kernel_rows(counts: dict) -> list[dict]:
+    """One row per program (name -> opcode counts): its kernels, the floor's, and ``ratio``
+    = kernels / the floor's where the floor is its own (the bare and guarded steps; None for
+    ``policy.decide`` and the Keras steps, whose floor would be Keras'). No goal: counts."""
+    floor = sum(counts[FLOOR].values())
     rows = []
     for name, ops in counts.items():
         kernels = sum(ops.values())
         compared = not name.startswith(("policy", "keras"))  # the floor is optax's
-        extra = f"  ({kernels - floor:+d} over the floor)" if compared else ""
-        print(f"  {name:<42} {kernels:4d} kernels{extra}  {dict(ops.most_common())}")
-        rows.append({"program": name, "kernels": kernels, "ops": dict(ops), "floor": floor})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"platform": args.platform, "rows": rows}, f, indent=1)
+        ops = dict(ops.most_common())
+        row = goal_row(name, kernels / floor if compared else None, None, program=name)
+        rows.append(row | {"kernels": kernels, "ops": ops, "floor": floor})
+    return rows
 
 
 if __name__ == "__main__":

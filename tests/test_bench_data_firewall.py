@@ -1,11 +1,13 @@
 """benchmarks/data_firewall.py's own parts: a row that misses its goal times the bare loader
 against itself, and the miss is called noise only where it is no larger than the spread of
 that comparison of identical work; the walk floor does the drop floor's work after visiting
-every field."""
+every field; detection rows carry the false-positive goal; --json keeps the rows of a run
+stopped part-way."""
 
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -88,3 +90,43 @@ def test_walk_floor_drops_what_the_drop_floor_drops(data_firewall):
 def test_walk_floor_refuses_what_it_does_not_route(data_firewall, field, error):
     with pytest.raises(error):
         data_firewall.drop_walked({"x": np.zeros((4, 2), dtype=np.float32), "f": field})
+
+
+def test_detection_rows_carry_the_false_positive_goal(data_firewall):
+    """Detection rows (issue 20, goal 4): ``ratio`` is the false-positive rate per clean
+    sample, ``goal`` 0.1%, and ``meets_goal`` holds when it and the recall goals are met.
+    Rows come one at a time, as measured (the first: zscore at 3.0, d = 1)."""
+    row = next(iter(data_firewall.detection_rows(6000)))
+    assert (row["filter"], row["features"]) == ("zscore (3.0)", 1)
+    assert row["goal"] == data_firewall.FALSE_POSITIVE_GOAL == 1e-3
+    assert row["ratio"] == row["false_positive_rate"]
+    recall = row["nonfinite_recall"] == 1.0 and row["outlier_recall"] >= 0.9
+    assert row["meets_recall_goals"] is recall
+    assert row["meets_goal"] is (row["ratio"] <= 1e-3 and recall)
+
+
+@pytest.mark.parametrize("section", ["throughput", "detection"])
+def test_json_keeps_the_rows_of_a_run_stopped_part_way(
+    data_firewall, monkeypatch, tmp_path, section
+):
+    """--json is rewritten after each row: a run stopped after its first row of a section
+    (a time limit) leaves that row in the file."""
+    row = {"case": "first", "ratio": 1.0, "goal": 1.05, "meets_goal": True}
+
+    def first_then_stopped(*args, **kwargs):
+        yield row
+        raise RuntimeError("stopped")  # what a time limit does after the first row
+
+    tiny = (np.zeros((4, 32), np.float32), np.arange(4), np.array([], int))
+    monkeypatch.setattr(data_firewall, "make_dataset", lambda n: tiny)
+    first = "numpy_rows" if section == "throughput" else "detection_rows"
+    for name in ("numpy_rows", "numpy_image_rows", "detection_rows"):
+        fake = first_then_stopped if name == first else lambda *a, **k: iter(())
+        monkeypatch.setattr(data_firewall, name, fake)
+    path = tmp_path / "df.json"
+    argv = ["data_firewall.py", "--loaders", "numpy", "--no-header", "--json", str(path)]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(RuntimeError, match="stopped"):
+        data_firewall.main()
+    got = json.loads(path.read_text())
+    assert got == {"throughput": [], "detection": []} | {section: [row]}
