@@ -435,23 +435,7 @@ def numpy_rows(x, y, bad, batch, rounds):
             idx = perm[i : i + batch]
             yield {"x": x[idx], "y": y[idx]}
 
-    label = lambda b: b["y"]
-    read = lambda b: finite_read(b["x"])
-    check_dropped(protect(source()), label, bad, None)
-    check_dropped(map(drop_numpy, source()), label, bad, None)
-    check_dropped(map(drop_walked, source()), label, bad, None)
-    yield compare(
-        "numpy-iterator",
-        lambda: count(source(), label),
-        lambda: count(protect(source()), label),
-        rounds,
-        source,
-        floor=lambda: count_read(source(), label, read),
-        floor_check=read,
-        drop_floor=lambda: count_read(source(), label, drop_numpy),
-        drop_floor_check=drop_numpy,
-        walk_floor_check=drop_walked,
-    )
+    yield _numpy_row("numpy-iterator", source, bad, rounds, N_SAMPLES)
 
 
 def numpy_image_rows(batch, rounds, n=8192, shape=(3, 64, 64)):
@@ -472,13 +456,17 @@ def numpy_image_rows(batch, rounds, n=8192, shape=(3, 64, 64)):
             x[np.isin(idx, bad), 0, 0, 0] = np.nan  # a corrupt decode
             yield {"x": x, "y": labels[idx]}
 
+    yield _numpy_row("numpy-images", source, bad, rounds, n)
+
+
+def _numpy_row(name, source, bad, rounds, n):
+    """A NumPy loader of ``{"x", "y"}`` batches: its drops checked, then timed with its floors."""
     label = lambda b: b["y"]
     read = lambda b: finite_read(b["x"])
-    check_dropped(protect(source()), label, bad, None, n)
-    check_dropped(map(drop_numpy, source()), label, bad, None, n)
-    check_dropped(map(drop_walked, source()), label, bad, None, n)
-    yield compare(
-        "numpy-images",
+    for dropped in (protect(source()), map(drop_numpy, source()), map(drop_walked, source())):
+        check_dropped(dropped, label, bad, None, n)
+    return compare(
+        name,
         lambda: count(source(), label),
         lambda: count(protect(source()), label),
         rounds,
@@ -538,28 +526,18 @@ def torch_rows(x, y, bad, batch, rounds, torch_batches):
 
     check_dropped(protect(batched()), label, bad, None)
     check_dropped(map(drop, batched()), label, bad, None)
-    yield compare(
-        "torch-per-sample",
-        lambda: count(per_sample(), label),
-        lambda: count(protect(per_sample()), label),
-        rounds,
-        per_sample,
-        floor=lambda: count_read(per_sample(), label, read),
-        floor_check=read,
-        drop_floor=lambda: count_read(per_sample(), label, drop),
-        drop_floor_check=drop,
-    )
-    yield compare(
-        "torch-batched",
-        lambda: count(batched(), label),
-        lambda: count(protect(batched()), label),
-        rounds,
-        batched,
-        floor=lambda: count_read(batched(), label, read),
-        floor_check=read,
-        drop_floor=lambda: count_read(batched(), label, drop),
-        drop_floor_check=drop,
-    )
+    for name, loader in (("torch-per-sample", per_sample), ("torch-batched", batched)):
+        yield compare(
+            name,
+            lambda loader=loader: count(loader(), label),
+            lambda loader=loader: count(protect(loader()), label),
+            rounds,
+            loader,
+            floor=lambda loader=loader: count_read(loader(), label, read),
+            floor_check=read,
+            drop_floor=lambda loader=loader: count_read(loader(), label, drop),
+            drop_floor_check=drop,
+        )
 
 
 def tf_rows(x, y, bad, batch, rounds):
