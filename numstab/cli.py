@@ -1,5 +1,5 @@
 """The ``numstab`` console command. ``numstab info`` reports frameworks, devices and the
-active backend with the source that selected it."""
+active backend with the source that selected it; ``numstab --version`` prints the version."""
 
 from __future__ import annotations
 
@@ -61,8 +61,15 @@ def _library_version(name: str) -> str | None:
         return None
 
 
+def version() -> str:
+    """The installed distribution's version; ``numstab.__version__`` when numstab runs from a
+    source tree that is not installed."""
+    return _library_version("numstab") or numstab.__version__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="numstab", description=numstab.__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"numstab {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     info_parser = commands.add_parser(
         "info", help="frameworks, versions, devices and the active backend"

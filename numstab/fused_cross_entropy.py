@@ -205,11 +205,11 @@ class _Plan:
     def backward(self, residuals: Any, cotangent: Array) -> tuple:
         be = self.be
         if self.reduction != "none":  # gradients were computed forward, for cotangent 1
-            dh, dw, db, _ = residuals  # spelled out: Dynamo failed on a generator here
+            dh, dw, db, keep = residuals  # spelled out: Dynamo failed on a generator here
             return (
                 None if dh is None else be.scale_owned(dh, cotangent),
-                None if dw is None else be.scale_owned(dw, cotangent),
-                None if db is None else be.scale_owned(db, cotangent),
+                None if dw is None else _scale_classes(be, dw, cotangent, keep),
+                None if db is None else _scale_classes(be, db, cotangent, keep),
                 None,
             )
         h, w, b, y = residuals
@@ -274,15 +274,19 @@ class _Plan:
         out = (row_losses if none else total) if want_rows else None
         if not want_grads:
             return out, (None, None, None, None)
-        if mask is not None and self.eps:  # masked classes: no smoothing mass, gradient 0
-            keep = mask.valid + mask.fill  # every class masked: NaN (jitted, NaN * 0 gave 0)
-            dw = dw if dw is None else be.scale_owned(dw, be.reshape(keep, (-1, 1)))
-            db = db if db is None else be.scale_owned(db, keep)
+        # masked classes get gradient 0 (no smoothing mass): their rows of dw and db are
+        # zeroed here for "none", else in backward's multiply by the cotangent (one pass)
+        keep = None  # 1 on valid classes, 0 on masked ones, NaN when all are masked
+        if mask is not None and (needs[1] or needs[2]):
+            keep = mask.valid + mask.fill  # all masked: NaN (jitted, NaN * 0 gave 0)
+            if none and self.eps:  # without smoothing they are 0 already (sums of 0s)
+                dw = dw if dw is None else _scale_classes(be, dw, None, keep)
+                db = db if db is None else _scale_classes(be, db, None, keep)
         grads = (
             dh if needs[0] else None,
             _cast_if_needed(be, dw, be.dtype_name(w)) if needs[1] else None,
             _cast_if_needed(be, db, be.dtype_name(b)) if needs[2] else None,
-            None,
+            None if none else keep,  # a residual for backward
         )
         return out, grads
 
@@ -356,6 +360,17 @@ def _equal(y: Array, value: int) -> Array:
     return ~((y < value) | (y > value)) if isinstance(same, bool) else same
 
 
+def _scale_classes(be: Backend, g: Array, factor: Array | None, keep: Array | None) -> Array:
+    """``g * factor`` (dweight or dbias: a row per class) with the vocabulary mask ``keep``
+    (1 on valid classes, 0 on masked ones) folded into the factor: one pass over ``g``. A
+    masked class's row comes out 0 (the sign of that zero, -0.0 where the product's is
+    negative, is not part of the contract)."""
+    if keep is None:
+        return be.scale_owned(g, factor)
+    keep = be.reshape(keep, (-1,) + (1,) * (len(be.shape(g)) - 1))
+    return be.scale_owned(g, keep if factor is None else factor * keep)
+
+
 def _cast_if_needed(be: Backend, x: Array, dtype: str) -> Array:
     """``x`` itself when it has ``dtype`` (torch.compile rejects saving a no-op cast's alias)."""
     return x if be.dtype_name(x) == dtype else be.cast(x, dtype)
@@ -381,9 +396,10 @@ def _vocab_mask(be: Backend, b32, w, eps: float, vocab: int, cdt: str, want_dh: 
     (softmax, lse), but ``x * 0`` is 0, not NaN, so the smoothing mean is one weighted sum as
     before, ``sum_c x[c] * mean_weights[c]``. The smoothing shift the softmax gradient puts on
     every column is taken back on the masked ones: out of dhidden by ``w_masked``, and out of
-    dweight and dbias by zeroing their masked rows once at the end. A finite bias gives the
-    same values as no mask at all: weights ``1/V`` and ``eps/V``, ``w_masked`` 0. NaN compares
-    false (valid, it propagates); +inf is valid (non-finite results)."""
+    dweight and dbias by zeroing their masked rows (+0.0) once, with the multiply by the
+    cotangent (``_scale_classes``). A finite bias gives the same values as no mask at all:
+    weights ``1/V`` and ``eps/V``, ``w_masked`` 0. NaN compares false (valid, it propagates);
+    +inf is valid (non-finite results)."""
     lowest = -LARGEST_FINITE[cdt]
     masked = b32 < lowest  # -inf only
     valid = be.cast(~masked, cdt)

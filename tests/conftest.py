@@ -1,10 +1,15 @@
-"""Unit-test fixtures: every test starts with no backend configured."""
+"""Unit-test fixtures: every test starts with no backend configured; ``impl`` is shared
+with conformance_tests."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+# ``impl``: native fused kernels, then the generic composite path (the conformance suite's
+# fixture, one definition for both suites)
+from conformance_tests.conftest import impl  # noqa: F401
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 

@@ -23,7 +23,6 @@ import pytest
 
 import numstab as ns
 from conformance_tests.tolerances import GRADIENT, VALUE
-from numstab.backends._base import FORCE_GENERIC_ENV
 from numstab.fused_cross_entropy import fused_linear_cross_entropy
 
 TOKENS, WIDTH, VOCAB, CHUNK = 14, 8, 11, 4  # 3 full chunks and a short one
@@ -149,15 +148,6 @@ def _assert_masked_classes_untouched(grads, masked=MASKED):
     assert all(np.isfinite(g).all() for g in grads)
 
 
-@pytest.fixture(params=["native", "generic"])
-def impl(request, monkeypatch):
-    if request.param == "generic":
-        monkeypatch.setenv(FORCE_GENERIC_ENV, "1")
-    else:
-        monkeypatch.delenv(FORCE_GENERIC_ENV, raising=False)
-    return request.param
-
-
 @pytest.mark.parametrize(("name", "compiled"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -166,6 +156,22 @@ def test_masked_bias_equals_unfused(name, compiled, setting, reduction, impl):
     got, grads = _compare(name, compiled, _data(), kwargs)
     assert np.isfinite(got).all()
     _assert_masked_classes_untouched(grads)
+
+
+@pytest.mark.parametrize(("name", "compiled"), MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("setting", ["plain", "smoothing_z_loss"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_masked_classes_get_zero_for_either_cotangent_sign(
+    name, compiled, setting, reduction, impl
+):
+    """The masked rows of dweight and dbias are 0, and every value equals unfused, for a
+    negative and a positive cotangent: the mask is folded into backward's multiply by the
+    cotangent (one pass over dweight, not a zeroing pass and then the multiply)."""
+    for sign in (-1.0, 1.0):
+        hidden, weight, bias, labels, cotangent = _data(seed=6)
+        data = (hidden, weight, bias, labels, (sign * np.abs(cotangent)).astype(np.float32))
+        _, grads = _compare(name, compiled, data, {**SETTINGS[setting], "reduction": reduction})
+        _assert_masked_classes_untouched(grads)
 
 
 @pytest.mark.parametrize(("name", "compiled"), MODES, ids=MODE_IDS)

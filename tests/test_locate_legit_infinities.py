@@ -138,3 +138,78 @@ def test_nnx_and_keras_masked_vocab():
     )
     assert not report.found and report.backward_checked, str(report)
     assert (report.inf_layer, report.inf_layer_type) == ("pad", "KPad")
+
+
+KERAS_SCRIPT = r"""
+import json
+import numpy as np, keras
+from keras import ops
+import numstab as ns
+
+VOCAB, REAL = 16, 12
+
+class PadVocab(keras.layers.Layer):
+    def call(self, x):
+        return ops.where(ops.arange(VOCAB) >= REAL, -np.inf, x)
+
+class RowNorm(keras.layers.Layer):  # NaN gradient on an all-zero row: sqrt'(0) = inf, * 0
+    def call(self, x):  # (not x * sqrt: TensorFlow gives sqrt a 0 gradient where dy is 0)
+        return x + ops.sqrt(ops.sum(x * x, axis=-1, keepdims=True))
+
+keras.utils.set_random_seed(0)
+inp = keras.Input((8,))
+hidden = RowNorm(name="norm")(keras.layers.Dense(8, name="fc")(inp))
+model = keras.Model(inp, PadVocab(name="pad")(keras.layers.Dense(VOCAB, name="head")(hidden)))
+x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+y = ops.convert_to_tensor(np.arange(4) % REAL)
+loss = lambda out: ns.cross_entropy(out, y)  # finite: -inf logits are allowed
+FIELDS = ("found", "phase", "layer", "layer_type", "nan_count", "inf_count",
+          "backward_checked", "inf_layer", "inf_layer_type")
+out = {}
+def record(key, report):
+    out[key] = {f: getattr(report, f) for f in FIELDS}
+    out[key]["text"] = str(report)
+record("clean", ns.locate_nonfinite(model, x, loss_fn=loss))
+fc = model.get_layer("fc")
+fc.kernel.assign(np.zeros((8, 8), "float32"))
+fc.bias.assign(np.zeros(8, "float32"))
+record("nan", ns.locate_nonfinite(model, x, loss_fn=loss))
+record("forward_only", ns.locate_nonfinite(model, x))
+print("REPORTS " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_keras_masked_vocab_backward_nan_is_found(backend):
+    """The torch test above on a functional Keras model, on each Keras backend (a process
+    each): the -inf padding layer is named in ``inf_layer`` and is no fault, and a real NaN
+    gradient behind it (an all-zero row into a norm) is still found in the backward pass."""
+    import importlib.util
+    import json
+
+    from tests.keras_backends import run_per_keras_backend
+
+    for module in ("keras", backend):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
+    code, stdout, stderr = run_per_keras_backend(KERAS_SCRIPT, (backend,))[backend]
+    lines = [line for line in stdout.splitlines() if line.startswith("REPORTS ")]
+    assert code == 0 and lines, stderr[-4000:]
+    reports = json.loads(lines[-1].removeprefix("REPORTS "))
+
+    clean = reports["clean"]
+    assert not clean["found"] and clean["backward_checked"], clean["text"]
+    assert (clean["inf_layer"], clean["inf_layer_type"]) == ("pad", "PadVocab")
+    assert "'pad' (PadVocab) output inf" in clean["text"]
+    assert "loss stayed finite" in clean["text"]
+
+    nan = reports["nan"]
+    assert (nan["found"], nan["phase"], nan["layer"]) == (True, "backward", "norm"), nan["text"]
+    assert (nan["layer_type"], nan["nan_count"], nan["inf_count"]) == ("RowNorm", 4 * 8, 0)
+    assert (nan["inf_layer"], nan["inf_layer_type"]) == ("pad", "PadVocab")
+    assert "forward inf, not the fault" in nan["text"]
+
+    # without a loss, the model's output holds the -inf: the mask is the first non-finite
+    forward_only = reports["forward_only"]
+    got = (forward_only["phase"], forward_only["layer"], forward_only["inf_layer"])
+    assert got == ("forward", "pad", None), forward_only["text"]

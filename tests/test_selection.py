@@ -266,3 +266,28 @@ def test_info_command_reports_bad_configuration(monkeypatch, capsys):
     monkeypatch.setenv("NUMSTAB_BACKEND", "nope")
     assert cli.main(["info"]) == 2
     assert "Unknown backend 'nope'" in capsys.readouterr().err
+
+
+def test_version_option_prints_the_installed_version(capsys):
+    import importlib.metadata
+
+    from numstab import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"numstab {importlib.metadata.version('numstab')}\n"
+
+
+def test_version_without_installed_metadata_is_the_module_version(monkeypatch, capsys):
+    import importlib.metadata
+
+    from numstab import cli
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out == f"numstab {ns.__version__}\n"
