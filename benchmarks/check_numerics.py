@@ -22,6 +22,9 @@ Per backend, one step time for each configuration:
 - JAX only, ``sentinel_arrays``: the jitted step returns the gradients and ``watch`` reduces
   them in a second compiled call (what ``watch`` does with any array tree);
 - ``op``: ``check_numerics()`` (every op checked; compiled steps run op by op);
+- torch only, ``sentinel_floor``: the sentinel's device work (a sum per module output and
+  per parameter gradient, one stacked read a step) from bare hooks, without its bookkeeping:
+  no module-hook sentinel can cost less; the sentinel's CPU ratio over it is printed;
 - torch only, ``detect_anomaly``: ``torch.autograd.set_detect_anomaly(True)``, the anchor
   (users report 1.5x to 3x slower training).
 
@@ -36,7 +39,7 @@ the same round (``--steps 1 --rounds 30`` alternates step by step). ``--configs`
 configurations (``off`` always runs); ``--pieces`` adds, for JAX, the sentinel's per-step pieces
 timed in isolation. Intra-op threads are pinned to ``--threads``
 (default 1). Goal: sentinel <= 1.05 (wall time over ``off``); the other configurations are
-shown for context. ``--json PATH`` writes the rows (ratio, goal, meets_goal).
+shown for context (no goal). ``--json PATH`` writes the rows (ratio, goal, meets_goal).
 
 Usage: python benchmarks/check_numerics.py [--backends torch,jax,tensorflow] [--layers 2]
        [--width 256] [--seq 128] [--batch 8] [--vocab 1024] [--steps 8] [--rounds 5]
@@ -163,6 +166,7 @@ def torch_step(args) -> dict[str, Callable[[], float]]:
     return {
         "off": _plain(step),
         "sentinel": _checked(step, "sentinel", "torch"),
+        "sentinel_floor": _sums_only(step, model),
         "op": _checked(step, "op", "torch"),
         "detect_anomaly": _plain(step, anomaly),
     }
@@ -364,6 +368,42 @@ def _plain(step, context=contextlib.nullcontext):
     return run
 
 
+def _sums_only(step, model):
+    """The torch sentinel's floor: its device work with the least host work around it. A
+    global forward hook sums each module's floating output (once where a container returns
+    its last child's), a post-accumulate hook sums each parameter's gradient, and after the
+    step one stacked read checks them: what any module-hook sentinel must do, with none of
+    its bookkeeping (names, slots, flags per record)."""
+    import torch
+
+    sums, last = [], [None]
+
+    def forward(module, args, out):
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out is not last[0]:
+            last[0] = out
+            sums.append(out.detach().sum())
+
+    def one():
+        step()
+        last[0] = None
+        assert torch.stack(sums).isfinite().all().item()
+        sums.clear()
+
+    def run(n: int) -> list[float]:
+        register = torch.nn.modules.module.register_module_forward_hook
+        handles = [register(forward)] + [
+            p.register_post_accumulate_grad_hook(lambda p: sums.append(p.grad.sum()))
+            for p in model.parameters()
+        ]
+        try:
+            return _timed(one, n)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    return run
+
+
 def _checked(step, mode, backend, pass_context=False):
     def one(cn):
         step(cn) if pass_context else step()
@@ -450,6 +490,11 @@ def measure(name: str, args) -> list[dict]:
     for row in rows:
         middle, low, high = row["round_cpu_ratios"]
         print(f"  {row['case']:28s} {middle:.3f} [{low:.3f}, {high:.3f}]")
+    if "sentinel_floor" in rounds and "sentinel" in rounds:
+        over = [_cpu_ratio(a, b) for a, b in zip(rounds["sentinel"], rounds["sentinel_floor"],
+                                                 strict=True)]  # fmt: skip
+        rows[list(samples).index("sentinel")]["cpu_ratio_over_floor"] = statistics.median(over)
+        print(f"  sentinel over its floor (CPU, median per round): {statistics.median(over):.3f}")
     return rows
 
 
