@@ -44,10 +44,10 @@ def host_view(x: Any) -> np.ndarray | None:
     for nothing: a strided CPU tensor, not negated or conjugated, of a dtype NumPy has, not a
     ``DTensor`` (its ``.numpy()`` is one shard), outside torch.compile and torch.func; else
     None (CUDA, bfloat16, sparse, traced)."""
+    if torch.compiler.is_compiling() or FT.peek_interpreter_stack() is not None:
+        return None  # first: Dynamo cannot trace is_neg()
     if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.layout != torch.strided:
         return None
     if x.is_neg() or x.is_conj() or x.dtype is torch.bfloat16 or is_dtensor(x):
-        return None
-    if torch.compiler.is_compiling() or FT.peek_interpreter_stack() is not None:
         return None
     return x.detach().numpy()
