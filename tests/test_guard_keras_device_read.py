@@ -51,3 +51,23 @@ def test_device_state_is_read_in_two_transfers_and_equals_each_variable():
     assert counter.count == 2
     for w, s in zip(model.weights, cb._shadow_vars, strict=False):  # the undo copy is current
         np.testing.assert_array_equal(w.numpy(), s.numpy())
+
+
+def test_decision_steps_past_float32_integers_are_exact():
+    """The rows are float32, which holds integers exactly only to 2**24: a step read from a
+    row came back rounded (16777217 as 16777216), so events named wrong steps in long runs.
+    The steps are now the host's count, ``state.step`` minus the rows read."""
+    cb = TrainingGuard(host_every=4).keras_callback()
+    model = _fit(cb, fits=1)
+    start = 2**24 + 1
+    cb.state = cb.state._replace(step=np.int32(start))
+    cb._set_device_state(cb.state)
+    seen = []
+    after_steps = cb.runner.after_steps
+    cb.runner.after_steps = lambda decisions, *rest: seen.extend(decisions) or after_steps(
+        decisions, *rest
+    )
+    x = np.random.default_rng(2).normal(size=(64 * 8, 8)).astype(np.float32)
+    model.fit(x, x[:, :1], batch_size=64, verbose=0, callbacks=[cb], shuffle=False)
+    assert [d["step"] for d in seen] == list(range(start, start + 8))
+    assert int(cb.state.step) == start + 8

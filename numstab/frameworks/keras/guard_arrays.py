@@ -30,8 +30,9 @@ from numstab.backends import load_backend
 from numstab.backends._base import Backend
 from numstab.errors import NumstabError
 from numstab.frameworks.keras.guard import GuardCallback
-from numstab.frameworks.keras.guard_deferred import FIELDS, DeferredGuardCallback
+from numstab.frameworks.keras.guard_deferred import DeferredGuardCallback
 from numstab.guard import policy
+from numstab.guard.deferred import ROW_COLUMNS
 from numstab.guard.monitor import layer_norms
 
 
@@ -67,7 +68,8 @@ def device_step(
     kept  = where(decision.apply, values, undo), per variable; ``values`` at ``fresh_at``
             (the learning rate: a step does not change it, a callback may have set it
             since the undo copy was taken), as ``where(apply, values, values)``;
-    row   = the Decision's fields (``FIELDS``) as float32, then the per-variable norms.
+    row   = the Decision's fields in ``ROW_COLUMNS`` (no step: the host counts steps) as
+            float32, then the per-variable norms.
     """
 
     def f32(x: Any) -> Any:
@@ -81,7 +83,7 @@ def device_step(
     decision, state = policy.decide(guard, be, state, loss, total if deltas else None)
     undo = [values[j] if j in fresh_at else u for j, u in enumerate(undo)]
     kept = [be.where(decision.apply, v, u) for v, u in zip(values, undo, strict=True)]
-    row = be.concat([be.stack([f32(getattr(decision, k)) for k in FIELDS]), f32(norms)])
+    row = be.concat([be.stack([f32(getattr(decision, k)) for k in ROW_COLUMNS]), f32(norms)])
     return kept, state, row
 
 

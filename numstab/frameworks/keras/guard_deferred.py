@@ -25,9 +25,7 @@ import numpy as np
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.keras.guard import GuardCallback
 from numstab.guard import policy
-
-#: the columns of a step's row before the layer norms: the Decision's fields
-FIELDS = [k for k in policy.Decision._fields if k != "layer_norms"]
+from numstab.guard.deferred import ROW_COLUMNS, decisions_from_rows
 
 
 class DeferredGuardCallback(GuardCallback):
@@ -112,14 +110,9 @@ class DeferredGuardCallback(GuardCallback):
         if not n:
             return
         rows, state = self._read(n)
-        decisions = []
-        for r in rows:
-            d = dict(zip(FIELDS, r[: len(FIELDS)].tolist(), strict=True))
-            for key in ("apply", "rollback", "snapshot"):
-                d[key] = bool(d[key])
-            d["reasons"], d["step"] = int(d["reasons"]), int(d["step"])
-            decisions.append(d)
-        layers = list(rows[:, len(FIELDS) :]) if self.guard.track_layers else None
+        # the steps are the host's count: a float32 row holds integers exactly to 2**24 only
+        decisions = decisions_from_rows(rows[:, : len(ROW_COLUMNS)], int(state.step) - n)
+        layers = list(rows[:, len(ROW_COLUMNS) :]) if self.guard.track_layers else None
         self.state = state
         rolled = self.runner.after_steps(
             decisions, layers, self._host, lambda: self.state, int(self.state.step)
@@ -143,7 +136,7 @@ class DeferredGuardCallback(GuardCallback):
         return self._read_rows(n), self._device_state()
 
     def _read_rows(self, n: int) -> Any:
-        """The ``n`` pending rows as NumPy float32 ``[n, len(FIELDS) + layers]``."""
+        """The ``n`` pending rows as NumPy float32 ``[n, len(ROW_COLUMNS) + layers]``."""
         raise NotImplementedError
 
     def _device_state(self) -> policy.GuardState:

@@ -19,8 +19,9 @@ import numpy as np
 import tensorflow as tf
 
 from numstab.backends import load_backend
-from numstab.frameworks.keras.guard_deferred import FIELDS, DeferredGuardCallback
+from numstab.frameworks.keras.guard_deferred import DeferredGuardCallback
 from numstab.guard import policy
+from numstab.guard.deferred import ROW_COLUMNS
 
 
 class DeviceGuardCallback(DeferredGuardCallback):
@@ -39,7 +40,7 @@ class DeviceGuardCallback(DeferredGuardCallback):
         self._packed = {  # the guard state: one vector per dtype (2 variables, not 11)
             name: tf.Variable(x) for name, x in self._layout.pack(self.state, np).items()
         }
-        width = len(FIELDS) + len(self._weights)
+        width = len(ROW_COLUMNS) + len(self._weights)
         self._rows = tf.Variable(tf.zeros((self.guard.host_every, width), tf.float32))
         # the row the next check writes: always equal to ``self._pending``
         self._slot = tf.Variable(tf.zeros((1,), tf.int32), trainable=False)
@@ -95,7 +96,7 @@ class DeviceGuardCallback(DeferredGuardCallback):
         tf.cond(decision.apply, tf.no_op, undo)
         for v, s in pairs:  # ordered after the cond: both touch v's and s's resources
             s.assign(v.value)
-        row = [tf.cast(getattr(decision, k), tf.float32) for k in FIELDS]
+        row = [tf.cast(getattr(decision, k), tf.float32) for k in ROW_COLUMNS]
         slot = self._slot.read_value()
         self._rows.scatter_update(
             tf.IndexedSlices(tf.concat([tf.stack(row), layers], 0)[None], slot)
