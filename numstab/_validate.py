@@ -92,16 +92,33 @@ _STATIC_HINT = (
 
 
 def host_scalar(value: Any) -> Any:
-    """A 0-d integer or floating array (``optax.inject_hyperparams`` makes every numeric
-    hyperparameter one) as a Python int or float where its value can be read, ``TRACED``
-    where it cannot (under ``jax.jit``); anything else, Python numbers included, as it is."""
-    kind = getattr(getattr(value, "dtype", None), "kind", None)  # NumPy dtypes, JAX's too
-    if kind not in ("i", "u", "f") or tuple(getattr(value, "shape", (1,))) != ():
+    """A 0-d integer or floating array of any framework (``optax.inject_hyperparams`` makes
+    every numeric hyperparameter one) as a Python int or float where its value can be read,
+    ``TRACED`` where it cannot (under ``jax.jit``, ``tf.function``, ``torch.vmap``); anything
+    else, Python numbers included, as it is."""
+    kind = _number_kind(value)
+    if kind is None or tuple(getattr(value, "shape", (1,))) != ():
         return value
     try:
-        return int(value) if kind in "iu" else float(value)
-    except TypeError:  # jax's ConcretizationTypeError: a tracer without a value
+        return int(value) if kind == "i" else float(value)
+    except (TypeError, RuntimeError):  # a JAX or TF tracer (TypeError), torch.vmap's tensor
         return TRACED
+
+
+def _number_kind(value: Any) -> str | None:
+    """Integer ("i") or floating ("f"), for an array's dtype: NumPy's or JAX's by ``kind``,
+    torch's or TensorFlow's by name (``torch.int32``, ``float32``); None for anything else
+    (bool, complex, no dtype)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return None
+    kind = getattr(dtype, "kind", None)
+    if kind is not None:
+        return {"i": "i", "u": "i", "f": "f"}.get(kind)
+    name = str(getattr(dtype, "name", dtype)).removeprefix("torch.")
+    if name.startswith(("float", "bfloat", "half")):
+        return "f"
+    return "i" if name.startswith(("int", "uint")) else None
 
 
 def check_number_or_traced(
