@@ -343,14 +343,6 @@ def interleaved_samples(
     return samples
 
 
-def interleaved_medians(
-    a: Step, b: Step, sync: Callable[[Any], None], warmup: int, repeats: int, calls: int = 1
-) -> tuple[float, float]:
-    """Median seconds per call of ``a`` and ``b`` (``interleaved_samples``)."""
-    ours, theirs = interleaved_samples(a, b, sync, warmup, repeats, calls)
-    return statistics.median(ours), statistics.median(theirs)
-
-
 def round_ratio_quartiles(ours: list[float], theirs: list[float]) -> tuple[float, float]:
     """First and third quartiles of the per-round ratios ours / theirs: how far the ratio of
     medians moves with the machine's noise (one round = one call of each, side by side)."""

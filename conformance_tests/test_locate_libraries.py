@@ -127,12 +127,12 @@ _ROOT_FIELDS = (
     "layers_checked",
     "backward_checked",
 )
+#: (case, output) pairs: every case of ``lm.ROOT_CASES`` with an array output, and after a
+#: clean sub-module a tuple and a dict output too
 _ROOT_CASES = [
-    ("after_child", "array"),
+    *((case, "array") for case in lm.ROOT_CASES),
     ("after_child", "tuple"),
     ("after_child", "dict"),
-    ("no_children", "array"),
-    ("own_param_grad", "array"),
 ]
 
 

@@ -3,9 +3,9 @@
     schedule = warmup_cosine_schedule(3e-4, warmup_steps=100, total_steps=10_000, min_lr=3e-5)
     schedule(0)                              # 0.0, a Python float
     schedule(jnp.asarray(50))                # a float32 jax array, traceable under jax.jit
-    sched = schedule.torch_scheduler(opt)    # a torch LambdaLR (build opt with lr=base_lr)
-    tx = optax.adam(schedule.optax())        # an optax schedule
-    keras.optimizers.Adam(schedule.keras())  # a Keras 3 LearningRateSchedule
+    sched = schedule.for_torch(opt)              # a torch LambdaLR (build opt with lr=base_lr)
+    tx = optax.adam(schedule.for_optax())        # an optax schedule
+    keras.optimizers.Adam(schedule.for_keras())  # a Keras 3 LearningRateSchedule
 
 Values equal ``optax.warmup_cosine_decay_schedule(init_value=warmup_start_lr,
 peak_value=base_lr, warmup_steps=warmup_steps, decay_steps=total_steps, end_value=min_lr)``

@@ -350,22 +350,20 @@ def _unflatten(treedef: TreeDef, it: Iterator) -> Any:
     return treedef.rebuild([_unflatten(child, it) for child in treedef.children])
 
 
-def leaves_with_paths(
-    tree: Any, prefix: str = "", *, sparse_as_dense: bool = False
-) -> Iterator[tuple[str, Leaf]]:
+def leaves_with_paths(tree: Any, prefix: str = "") -> Iterator[tuple[str, Leaf]]:
     """(path, leaf) for every leaf, paths spelled like jax.tree_util.keystr; a
     ``tf.IndexedSlices`` keeps its own path (see ``flatten``). A ``str`` or ``bytes`` leaf
     inside a Mapping is a name or a setting, not data, and is not yielded (torch's
     ``optimizer.state_dict()`` holds ``param_names``): what ``find_nonfinite`` reads."""
-    yield from _with_paths(tree, prefix, sparse_as_dense, False)
+    yield from _with_paths(tree, prefix, False)
 
 
-def _with_paths(node: Any, prefix: str, dense: bool, in_mapping: bool) -> Iterator:
-    split = _children(node, dense)
+def _with_paths(node: Any, prefix: str, in_mapping: bool) -> Iterator:
+    split = _children(node)
     if split is None:
         if not (in_mapping and isinstance(node, (str, bytes))):
             yield prefix, node
         return
     in_mapping = in_mapping or isinstance(node, Mapping)
     for suffix, child in split[0]:
-        yield from _with_paths(child, prefix + suffix, dense, in_mapping)
+        yield from _with_paths(child, prefix + suffix, in_mapping)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ from numstab.data import (
     nonfinite_per_sample,
     protect,
 )
-from numstab.data.outliers import bonferroni_threshold, gaussian_tail, truncated_std_ratio
+from numstab.data.outliers import bonferroni_threshold, truncated_std_ratio
 from numstab.errors import (
     BackendMismatchError,
     BackendUnavailableError,
@@ -652,10 +653,10 @@ def test_a_batch_found_dirty_is_counted_without_a_second_clean_check(monkeypatch
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
 @pytest.mark.parametrize("layout", ["contiguous", "strided", "axis1", "small"])
-def test_screen_is_none_when_clean_else_the_sample_counts(dtype, layout):
-    """``_host.screen`` (the fast path's check) answers None exactly when every value is
-    finite, and otherwise the same counts as ``sample_counts``; finite values whose sums
-    overflow alone (samples 2 and 3) leave a batch clean."""
+def test_find_is_none_when_clean_else_the_sample_counts(dtype, layout):
+    """``_host.find`` (the fast path's check) answers None exactly when every value is
+    finite, and otherwise a ``Found`` whose ``counts()`` are those of ``sample_counts``;
+    finite values whose sums overflow alone (samples 2 and 3) leave a batch clean."""
     from numstab.data import _host
 
     x, axis = _summed_batch(dtype), 0
@@ -665,14 +666,16 @@ def test_screen_is_none_when_clean_else_the_sample_counts(dtype, layout):
         x, axis = np.ascontiguousarray(np.swapaxes(x, 0, 1)), 1
     elif layout == "small":  # under SUM_MIN_SIZE: the isfinite route
         x = np.ascontiguousarray(x[:, :, :4, :4])
-    got = _host.screen(x, axis)
+    found = _host.find(x, axis)
+    assert found is not None
+    got = found.counts()
     want = _host.sample_counts(x, axis)
-    assert got is not None and len(got) == 2
+    assert len(got) == 2
     for g, w in zip(got, want, strict=True):
         assert g.dtype == np.int32
         np.testing.assert_array_equal(g, w)
     overflow_only = np.take(x, [0, 1, 2, 3], axis=axis)
-    assert _host.screen(overflow_only, axis) is None
+    assert _host.find(overflow_only, axis) is None
     assert not _host.sample_counts(overflow_only, axis)[0].any()
 
 
@@ -757,6 +760,11 @@ def test_detection_recall_and_false_positives(make, d):
     clean = ~outlier & ~nonfinite & (np.arange(len(x)) >= 5000)
     assert flagged_out[outlier].mean() >= 0.9
     assert flagged_out[clean].mean() <= 0.001
+
+
+def gaussian_tail(threshold: float) -> float:
+    """P(|z| > threshold) for one standard Gaussian feature (the false-positive rate)."""
+    return math.erfc(threshold / math.sqrt(2.0))
 
 
 def test_zscore_default_threshold_false_positives_follow_the_gaussian_tail():

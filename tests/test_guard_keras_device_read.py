@@ -64,8 +64,8 @@ def test_decision_steps_past_float32_integers_are_exact():
     cb._set_device_state(cb.state)
     seen = []
     after_steps = cb.runner.after_steps
-    cb.runner.after_steps = lambda decisions, *rest: seen.extend(decisions) or after_steps(
-        decisions, *rest
+    cb.runner.after_steps = lambda decisions, *rest: (
+        seen.extend(decisions) or after_steps(decisions, *rest)
     )
     x = np.random.default_rng(2).normal(size=(64 * 8, 8)).astype(np.float32)
     model.fit(x, x[:, :1], batch_size=64, verbose=0, callbacks=[cb], shuffle=False)

@@ -36,6 +36,17 @@ class NamespaceBackend(Backend):
     def max(self, x: Array, axis: int | None = None, keepdims: bool = False) -> Array:
         return self.xp.max(x, axis=axis, keepdims=keepdims)
 
+    def arange(self, n: int, like: Array | None = None) -> Array:
+        return self.xp.arange(n)  # the default device (torch overrides: on ``like``'s)
+
+    def matmul(
+        self, a: Array, b: Array, transpose_a: bool = False, transpose_b: bool = False
+    ) -> Array:
+        return self.xp.matmul(a.T if transpose_a else a, b.T if transpose_b else b)
+
+    def concat(self, arrays: list[Array]) -> Array:
+        return self.xp.concatenate(arrays)
+
     def any(self, x: Array) -> bool:
         return bool(self.xp.any(x))
 

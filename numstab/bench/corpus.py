@@ -38,11 +38,3 @@ def batches(vocab: int, context: int, batch: int, steps: int, seed: int) -> np.n
         cdf = cumulative[out[:, t]]
         out[:, t + 1] = (draws[:, t : t + 1] > cdf).sum(axis=1)
     return out.reshape(steps, batch, context + 1)
-
-
-def entropy_rate(vocab: int) -> float:
-    """The chain's entropy per token (nats) under a uniform start: a loss floor for reference."""
-    p = transition_matrix(vocab)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        h = -np.nansum(np.where(p > 0, p * np.log(p), 0.0), axis=1)
-    return float(h.mean())

@@ -1,8 +1,8 @@
 """The benchmark's decoder-only transformer LM, written once over a small ``ops`` adapter.
 
 Each framework's ``numstab/frameworks/<name>/bench.py`` supplies ``ops`` (cast, take,
-matmul, reshape, transpose, mean, rsqrt, tanh, exp, max, sum, constant); the math below is
-the same for all three, so the same weights give the same function.
+matmul, reshape, transpose, mean, rsqrt, tanh, exp, max, sum, absmax, constant); the math
+below is the same for all three, so the same weights give the same function.
 
 Mixed precision, identical in every framework (numstab's own policy, not a framework's
 autocast list, whose op lists differ): master weights stay float32 and are cast to the

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from numstab.bench.plot_style import OUTCOME_COLORS, STACK_DASH, pyplot
+from numstab.bench.report import _frameworks
 from numstab.bench.spec import RunSpec
 
 COLORS = {"torch": "tab:red", "jax": "tab:blue", "tensorflow": "tab:orange"}
@@ -23,14 +24,6 @@ def _grid(n: int) -> tuple[int, int]:
     return math.ceil(n / cols), cols
 
 
-def _ok(data: dict[str, Any]) -> list[str]:
-    return [
-        f
-        for f in data["settings"]["frameworks"]
-        if data["frameworks"].get(f, {}).get("status") == "ok"
-    ]
-
-
 def _panels(data: dict[str, Any], keep=lambda config: True) -> list[tuple[tuple, str, Any]]:
     """(config, stack-independent) panels: one per configuration and learning rate."""
     from numstab.bench.report import variants
@@ -44,7 +37,7 @@ def _runs_in(data: dict[str, Any], config: tuple, lr: Any, seed: int):
     from numstab.bench.report import variants
 
     for stack, _ in [v for v in variants(data) if v[1] == lr]:
-        for fw in _ok(data):
+        for fw in _frameworks(data):
             run = data["runs"].get(RunSpec(fw, *config, seed, stack, lr).key)
             if run is not None:
                 yield fw, stack, run
@@ -154,7 +147,7 @@ def heat_map(data: dict[str, Any], path: Path) -> Path:
     plt = pyplot()
     panels = _panels(data)
     stacks = list(dict.fromkeys(st for st, _ in variants(data)))
-    rows = [(fw, st) for fw in _ok(data) for st in stacks]
+    rows = [(fw, st) for fw in _frameworks(data) for st in stacks]
     colours, labels = [], []
     for fw, stack in rows:
         colour_row, text_row = [], []
@@ -192,7 +185,7 @@ def write_all(data: dict[str, Any], out: Path) -> list[Path]:
     from numstab.bench import plots_sweep
 
     written: list[Path] = []
-    if not data["runs"] or not _ok(data):
+    if not data["runs"] or not _frameworks(data):
         return written
     for seed in data["settings"]["seeds"]:
         suffix = "" if len(data["settings"]["seeds"]) == 1 else f"_seed{seed}"

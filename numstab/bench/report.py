@@ -22,6 +22,7 @@ def _configs(data: dict[str, Any]) -> list[str]:
 
 
 def _frameworks(data: dict[str, Any]) -> list[str]:
+    """The frameworks of the settings whose worker ran (status "ok"), in settings order."""
     return [
         f
         for f in data["settings"]["frameworks"]

@@ -6,7 +6,6 @@ import datetime
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +84,3 @@ def load(path: Path) -> dict[str, Any]:
             f"Expected a numstab bench results.json (schema {SCHEMA!r}). Received: {str(path)!r}"
         )
     return data
-
-
-def command_line() -> list[str]:
-    return [Path(sys.argv[0]).name, *sys.argv[1:]]

@@ -1,13 +1,13 @@
 """One training run, written once: numstab's step (forward, loss scaling, finite check,
 clipping, AdamW, skip) and the host loop every stack shares (schedule, faults, timing,
-recording). A native stack (native_<framework>.py) gives the loop a session with the same
-three members as ``NumstabSession``: ``scale()``, ``skips`` and ``step(...)``.
+recording). A native stack (``frameworks/<name>/bench_native.py``) gives the loop a session
+with the same three members as ``NumstabSession``: ``scale()``, ``skips`` and ``step(...)``.
 
 The framework module ``fw`` gives: ``ops`` (see model.py), ``asarray(np_array)``,
 ``value_and_grad(fn)``, ``compile(step)``, ``no_grad()``, ``to_numpy(x)``, ``peak_memory()``
 and ``reset_peak_memory()``. Everything numerical in between is numstab's:
-``cross_entropy``, ``LossScaler`` (scale / unscale / update), ``clip_by_global_norm``,
-``global_norm``, ``all_finite`` and the schedule.
+``cross_entropy``, ``LossScaler`` (``scale``; ``unscale``, which also answers whether every
+gradient is finite; ``update``), ``global_norm``, ``clip_coefficient`` and the schedule.
 
 Remedies: ``ls`` = numstab's dynamic ``LossScaler`` for float16 (a fixed scale of 1 for
 bfloat16 / float32, as ``LossScaler.for_dtype`` gives) and a step skipped (params and AdamW

@@ -31,7 +31,7 @@ import numpy as np
 
 from numstab import frameworks
 from numstab._dispatch import framework_of
-from numstab._validate import is_floating, is_integer
+from numstab._validate import compute_dtype, is_floating, is_integer
 from numstab.backends import load_backend
 from numstab.data._fields import composite_ops
 from numstab.data._host import SUM_MIN_SIZE, all_finite, find, mask_found, tf_types, tf_view
@@ -211,7 +211,7 @@ def _other_framework(node: Any, axis: int, sums: list, sizes: list) -> None:
             raise _Unknown
         sizes.append(shape[axis])
     if is_floating(dtype):
-        acc = "float64" if dtype == "float64" else "float32"
+        acc = compute_dtype(dtype)
         total = float(be.to_numpy(be.sum(values if dtype == acc else be.cast(values, acc))))
         if not math.isfinite(total):
             raise _Suspect

@@ -325,7 +325,7 @@ def _sum(be: Backend, x: Array, dtype: str) -> Array:
     if v.is_complex(dtype):
         x = be.real_view(x)
         dtype = be.dtype_name(x)
-    acc = "float64" if dtype == "float64" else "float32"
+    acc = v.compute_dtype(dtype)
     return be.sum(x if dtype == acc else be.cast(x, acc))
 
 

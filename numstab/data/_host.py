@@ -8,8 +8,8 @@ only when every term is: NaN and inf propagate through addition (inf - inf is Na
 IEEE addition turns them finite. So a finite row sum proves its row finite, and a
 non-finite one marks a *suspect* row (a NaN/inf, or finite values whose sum overflows), which
 alone is checked exactly with ``isfinite``. Both answers here are exact: overflow only costs
-time, never a false "clean". ``screen`` hands its suspects on to the counting, so a dirty
-batch is read once too.
+time, never a false "clean". ``find`` hands its suspects on to the counting (``Found``), so
+a dirty batch is read once too.
 
 The sums pay off for C-contiguous float32/float64 arrays of at least ``SUM_MIN_SIZE`` values
 in rows (the values after the batch axis) of at least ``SUM_MIN_ROW``: ``einsum`` has a
@@ -130,12 +130,6 @@ def mask_found(a: np.ndarray, axis: int, finite: np.ndarray, count: int = 0) -> 
     flat = [int(finite.argmin())] if count == 1 else (~finite).ravel().nonzero()[0]
     width = max(1, math.prod(a.shape[axis + 1 :]))
     return Found(flat, a, width, None, a.shape[axis])
-
-
-def screen(a: np.ndarray, axis: int) -> Counts | None:
-    """``find``, as dense per-sample ``sample_counts`` (None iff ``a`` is all finite)."""
-    found = find(a, axis)
-    return None if found is None else found.counts()
 
 
 def sample_counts(a: np.ndarray, axis: int) -> Counts:

@@ -334,11 +334,6 @@ def make_outlier_filter(spec: Any) -> OutlierFilter | None:
     )
 
 
-def gaussian_tail(threshold: float) -> float:
-    """P(|z| > threshold) for one standard Gaussian feature (the false-positive rate)."""
-    return math.erfc(threshold / math.sqrt(2.0))
-
-
 def truncated_std_ratio(t: float) -> float:
     """std of a standard Gaussian truncated to ``|z| <= t``:
     ``sqrt(1 - 2 t phi(t) / erf(t / sqrt 2))`` (0.9941 at t = 3.29, 0.99997 at t = 4.5)."""

@@ -1,4 +1,5 @@
-"""Write flagged samples to disk as ``.npz`` (no pickle), atomically (temp file + rename).
+"""Write flagged samples to disk as ``.npz`` (no pickle), atomically (temp file, fsync,
+rename: ``numstab.guard.snapshots.write_npz_atomic``).
 
 One file per batch with flagged samples: ``{prefix}-e{epoch:04d}-b{batch:06d}.npz`` holding
 
@@ -13,13 +14,13 @@ Every array is plain (no object dtype): ``np.load(path, allow_pickle=False)`` re
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
 
 from numstab.data._fields import Batch
 from numstab.errors import InvalidArgumentError
+from numstab.guard.snapshots import write_npz_atomic
 
 
 def check_destination(directory: Any, prefix: Any) -> str | None:
@@ -95,13 +96,5 @@ def write(
     arrays["paths"] = np.asarray(paths, dtype=str)
     os.makedirs(directory, exist_ok=True)
     target = os.path.join(directory, f"{prefix}-e{epoch:04d}-b{batch_number:06d}.npz")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_npz_atomic(target, arrays)
     return target

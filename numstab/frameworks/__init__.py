@@ -78,20 +78,16 @@ class ModelLibrary:
     model_type: tuple[str, str]
     code: str
     runs_on: str | None
-    distribution: str
-    extra: str | None
 
 
 #: model libraries, in the order a model's type is tested (Keras before torch: a Keras layer
 #: on torch is also a torch.nn.Module)
 MODEL_LIBRARIES: tuple[ModelLibrary, ...] = (
-    ModelLibrary("keras", ("keras", "Layer"), "keras.locate", None, "keras", "tensorflow"),
-    ModelLibrary("torch", ("torch.nn", "Module"), "torch.locate", "torch", "torch", "torch"),
-    ModelLibrary("linen", ("flax.linen", "Module"), "jax.locate_linen", "jax", "flax", "flax"),
-    ModelLibrary("nnx", ("flax.nnx", "Module"), "jax.locate_modules", "jax", "flax", "flax"),
-    ModelLibrary(
-        "equinox", ("equinox", "Module"), "jax.locate_modules", "jax", "equinox", "equinox"
-    ),
+    ModelLibrary("keras", ("keras", "Layer"), "keras.locate", None),
+    ModelLibrary("torch", ("torch.nn", "Module"), "torch.locate", "torch"),
+    ModelLibrary("linen", ("flax.linen", "Module"), "jax.locate_linen", "jax"),
+    ModelLibrary("nnx", ("flax.nnx", "Module"), "jax.locate_modules", "jax"),
+    ModelLibrary("equinox", ("equinox", "Module"), "jax.locate_modules", "jax"),
 )
 
 #: other libraries numstab integrates with (reported by ``numstab info``, never imported)

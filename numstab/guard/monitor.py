@@ -15,8 +15,9 @@ import csv
 import os
 from typing import Any
 
+from numstab import _validate as v
 from numstab.backends._base import Backend, native_op
-from numstab.clipping import norm_operands
+from numstab.clipping import _accumulation_dtype, norm_operands
 
 Array = Any
 
@@ -28,8 +29,8 @@ def layer_norms(be: Backend, leaves: list[Array], *, compiled: bool = False) -> 
     fuses with the ops that made the leaves, while the multi-tensor kernel is an opaque call
     on leaves materialised for it (on Keras' torch guard check: 187 -> 118 us a batch)."""
     dtypes = be.dtype_names(leaves)  # one name per distinct dtype
-    dtype = "float64" if "float64" in dtypes or "complex128" in dtypes else "float32"
-    if any(d.startswith("complex") for d in dtypes):
+    dtype = _accumulation_dtype(dtypes)
+    if any(v.is_complex(d) for d in dtypes):
         leaves = norm_operands(be, leaves, 2.0)  # a complex leaf as its (re, im) pairs
     if not leaves:
         zero = be.asarray(0.0, dtype=dtype)

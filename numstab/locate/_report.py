@@ -86,7 +86,6 @@ class LayerCall:
     grad_outputs: Array | None = None
     grad_inputs: Array | None = None
     grad_params: Array | None = None
-    param_names: tuple[str, ...] = ()
 
 
 _FIELDS = ("inputs", "outputs", "params", "grad_outputs", "grad_inputs", "grad_params")

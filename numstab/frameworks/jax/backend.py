@@ -60,9 +60,6 @@ class JaxBackend(NamespaceBackend):
     def shape(self, x):
         return tuple(jnp.shape(x))
 
-    def arange(self, n, like=None):
-        return jnp.arange(n)
-
     def is_tracing(self, x):
         return isinstance(x, jax.core.Tracer)
 
@@ -133,12 +130,6 @@ class JaxBackend(NamespaceBackend):
     # -- schedules and adaptive clipping --
 
     # -- fused cross-entropy --
-    def matmul(self, a, b, transpose_a=False, transpose_b=False):
-        return jnp.matmul(a.T if transpose_a else a, b.T if transpose_b else b)
-
-    def concat(self, arrays):
-        return jnp.concatenate(arrays)
-
     # add_at_rows: the base's iota comparison, not a scatter: XLA then fuses the whole softmax
     # gradient into one elementwise pass that overwrites the logits (a scatter kept a second
     # chunk-sized buffer; measured with memory_analysis)

@@ -1,5 +1,5 @@
 """Every layer call of a Keras 3 model, seen while locating: shared by the per-backend
-locators (``_keras`` for TensorFlow and torch, ``_keras_jax`` for JAX).
+locators (``locate`` for TensorFlow and torch, ``locate_jax`` for JAX).
 
 Each layer's ``call`` (the model's own included) is replaced on the instance, so Sequential,
 functional and subclassed models all report each layer call; the replacements are removed

@@ -1,6 +1,6 @@
-"""locate_nonfinite for Keras 3 models on TensorFlow and on torch (on JAX: ``_keras_jax``).
+"""locate_nonfinite for Keras 3 models on TensorFlow and on torch (on JAX: ``locate_jax``).
 
-While locating, every layer's ``call`` is wrapped (``_keras_layers.wrapped_calls``) and
+While locating, every layer's ``call`` is wrapped (``layers.wrapped_calls``) and
 records its floating inputs, outputs and own variables. A layer's name is the nesting of
 layer names below the model, joined by "." ("blocks.1.mlp.fc1"); the model itself is "".
 

@@ -1,5 +1,6 @@
 """What the data firewall needs from torch: its data loading, and its tensors on the fast
-paths (``batch_leaf`` for ``numstab.data._fast``, ``host_view`` for ``numstab.data._fields``)."""
+paths (``batch_leaf`` for ``numstab.data._fast``, ``host_view`` for ``numstab.data._fields``,
+``flat_leaf`` for ``numstab.data._lean``)."""
 
 from __future__ import annotations
 
