@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator
 from typing import NamedTuple
 
 from numstab._env import EnvVar
@@ -63,14 +62,23 @@ def set_backend(name: str | None) -> None:
     _global_backend = normalised_backend(name)
 
 
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[str]:
-    """Select a backend inside a ``with`` block (safe across threads and asyncio tasks)."""
-    token = _context_backend.set(normalised_backend(name))
-    try:
-        yield _context_backend.get()
-    finally:
-        _context_backend.reset(token)
+class use_backend(contextlib.ContextDecorator):  # lower case: a function before
+    """Select a backend inside a ``with`` block (safe across threads and asyncio tasks).
+
+    The object is reusable and re-entrant, as ``torch.no_grad()``: each ``with`` pushes its
+    own token and restores what was selected before (a generator context manager raised a
+    raw AttributeError on its second ``with``). The name is checked at ``__enter__``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._tokens: list[contextvars.Token] = []
+
+    def __enter__(self) -> str:
+        self._tokens.append(_context_backend.set(normalised_backend(self.name)))
+        return _context_backend.get()
+
+    def __exit__(self, *exc: object) -> None:
+        _context_backend.reset(self._tokens.pop())
 
 
 _DEFAULT_CONFIG_PATH = os.path.expanduser(DEFAULT_CONFIG)

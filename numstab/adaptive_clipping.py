@@ -3,16 +3,9 @@
 Both are optax-style ``init`` / ``update`` pairs written once over backend primitives. State is
 a NamedTuple of backend arrays (a pytree): ``update`` reads no value on the host, so it runs
 under jax.jit, tf.function and torch.compile. Norms are taken in float32 (float64 for float64
-gradients); 16-bit gradients are scaled in float32 and rounded once.
-
-    zclip = ZClip()                                   # the zclip package's defaults
-    state = zclip.init(params)
-    grads, state = zclip.update(grads, state)         # state.norm: the raw global norm
-
-    agc = AGC(clip_factor=0.01, eps=1e-3)             # NFNets / optax.adaptive_grad_clip
-    grads = agc.clip(grads, params)
-
-See docs/semantics.md §13 for the formulas and the differences from zclip/optax.
+gradients); 16-bit gradients are scaled in float32 and rounded once: ``state = zclip.init(
+params); grads, state = zclip.update(grads, state)``; ``grads = AGC().clip(grads, params)``.
+docs/semantics.md §13 has the formulas and the differences from zclip/optax.
 """
 
 from __future__ import annotations
@@ -25,8 +18,9 @@ from numstab._dispatch import HOST, check_numeric_host, framework_of, resolve_ba
 from numstab._layouts import dense_only
 from numstab.backends import load_backend
 from numstab.backends._base import Backend
-from numstab.clipping import _float_leaves, _tree_norm, in_range, scale_leaves
+from numstab.clipping import _float_leaves, _given_norm, _tree_norm, in_range, scale_leaves
 from numstab.errors import InvalidArgumentError
+from numstab.loss_scale import _state, _state_on
 from numstab.tree import flatten, flatten_with_paths, leaves_with_paths, unflatten
 
 Array = Any
@@ -39,14 +33,11 @@ AGC_LAYOUTS = ("io", "oi")
 
 # -- ZClip ------------------------------------------------------------------------------------
 class ZClipState(NamedTuple):
-    """ZClip's state, all backend arrays.
-
-    count: int32, finite norms collected for the warmup (stops at the warmup length);
-    buffer: float32 [max(warmup_steps, 1)], those norms; mean, var: float32, the EMA
-    statistics (valid once ``count`` reaches the warmup length); norm: float32, the raw global
-    norm of the last update (for logging; a float64 norm past float32's range reads inf here,
-    yet is clipped as the finite norm it is). float32 whatever the gradients' dtype.
-    """
+    """ZClip's state, backend arrays. count: int32, finite norms collected for the warmup
+    (stops at its length); buffer: float32 [max(warmup_steps, 1)], those norms; mean, var:
+    float32 EMA statistics (valid once ``count`` reaches the warmup length); norm: float32, the
+    last raw global norm (for logging; a float64 one past float32's range reads inf here, yet
+    is clipped as the finite norm it is)."""
 
     count: Array
     buffer: Array
@@ -76,9 +67,8 @@ class ZClip:
     ``var = alpha * var + (1 - alpha) * (clip - mean) ** 2`` with the NEW mean; skipped on
     spikes when ``skip_update_on_spike``.
 
-    A non-finite ``g`` changes nothing: the gradients are returned untouched (for a loss
-    scaler or training guard to skip the step) and the state keeps its statistics (zclip
-    would poison its EMA with the NaN forever).
+    A non-finite ``g`` changes nothing: gradients untouched (for a loss scaler or guard to
+    skip the step), statistics kept (zclip poisoned its EMA with the NaN forever).
 
     ``alpha``, ``z_thresh``, ``max_grad_norm``, ``eps`` and ``clip_factor`` enter only array
     math: each may be a 0-d array (``optax.inject_hyperparams``), checked when its value can
@@ -102,15 +92,12 @@ class ZClip:
         number = v.check_number_or_traced  # 0-d arrays too: see the class docstring
         self.alpha = number("alpha", alpha, low=0.0, high=1.0)
         self.z_thresh = number("z_thresh", z_thresh, low=0.0, low_open=True)
-        self.max_grad_norm = (
-            None
-            if max_grad_norm is None
-            else number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
-        )
+        if max_grad_norm is not None:
+            max_grad_norm = number("max_grad_norm", max_grad_norm, low=0.0, low_open=True)
+        self.max_grad_norm = max_grad_norm
         self.eps = number("eps", eps, low=0.0)
-        self.warmup_steps = v.check_int(
-            "warmup_steps", v.check_static("warmup_steps", warmup_steps)
-        )
+        steps = v.check_static("warmup_steps", warmup_steps)
+        self.warmup_steps = v.check_int("warmup_steps", steps)
         if self.warmup_steps < 0:
             raise InvalidArgumentError(
                 f"Expected warmup_steps >= 0. Received: warmup_steps={warmup_steps!r}"
@@ -137,21 +124,20 @@ class ZClip:
                 check_numeric_host(leaf, "params")
         like = next((x for x in leaves if hasattr(x, "device")), None)
 
-        def zero(shape: tuple, dtype: str) -> Array:
-            import numpy as np  # lazily: importing numstab imports no numpy
+        import numpy as np  # lazily: importing numstab imports no numpy
 
-            return be.asarray(np.zeros(shape, dtype=dtype), like=like)
-
-        zeros = zero((), "float32")
-        return ZClipState(
-            zero((), "int32"), zero((self.buffer_size,), "float32"), zeros, zeros, zeros
+        count, buffer, zeros = (
+            be.asarray(np.zeros(shape, dtype=dtype), like=like)
+            for shape, dtype in (((), "int32"), ((self.buffer_size,), "float32"), ((), "float32"))
         )
+        return ZClipState(count, buffer, zeros, zeros, zeros)
 
     @dense_only
     def update(
         self, grads: Tree, state: ZClipState, *, backend: str | None = None
     ) -> tuple[Tree, ZClipState]:
         """(clipped gradients, next state). ``None`` leaves stay None; dtypes are kept."""
+        state = self._checked(state)
         found = _float_leaves(grads, backend, state.mean, name="grads", complex_ok=True)
         be, leaves, treedef = found.be, found.leaves, found.treedef
         norm = _tree_norm(found, 2.0)
@@ -164,30 +150,43 @@ class ZClip:
         """(factor to multiply the gradients by, next state) for a global norm computed
         elsewhere (for example across ranks). The factor is a 0-d array: float64 for a float64
         norm (float64 gradients), else float32. The state stays float32 whatever the norm."""
-        be = resolve_backend(norm, *state, backend=backend)
-        # a DTensor norm (FSDP2 gradients) becomes the plain global value the state holds
-        norm = be.replicated(to_backend(be, norm, like=state.mean, name="norm"))
+        be = resolve_backend(norm, *self._checked(state), backend=backend)
+        state = _state_on(be, state, norm)  # a host state (bare init()) joins norm's backend
+        # a DTensor norm (FSDP2) becomes the global value; bad norms raise as in §7.3
+        norm = be.replicated(_given_norm(be, norm, like=state.mean))
         if be.dtype_name(norm) != "float64":
             norm = be.cast(norm, "float32")
         views = [be.host_view(x) for x in (norm, *state)]  # None: traced, on a GPU, NumPy
+        sign = norm if be.name == "numpy" else views[0]  # readable without a wait: checked
+        if sign is not None and sign < 0:
+            raise InvalidArgumentError(f"Expected norm >= 0. Received: norm={float(sign)}")
         if any(view is None for view in views):
             return self._step(be, norm, state)
-        # eager, in host memory: the same ops on NumPy views, at NumPy's cost per 0-d op
-        # (~0.5 us; torch's eager dispatch ~2 us, JAX's and TensorFlow's 10-50 us), then back
-        # as the framework's arrays on their devices (``asarray`` keeps NumPy's dtypes)
+        # eager, in host memory: NumPy's ~0.5 us per 0-d op (torch ~2 us, JAX and TF 10-50
+        # us), then back as the framework's arrays on their devices (NumPy's dtypes kept)
         coef, new = self._step(load_backend("numpy"), views[0], ZClipState(*views[1:]))
         state = ZClipState(*(be.asarray(x, like=old) for x, old in zip(new, state, strict=True)))
         return be.asarray(coef, like=norm), state
+
+    def _checked(self, state: Any) -> ZClipState:
+        """``state`` if a ZClipState with this ZClip's static buffer length (another's was
+        broadcast silently, or raised the framework's error)."""
+        shape = tuple(getattr(_state(state, ZClipState, "ZClip.init").buffer, "shape", ()))
+        if shape != (self.buffer_size,):
+            raise InvalidArgumentError(
+                f"Expected state.buffer of shape ({self.buffer_size},) (max(warmup_steps, 1)), "
+                f"a state of this ZClip. Received: state.buffer.shape={shape}"
+            )
+        return state
 
     def _step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:
         with be.float_errors_ignored():
             return self._masked_step(be, g, state)
 
     def _settings(self, be: Backend, g: Array, dtype: str) -> tuple:
-        """(alpha, z_thresh, eps, clip_factor, max_grad_norm): Python floats, or 0-d arrays
-        where traced (``_hyper``); the first four for the float32 statistics, max_grad_norm
-        for the factor, in ``dtype`` (the norm's). A larger max_grad_norm clips nothing more
-        (clamped; a traced one past the dtype's range is inf, which clips nothing either)."""
+        """(alpha, z_thresh, eps, clip_factor, max_grad_norm): floats, or 0-d arrays where
+        traced (``_hyper``), float32 but max_grad_norm in ``dtype`` (the norm's; clamped to
+        its range, a traced one past it is inf: neither clips anything more)."""
         settings = (self.alpha, self.z_thresh, self.eps, self.clip_factor)
         max_norm = self.max_grad_norm
         if isinstance(max_norm, float):
@@ -197,10 +196,9 @@ class ZClip:
         return (*(_hyper(be, x, "float32", g) for x in settings), max_norm)
 
     def _masked_step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:
-        """The step for a float32 or float64 norm ``g``. The statistics (state) are float32;
-        the factor is taken in ``g``'s dtype, so a finite float64 norm past float32's range
-        (cast to inf) is clipped, not treated as non-finite. For a float32 ``g``, ``exact``
-        and ``g`` are the same array and ``wide`` is the identity."""
+        """The step for a float32 or float64 norm ``g``: float32 statistics, the factor in
+        ``g``'s dtype (a finite float64 norm past float32's range is clipped, not treated as
+        non-finite). For a float32 ``g``, ``exact`` is ``g`` and ``wide`` the identity."""
         n = self.buffer_size
         dtype = be.dtype_name(g)
         alpha, z_thresh, eps, factor, max_norm = self._settings(be, g, dtype)
@@ -267,9 +265,8 @@ def _min(be: Backend, x: Array, bound: float | Array) -> Array:
 
 
 def _hyper(be: Backend, value: float | Array, dtype: str, like: Array) -> float | Array:
-    """A hyperparameter for array math: a Python float as it is; a 0-d array (traced by
-    ``optax.inject_hyperparams`` under jit) in ``dtype``, on ``like``'s backend and device,
-    so that an x64 float64 hyperparameter does not widen float32 results or state."""
+    """A hyperparameter for array math: a float as it is; a 0-d array (optax.inject_hyperparams)
+    in ``dtype`` on ``like``'s device (an x64 one must not widen float32 results or state)."""
     if isinstance(value, float):
         return value
     return be.cast(to_backend(be, value, like, "hyperparameter"), dtype)
@@ -292,9 +289,8 @@ class AGC:
     output axis first, as timm): rank <= 1 is one unit, otherwise every axis but 0 is reduced.
     ``axis=`` overrides both for every leaf.
 
-    ``clip_factor`` and ``eps`` enter only array math: each may be a 0-d array
-    (``optax.inject_hyperparams``), checked when its value can be read, used in the compute
-    dtype when traced (a traced ``eps`` past that dtype's range is inf, not clamped).
+    ``clip_factor`` and ``eps`` may be 0-d arrays (``optax.inject_hyperparams``), checked when
+    readable, used in the compute dtype when traced (a traced ``eps`` past its range is inf).
     ``axis`` and ``layout`` pick the units: static (a traced array raises).
     """
 
@@ -313,7 +309,7 @@ class AGC:
         self.layout = layout
         if axis is not None:
             axes = (axis,) if not isinstance(axis, (tuple, list)) else tuple(axis)
-            axis = tuple(v.check_int("axis", v.check_static("axis", a)) for a in axes)
+            axis = _distinct(tuple(v.check_int("axis", v.check_static("axis", a)) for a in axes))
         self.axis = axis
 
     def init(self, params: Tree = None, *, backend: str | None = None) -> tuple:
@@ -345,11 +341,8 @@ class AGC:
                 raise InvalidArgumentError(
                     f"Expected a parameter for every gradient. Received: params{path}=None"
                 )
-            out.append(
-                self._clip_leaf(
-                    be, to_backend(be, g, like, "grads"), to_backend(be, p, like, "params"), path
-                )
-            )
+            g, p = to_backend(be, g, like, "grads"), to_backend(be, p, like, "params")
+            out.append(self._clip_leaf(be, g, p, path))
         return unflatten(treedef, out)
 
     def unit_axes(self, shape: tuple) -> tuple[int, ...] | None:
@@ -383,8 +376,8 @@ class AGC:
                 f"grad shape={be.shape(g)}, param shape={be.shape(p)}"
             )
         axes = self.unit_axes(be.shape(g))
-        if axes is not None:
-            axes = tuple(v.normalize_axis(a, len(be.shape(g))) for a in axes)
+        if axes is not None:  # (0, -2) on a matrix names axis 0 twice
+            axes = _distinct(tuple(v.normalize_axis(a, len(be.shape(g))) for a in axes), axes)
         compute = v.compute_dtype(dtype)
         g32, p32 = be.cast(g, compute), be.cast(p, compute)
         g_norm = _unit_norm(be, g32, axes)
@@ -399,11 +392,9 @@ class AGC:
 
 
 def _params_by_path(named: list[tuple[str, Any]], params: Tree) -> list:
-    """The parameter at each gradient's path (None for a None gradient), pairing by path,
-    not position: ``jax.jit`` hands dicts back with sorted keys. A None gradient matches any
-    params subtree (§6 rule 5: Equinox's ``filter_grad`` gives None where a whole model,
-    passed as params, holds no array); parameters elsewhere without a gradient path, or a
-    gradient without a parameter, are a structure mismatch. Counts name non-None gradients."""
+    """The parameter at each gradient's path (None for a None gradient), paired by path, not
+    position (``jax.jit`` sorts dict keys). A None gradient matches any params subtree (§6
+    rule 5: Equinox's ``filter_grad``); any other unpaired leaf is a structure mismatch."""
     p_by_path = dict(leaves_with_paths(params))
     wanted = [path for path, g in named if g is not None]
     nones = [path for path, g in named if g is None]
@@ -421,9 +412,18 @@ def _params_by_path(named: list[tuple[str, Any]], params: Tree) -> list:
 
 
 def _under_any(path: str, prefixes: list[str]) -> bool:
-    """``path`` is one of ``prefixes`` or lies below one: ``.w[0]`` lies below ``''`` (the
-    root), ``.w`` and ``.w[0]``; ``.weight`` does not lie below ``.w``."""
+    """``path`` is one of ``prefixes`` or below one (``.w[0]``: below ``''``, ``.w``; not
+    ``.weight`` below ``.w``)."""
     return any(path == q or (path.startswith(q) and path[len(q)] in ".[") for q in prefixes)
+
+
+def _distinct(axes: tuple, given: tuple | None = None) -> tuple:
+    """Non-empty, repeat-free ``axes`` (``()`` meant elements or whole leaves per backend)."""
+    if not axes or len(set(axes)) < len(axes):
+        raise InvalidArgumentError(
+            f"Expected axis to name one or more distinct axes. Received: axis={given or axes}"
+        )
+    return axes
 
 
 def _unit_norm(be: Backend, x: Array, axes: tuple[int, ...] | None) -> Array:

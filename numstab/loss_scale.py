@@ -47,6 +47,7 @@ from numstab.tree import flatten, unflatten
 Array = Any
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32: the backoff floor without min_scale
 FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1  # the int fields are stored as int32: past it they wrapped or raised
 
 
 class LossScaleState(NamedTuple):
@@ -130,9 +131,10 @@ class LossScaler:
             ("hysteresis", 1),
             ("growth_delay_after_overflow", 0),
         ):
-            if v.check_int(name, getattr(self, name)) < low:
+            if not low <= v.check_int(name, getattr(self, name)) <= INT32_MAX:
                 raise InvalidArgumentError(
-                    f"Expected {name} >= {low}. Received: {name}={getattr(self, name)}"
+                    f"Expected {name} >= {low} and <= 2**31 - 1 (stored as int32). "
+                    f"Received: {name}={getattr(self, name)}"
                 )
         for name in ("min_scale", "max_scale"):
             if getattr(self, name) is not None:
@@ -208,6 +210,8 @@ class LossScaler:
 
     def scale(self, loss: Array, state: LossScaleState, *, backend: str | None = None) -> Array:
         """``loss * scale``, multiplied in float32 and returned in the loss's dtype."""
+        if loss is None:
+            raise InvalidArgumentError("Expected loss to be an array. Received: loss=None")
         be = resolve_backend(loss, _state(state).scale, backend=backend)
         state = _state_on(be, state, loss)
         loss = to_backend(be, loss, like=state.scale, name="loss")
@@ -280,7 +284,7 @@ class LossScaler:
     # -- serialisation -----------------------------------------------------------------------
     def state_dict(self, state: LossScaleState, *, backend: str | None = None) -> dict[str, Any]:
         """Plain Python numbers, every config field and every state field (a host sync)."""
-        be = resolve_backend(state.scale, backend=backend)
+        be = resolve_backend(_state(state).scale, backend=backend)
         values = {f: be.to_numpy(getattr(state, f)).item() for f in LossScaleState._fields}
         return {"config": dataclasses.asdict(self), "state": values}
 
@@ -292,38 +296,67 @@ class LossScaler:
         try:
             scaler = cls(**data["config"])
             values = data["state"]
-            be = resolve_backend(like, backend=backend)
-            state = LossScaleState(
-                scale=be.asarray(float(values["scale"]), dtype="float32", like=like),
-                growth_tracker=be.asarray(int(values["growth_tracker"]), dtype="int32", like=like),
-                hysteresis_left=be.asarray(
-                    int(values["hysteresis_left"]), dtype="int32", like=like
-                ),
-            )
+            scale = _stored_scale(scaler, values["scale"])
+            ints = {f: _stored_int(f, values[f]) for f in ("growth_tracker", "hysteresis_left")}
         except (KeyError, TypeError) as exc:
             raise InvalidArgumentError(
                 f"Expected state_dict to be a numstab loss-scaler state dict "
                 f"(LossScaler.state_dict()). Received: a mapping missing or mistyping {exc!r}"
             ) from exc
-        scale = float(values["scale"])
-        if not 0.0 < scale < math.inf:  # an update never leaves a scale it could not recover from
-            raise InvalidArgumentError(
-                f"Expected state_dict's scale to be a positive finite number (inf unscales every "
-                f"gradient to 0, a negative scale flips their sign, NaN skips every step). "
-                f"Received: scale={values['scale']!r}"
-            )
-        if not 0 <= int(values["hysteresis_left"]) <= scaler.hysteresis:  # no update makes it
+        if not 0 <= ints["hysteresis_left"] <= scaler.hysteresis:  # no update makes it
             raise InvalidArgumentError(
                 f"Expected state_dict's hysteresis_left within [0, hysteresis={scaler.hysteresis}]"
                 f". Received: hysteresis_left={values['hysteresis_left']}"
             )
+        be = resolve_backend(like, backend=backend)
+        state = LossScaleState(
+            scale=be.asarray(scale, dtype="float32", like=like),
+            **{f: be.asarray(n, dtype="int32", like=like) for f, n in ints.items()},
+        )
         return scaler, state
 
 
-def _state(state: Any) -> LossScaleState:
-    if not isinstance(state, LossScaleState):
+def _stored_scale(scaler: LossScaler, value: Any) -> float:
+    """A state dict's scale as float32 will store it, within ``scaler.scale_bounds`` (where
+    every update keeps it): past float32 it became inf (every gradient unscaled to 0 with
+    finite=True), below it 0; a negative scale flipped the gradients' sign, NaN skipped every
+    step, one outside [min_scale, max_scale] broke the config's bounds."""
+    try:
+        scale = float(value)
+        stored = struct.unpack("<f", struct.pack("<f", scale))[0]
+    except OverflowError:  # finite, but rounds past float32's largest value
+        stored = math.inf
+    except (TypeError, ValueError):  # None, "abc"
+        stored = math.nan
+    low, high = scaler.scale_bounds
+    if not low <= stored <= high:  # False for NaN
         raise InvalidArgumentError(
-            f"Expected state to be a LossScaleState (from LossScaler.init). Received: state of "
+            f"Expected state_dict's scale to be a positive finite number, as float32 within the "
+            f"scaler's bounds [{low!r}, {high!r}] (min_scale, max_scale, float32's normal range). "
+            f"Received: scale={value!r} (stored as float32: {stored!r})"
+        )
+    return stored
+
+
+def _stored_int(name: str, value: Any) -> int:
+    """A state dict's int32 field: an integral value (1.7 was truncated) within int32."""
+    try:
+        n = int(value)
+        exact = bool(n == value) and not isinstance(value, (bool, str))
+    except (TypeError, ValueError, OverflowError):  # None, "x", NaN, inf
+        exact = False
+    if not exact or not -INT32_MAX - 1 <= n <= INT32_MAX:
+        raise InvalidArgumentError(
+            f"Expected state_dict's {name} to be an integer within int32 [-2**31, 2**31 - 1]. "
+            f"Received: {name}={value!r}"
+        )
+    return n
+
+
+def _state(state: Any, kind: type = LossScaleState, maker: str = "LossScaler.init") -> Any:
+    if not isinstance(state, kind):
+        raise InvalidArgumentError(
+            f"Expected state to be a {kind.__name__} (from {maker}). Received: state of "
             f"type {type(state).__name__}"
         )
     return state
@@ -334,11 +367,12 @@ def _state_on(be: Any, state: LossScaleState, *arrays: Any) -> LossScaleState:
     backend, joins the backend of the arrays it meets (on the device of the first of them that
     is a framework array); any other state is returned as it is (a framework's arrays, or
     wrappers that compute as them: flax NNX's ``OptArray`` in an ``nnx.Optimizer``)."""
-    numpy_scale = type(state.scale).__module__ == "numpy" or isinstance(state.scale, float)
-    if be.name == "numpy" or not numpy_scale or framework_of(state.scale) != HOST:
+    first = state[0]  # any NamedTuple of arrays: LossScaleState, ZClipState
+    numpy_state = type(first).__module__ == "numpy" or isinstance(first, float)
+    if be.name == "numpy" or not numpy_state or framework_of(first) != HOST:
         return state
     like = next((a for a in arrays if a is not None and framework_of(a) != HOST), None)
-    return LossScaleState(*(to_backend(be, field, like=like, name="state") for field in state))
+    return type(state)(*(to_backend(be, field, like=like, name="state") for field in state))
 
 
 def _finite_flag(be: Any, finite: Any, like: Any) -> Any:

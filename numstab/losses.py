@@ -119,7 +119,7 @@ def smooth_labels(
                 f"Expected probability labels whose last axis has num_classes={num_classes} "
                 f"entries. Received: labels.shape={shape}"
             )
-        num_classes = shape[-1]
+        num_classes = class_count(be, labels, "labels", -1, shape)  # 0 classes: 0/0 raised
     else:
         raise InvalidArgumentError(
             f"Expected integer class ids or probabilities of a floating dtype "

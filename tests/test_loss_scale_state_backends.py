@@ -81,3 +81,34 @@ def test_torch_grad_scaler_refuses_an_infinite_scale_before_changing_anything():
         with pytest.raises(InvalidArgumentError, match="scale=inf"):
             scaler.load_state_dict(bad)
         assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"scale": 1e39}, {"scale": 1e-50}, {"scale": 2.0**20}, {"scale": "abc"}],
+    ids=["past_float32", "below_float32", "above_max_scale", "str"],
+)
+def test_torch_grad_scaler_refuses_a_scale_float32_cannot_hold(values):
+    """The scale is checked as stored (float32: 1e39 loaded as inf, unscaling every gradient
+    to 0 with finite=True; 1e-50 as 0) and within [min_scale, max_scale]."""
+    from numstab.integrations.torch import GradScaler
+
+    scaler = GradScaler(device="cpu", scaler=ns.LossScaler(init_scale=2.0**10, max_scale=2.0**16))
+    before = scaler.state_dict()
+    torch_style = {k: v for k, v in before.items() if k != "numstab"}
+    own = {**before, "numstab": {**before["numstab"], "state": {**before["numstab"]["state"]}}}
+    own["numstab"]["state"].update(values)
+    for bad in ({**torch_style, **values}, own):
+        with pytest.raises(InvalidArgumentError, match="scale to be a positive finite number"):
+            scaler.load_state_dict(bad)
+        assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("backend", FRAMEWORKS)
+def test_int32_fields_refuse_values_that_would_wrap(backend):
+    """growth_interval=2**31 wrapped in int32: torch and TF grew the scale at every step."""
+    with pytest.raises(InvalidArgumentError, match="growth_interval"):
+        ns.LossScaler(growth_interval=2**31)
+    scaler = ns.LossScaler(init_scale=8.0, growth_interval=2**31 - 1)  # the largest
+    state = scaler.update(scaler.init(backend=backend), True)
+    assert float(load_backend(backend).to_numpy(state.scale)) == 8.0

@@ -103,6 +103,26 @@ def test_use_backend_is_isolated_per_thread_and_task():
     assert seen["thread"] == "auto"
 
 
+def test_use_backend_object_is_reusable_and_reentrant():
+    """One ``use_backend`` object in several ``with`` blocks, nested too, as torch.no_grad():
+    the generator context manager raised a raw AttributeError on its second ``with``."""
+    cm = ns.use_backend("numpy")
+    with cm as name:
+        assert name == "numpy" and ns.get_backend() == "numpy"
+    assert ns.get_backend() == "auto"
+    with cm:
+        with ns.use_backend("torch"), cm:
+            assert ns.get_backend() == "numpy"
+        assert ns.get_backend() == "numpy"
+    assert ns.get_backend() == "auto"
+
+    @cm  # a decorator too, as before
+    def selected():
+        return ns.get_backend()
+
+    assert selected() == selected() == "numpy"
+
+
 def test_unknown_backend_lists_valid_names(monkeypatch):
     with pytest.raises(ns.UnknownBackendError, match=r"'numpy', 'torch', 'tensorflow', 'jax'"):
         ns.set_backend("mxnet")

@@ -28,7 +28,7 @@ def _state_dtypes(state):
 
 @pytest.mark.parametrize("name", ["numpy", "torch", "tensorflow"])
 def test_warmup_clips_a_float64_norm_past_float32(name):
-    z = ZClip(warmup_steps=1, max_grad_norm=1.0)
+    z = ZClip(warmup_steps=2, max_grad_norm=1.0)  # its state, still in the warmup, below
     g = _convert(name, [BIG, 0.0])
     out, state = z.update([g], z.init(g))
     np.testing.assert_allclose(np.asarray(out[0]), [1.0, 0.0], rtol=1e-6)
@@ -36,7 +36,6 @@ def test_warmup_clips_a_float64_norm_past_float32(name):
     assert int(np.asarray(state.count)) == 1  # a finite norm: collected
     assert _state_dtypes(state) == ["int32", "float32", "float32", "float32", "float32"]
     # a non-finite float64 gradient still passes untouched and changes no statistics
-    z = ZClip(warmup_steps=2, max_grad_norm=1.0)
     out, state = z.update([_convert(name, [np.inf, 0.0])], state)
     np.testing.assert_array_equal(np.asarray(out[0]), [np.inf, 0.0])
     assert int(np.asarray(state.count)) == 1

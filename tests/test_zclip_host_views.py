@@ -100,3 +100,23 @@ def test_zclip_under_jit_and_tf_function_still_steps():
     for norm in (0.5, 0.6, 30.0):
         coef, state = step(jnp.asarray(norm), state)
     assert float(coef) < 1 and int(state.count) == 2
+
+
+def test_a_state_of_another_warmup_length_is_refused_under_jit_and_tf_function():
+    """The buffer's static shape is checked: one of another ZClip's warmup_steps was
+    broadcast silently (or raised the framework's own error), traced or not."""
+    from numstab.errors import InvalidArgumentError
+
+    jax = pytest.importorskip("jax")
+    tf = pytest.importorskip("tensorflow")
+    zclip, other = ZClip(warmup_steps=3), ZClip(warmup_steps=5)
+    jax_state = other.init(backend="jax")
+    tf_state = other.init(backend="tensorflow")
+    for call in (
+        lambda: jax.jit(zclip.coefficient)(jax.numpy.asarray(1.0), jax_state),
+        lambda: jax.jit(zclip.update)([jax.numpy.ones(2)], jax_state),
+        lambda: tf.function(zclip.coefficient, autograph=False)(tf.constant(1.0), tf_state),
+        lambda: tf.function(zclip.update, autograph=False)([tf.ones(2)], tf_state),
+    ):
+        with pytest.raises(InvalidArgumentError, match=r"state.buffer.shape=\(5,\)"):
+            call()

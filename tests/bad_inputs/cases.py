@@ -61,8 +61,9 @@ def hyperparameter_cases() -> Iterator[Case]:
         "init_scale": {**TYPE_NAN_INF, "zero": 0.0, **NEGATIVE},
         "growth_factor": {"str": "2", "nan": NAN, "below_one": 0.5},
         "backoff_factor": {"nan": NAN, "zero": 0.0, "above_one": 1.5},
-        "growth_interval": {"zero": 0, "float": 2.5, "str": "10"},
-        "hysteresis": {"zero": 0, "float": 1.5},
+        "growth_interval": {"zero": 0, "float": 2.5, "str": "10", "past_int32": 2**31},
+        "hysteresis": {"zero": 0, "float": 1.5, "past_int32": 2**33},
+        "growth_delay_after_overflow": {"negative": -1, "past_int32": 2**40},
         "min_scale": {"nan": NAN, **NEGATIVE},
         "max_scale": {"nan": NAN, "zero": 0.0},
     }.items():
@@ -82,6 +83,7 @@ def hyperparameter_cases() -> Iterator[Case]:
         "clip_factor": {"nan": NAN, "zero": 0.0, **NEGATIVE, "str": "0.01"},
         "eps": {"nan": NAN, **NEGATIVE},
         "layout": {"unknown": "xy"},
+        "axis": {"empty_tuple": (), "empty_list": [], "repeated": (0, 0)},
     }.items():
         yield from _hyper("AGC", lambda v, n=name: ns.AGC(**{n: v}), name, values)
     for name, values in {
@@ -921,6 +923,98 @@ def complex_cases() -> Iterator[Case]:
     yield Case("TrainingGuard.decide.loss=complex", guard_decide, bad("loss"))
 
 
+# -- loss-scaler state dicts, ZClip states and norms, AGC axes, empty class axes -------------
+def _loaded(c: Ctx, config: dict | None = None, **values: Any) -> Any:
+    """``LossScaler.from_state_dict`` of a fresh state dict with ``values`` replaced."""
+    data = ns.LossScaler().state_dict(ns.LossScaler().init())
+    data["config"].update(config or {})
+    data["state"].update(values)
+    return ns.LossScaler.from_state_dict(data, backend=c.name)
+
+
+def _zclip_call(call: Callable[[ns.ZClip, Any, Ctx], Any]) -> Callable[[Ctx], Any]:
+    def run(c: Ctx) -> Any:
+        z = ns.ZClip(warmup_steps=2)
+        state = z.init(backend=c.name)
+        return unchanged(lambda: state, lambda: call(z, state, c))
+
+    return run
+
+
+def _host_state_clips(result: Any, c: Ctx) -> bool:
+    """A bare ``init()`` (NumPy) state joined the gradients' backend: warmup clip to 1."""
+    (grads,), state = result
+    return np.allclose(c.np(grads), [0.6, 0.8], atol=1e-6) and int(c.np(state.count)) == 1
+
+
+def audit_cases() -> Iterator[Case]:
+    state_dict = "LossScaler.from_state_dict"
+    for label, values, arg in [
+        ("growth_tracker=past_int32", {"growth_tracker": 2**40}, "growth_tracker"),
+        ("growth_tracker=float", {"growth_tracker": 1.7}, "growth_tracker"),
+        ("growth_tracker=str", {"growth_tracker": "x"}, "growth_tracker"),
+        ("growth_tracker=nan", {"growth_tracker": NAN}, "growth_tracker"),
+        ("scale=str", {"scale": "abc"}, "scale"),
+        ("scale=past_float32", {"scale": 1e39}, "scale"),
+        ("scale=below_float32", {"scale": 1e-50}, "scale"),
+    ]:
+        yield Case(f"{state_dict}.{label}", lambda c, kw=values: _loaded(c, **kw), bad(arg))
+    yield Case(
+        f"{state_dict}.scale=above_max_scale",
+        lambda c: _loaded(c, {"init_scale": 8.0, "max_scale": 16.0}, scale=32.0),
+        bad("scale"),
+    )
+    yield Case(
+        f"{state_dict}.scale=below_min_scale",
+        lambda c: _loaded(c, {"init_scale": 8.0, "min_scale": 4.0}, scale=2.0),
+        bad("scale"),
+    )
+    s = ns.LossScaler()
+    yield Case("LossScaler.state_dict.state=none", lambda c: s.state_dict(None), bad("state"))
+    yield Case(
+        "LossScaler.state_dict.state=dict", lambda c: s.state_dict({"scale": 1.0}), bad("state")
+    )
+    yield Case(
+        "LossScaler.scale.loss=none",
+        lambda c: s.scale(None, s.init(backend=c.name)),
+        bad("loss"),
+    )
+    other = lambda c: ns.ZClip(warmup_steps=5).init(backend=c.name)  # another buffer length
+    for name, call in {
+        "update.state=other_warmup": lambda z, st, c: z.update([c.a([1.0])], other(c)),
+        "coefficient.state=other_warmup": lambda z, st, c: z.coefficient(c.a(1.0), other(c)),
+        "update.state=none": lambda z, st, c: z.update([c.a([1.0])], None),
+        "update.state=empty_tuple": lambda z, st, c: z.update([c.a([1.0])], ()),
+        "coefficient.state=none": lambda z, st, c: z.coefficient(c.a(1.0), None),
+    }.items():
+        yield Case(f"ZClip.{name}", _zclip_call(call), bad("state"))
+    for label, norm in {
+        "negative_array": lambda c: c.a(-1.0),
+        "negative_number": lambda c: -1.0,
+        "bool": lambda c: True,
+        "complex": lambda c: c.a(1 + 1j, "complex64"),
+        "vector": lambda c: c.a([1.0, 2.0]),
+        "none": lambda c: None,
+    }.items():
+        call = lambda z, st, c, n=norm: z.coefficient(n(c), st)
+        yield Case(f"ZClip.coefficient.norm={label}", _zclip_call(call), bad("norm"))
+    yield Case(
+        "ZClip.update.state=host",
+        lambda c: ns.ZClip().update([c.a([3.0, 4.0])], ns.ZClip().init()),
+        Valid(_host_state_clips, "a host state joins the gradients' backend (§8.5, §13.1)"),
+    )
+    yield Case(
+        "AGC.clip.axis=repeated_after_normalising",
+        lambda c: ns.AGC(axis=(0, -2)).clip([c.a(np.ones((2, 3)))], [c.a(np.ones((2, 3)))]),
+        bad("axis"),
+    )
+    yield Case(
+        "smooth_labels.labels=no_classes",
+        lambda c: ns.smooth_labels(c.a(np.zeros((4, 0))), 0.1),
+        bad("labels"),
+    )
+
+
 def all_cases() -> list[Case]:
     cases = [
         *hyperparameter_cases(),
@@ -931,6 +1025,7 @@ def all_cases() -> list[Case]:
         *stateful_cases(),
         *more_api_cases(),
         *backend_cases(),
+        *audit_cases(),
     ]
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), "duplicate case ids"

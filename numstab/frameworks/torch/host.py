@@ -46,8 +46,8 @@ def host_view(x: Any) -> np.ndarray | None:
     None (CUDA, bfloat16, sparse, traced)."""
     if torch.compiler.is_compiling() or FT.peek_interpreter_stack() is not None:
         return None  # first: Dynamo cannot trace is_neg()
-    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.layout != torch.strided:
+    if not isinstance(x, torch.Tensor) or not x.is_cpu or x.layout != torch.strided:
         return None
     if x.is_neg() or x.is_conj() or x.dtype is torch.bfloat16 or is_dtensor(x):
         return None
-    return x.detach().numpy()
+    return x.detach().numpy() if x.requires_grad else x.numpy()
