@@ -20,6 +20,7 @@ from typing import Any
 
 from numstab import _validate as v
 from numstab._dispatch import resolve_backend, to_backend
+from numstab.backends import canonical_name
 from numstab.errors import InvalidArgumentError
 
 Array = Any
@@ -84,17 +85,14 @@ class WarmupCosineSchedule:
 
     # -- evaluation ----------------------------------------------------------------------------
     def __call__(self, step: int | Array, *, backend: str | None = None) -> float | Array:
-        if isinstance(step, numbers.Integral) and not isinstance(step, bool):
-            return self._python_value(int(step))
-        if isinstance(step, (bool, numbers.Real)) or not hasattr(step, "dtype"):
-            raise InvalidArgumentError(
-                f"Expected step to be an int or an integer/floating array. Received: step={step!r}"
-            )
-        return self._array_value(step, backend)
+        number = host_step(step)
+        if number is None:
+            return self._array_value(step, backend)
+        if backend is not None:
+            canonical_name(backend)  # an unknown name raises here too
+        return self._python_value(number)
 
     def _python_value(self, step: int) -> float:
-        if step < 0:
-            raise InvalidArgumentError(f"Expected step >= 0. Received: step={step}")
         warmup, decay = self.warmup_steps, self.total_steps - self.warmup_steps
         if step < warmup:
             frac = 1.0 - step / warmup
@@ -154,6 +152,21 @@ class WarmupCosineSchedule:
     torch_scheduler = for_torch
     optax = for_optax
     keras = for_keras
+
+
+def host_step(step: Any) -> int | None:
+    """``step`` as a Python int when it is one (NumPy's too), checked >= 0; None for an
+    integer or floating array (``schedule(step)`` and the framework adapters compute on
+    those); anything else (a bool, a float, a string, None) raises."""
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        if step < 0:
+            raise InvalidArgumentError(f"Expected step >= 0. Received: step={step}")
+        return int(step)
+    if isinstance(step, (bool, numbers.Real)) or not hasattr(step, "dtype"):
+        raise InvalidArgumentError(
+            f"Expected step to be an int or an integer/floating array. Received: step={step!r}"
+        )
+    return None
 
 
 def warmup_cosine_schedule(

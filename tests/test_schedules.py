@@ -83,6 +83,22 @@ def test_bad_steps_raise(step):
         warmup_cosine_schedule(**CONFIG)(step)
 
 
+@pytest.mark.parametrize("step", [1.5, -1, True, "3", None])
+def test_the_optax_adapter_refuses_the_same_steps(step):
+    """``for_optax()`` took a Python step to a jax array first: "3" and None raised JAX's
+    own errors, and -1 and 1.5 were computed (``schedule(step)`` refuses them)."""
+    pytest.importorskip("optax")
+    with pytest.raises(InvalidArgumentError, match="step"):
+        warmup_cosine_schedule(**CONFIG).for_optax()(step)
+
+
+def test_an_unknown_backend_raises_for_a_python_step():
+    from numstab.errors import UnknownBackendError
+
+    with pytest.raises(UnknownBackendError):
+        warmup_cosine_schedule(**CONFIG)(3, backend="bogus")
+
+
 def test_config_round_trip():
     schedule = warmup_cosine_schedule(**CONFIG)
     again = WarmupCosineSchedule(**schedule.get_config())

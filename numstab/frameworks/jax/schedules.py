@@ -10,11 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from numstab.schedules import host_step
+
 
 def optax_schedule(schedule: Any) -> Callable[[Any], Any]:
     """``count -> lr``, ``schedule`` evaluated on the jax backend (traceable by jit)."""
 
     def lr(count: Any) -> Any:
+        host_step(count)  # a negative int, a float, a string, None: schedule(step)'s errors
         return schedule(_step_array(count), backend="jax")
 
     return lr
