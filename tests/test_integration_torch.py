@@ -415,6 +415,8 @@ def test_fp16_and_integer_gradients_raise_and_change_nothing():
         (lambda s, o: s.step(o, closure=lambda: 0.0), "Closure"),
         (lambda s, o: s.update(new_scale=-1.0), "new_scale"),
         (lambda s, o: s.update(new_scale=torch.ones(2)), "new_scale"),
+        (lambda s, o: s.update(new_scale=1e39), "new_scale"),  # torch.full raised its own
+        (lambda s, o: s.update(new_scale=1e-50), "new_scale"),  # 0 in float32
         (lambda s, o: s.load_state_dict({}), "non-empty"),
         (lambda s, o: s.load_state_dict({"scale": 1.0}), "missing"),
         (lambda s, o: s.load_state_dict({"numstab": {"state": {}}}), "state dict"),

@@ -10,6 +10,7 @@ import torch
 from numstab import _validate as v
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.clipping import grads_by_device_dtype
+from numstab.loss_scale import FLOAT32_MAX, FLOAT32_TINY
 
 UNSCALE_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16})
 UNSCALE_DTYPES_FP16 = UNSCALE_DTYPES | {torch.float16}
@@ -96,5 +97,7 @@ def check_new_scale(new_scale: Any, device: torch.device) -> torch.Tensor:
                 f"without grad. Received: {new_scale!r}"
             )
         return new_scale.detach().reshape(()).to(device, torch.float32, copy=True)
-    value = v.check_number("new_scale", new_scale, low=0.0, low_open=True)
+    # a normal float32, as a scale must be (past float32 torch.full raised its own error;
+    # a value under 2**-126 would backoff into subnormals and 0)
+    value = v.check_number("new_scale", new_scale, low=FLOAT32_TINY, high=FLOAT32_MAX)
     return torch.full((), value, dtype=torch.float32, device=device)
