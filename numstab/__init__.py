@@ -6,7 +6,8 @@ first time that backend is used.
 
 from numstab._config import backend_choice, set_backend, use_backend
 from numstab._dispatch import resolve_backend
-from numstab.adaptive_clipping import AGC, ZClip, ZClipState, adaptive_grad_clip
+from numstab.adaptive_clipping import ZClip, ZClipState
+from numstab.agc import AGC, adaptive_grad_clip
 from numstab.backends import available_backends, preload_imported_frameworks
 from numstab.clipping import all_finite, clip_by_global_norm, clip_by_value, global_norm
 from numstab.errors import (

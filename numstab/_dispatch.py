@@ -171,3 +171,26 @@ def resolve_backend(*arrays: Any, backend: str | None = None) -> Backend:
             f"pass {choice.name} (or NumPy) arrays, or select backend={detected!r}."
         )
     return load_backend(name)
+
+
+def state_on_backend(be: Backend, state: Any, *arrays: Any) -> Any:
+    """``state`` (a NamedTuple of arrays: ``LossScaleState``, ``ZClipState``) as arrays of
+    ``be``: a host (NumPy) state, as a bare ``init()`` makes, joins the backend of the arrays
+    it meets (on the device of the first of them that is a framework array); any other state
+    is returned as it is (a framework's arrays, or wrappers that compute as them: flax NNX's
+    ``OptArray`` in an ``nnx.Optimizer``)."""
+    first = state[0]
+    numpy_state = type(first).__module__ == "numpy" or isinstance(first, float)
+    if be.name == "numpy" or not numpy_state or framework_of(first) != HOST:
+        return state
+    like = next((a for a in arrays if a is not None and framework_of(a) != HOST), None)
+    return type(state)(*(to_backend(be, field, like=like, name="state") for field in state))
+
+
+def hyperparameter(be: Backend, value: Any, dtype: str, like: Any) -> Any:
+    """A hyperparameter for array math: a Python float as it is; a 0-d array
+    (``optax.inject_hyperparams``) in ``dtype`` on ``like``'s device, so that an x64 float64
+    one does not widen float32 results or state."""
+    if isinstance(value, float):
+        return value
+    return be.cast(to_backend(be, value, like, "hyperparameter"), dtype)

@@ -186,3 +186,14 @@ def shapes_match(actual: tuple, expected: tuple) -> bool:
     return len(actual) == len(expected) and all(
         a is None or e is None or a == e for a, e in zip(actual, expected, strict=True)
     )
+
+
+def check_state(state: Any, kind: type, maker: str) -> Any:
+    """``state`` if it is a ``kind`` (a state NamedTuple), else InvalidArgumentError naming
+    the function that makes one."""
+    if not isinstance(state, kind):
+        raise InvalidArgumentError(
+            f"Expected state to be a {kind.__name__} (from {maker}). Received: state of "
+            f"type {type(state).__name__}"
+        )
+    return state

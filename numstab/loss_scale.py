@@ -37,7 +37,7 @@ import struct
 from typing import Any, NamedTuple
 
 from numstab import _validate as v
-from numstab._dispatch import HOST, framework_of, resolve_backend, to_backend
+from numstab._dispatch import resolve_backend, state_on_backend, to_backend
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend, native_op
 from numstab.clipping import scale_leaves
@@ -213,7 +213,7 @@ class LossScaler:
         if loss is None:
             raise InvalidArgumentError("Expected loss to be an array. Received: loss=None")
         be = resolve_backend(loss, _state(state).scale, backend=backend)
-        state = _state_on(be, state, loss)
+        state = state_on_backend(be, state, loss)
         loss = to_backend(be, loss, like=state.scale, name="loss")
         dtype = be.dtype_name(loss)
         v.check_floating("loss", dtype)
@@ -230,7 +230,7 @@ class LossScaler:
         leaves, treedef = flatten(grads)
         present = [g for g in leaves if g is not None]
         be = resolve_backend(_state(state).scale, *present, backend=backend)
-        state = _state_on(be, state, *present)
+        state = state_on_backend(be, state, *present)
         leaves = [to_backend(be, g, like=state.scale, name="grads") for g in leaves]
         for i, g in enumerate(g for g in leaves if g is not None):
             if not v.is_floating(be.dtype_name(g)):
@@ -253,7 +253,7 @@ class LossScaler:
         flax does), since a scale of 0 would make every later step non-finite forever.
         """
         be = resolve_backend(_state(state).scale, finite, backend=backend)
-        state = _state_on(be, state, finite)
+        state = state_on_backend(be, state, finite)
         finite = _finite_flag(be, finite, like=state.scale)
         if not self.dynamic:
             return state
@@ -353,26 +353,8 @@ def _stored_int(name: str, value: Any) -> int:
     return n
 
 
-def _state(state: Any, kind: type = LossScaleState, maker: str = "LossScaler.init") -> Any:
-    if not isinstance(state, kind):
-        raise InvalidArgumentError(
-            f"Expected state to be a {kind.__name__} (from {maker}). Received: state of "
-            f"type {type(state).__name__}"
-        )
-    return state
-
-
-def _state_on(be: Any, state: LossScaleState, *arrays: Any) -> LossScaleState:
-    """``state`` as arrays of ``be``: a host (NumPy) state, as ``init()`` makes without a
-    backend, joins the backend of the arrays it meets (on the device of the first of them that
-    is a framework array); any other state is returned as it is (a framework's arrays, or
-    wrappers that compute as them: flax NNX's ``OptArray`` in an ``nnx.Optimizer``)."""
-    first = state[0]  # any NamedTuple of arrays: LossScaleState, ZClipState
-    numpy_state = type(first).__module__ == "numpy" or isinstance(first, float)
-    if be.name == "numpy" or not numpy_state or framework_of(first) != HOST:
-        return state
-    like = next((a for a in arrays if a is not None and framework_of(a) != HOST), None)
-    return type(state)(*(to_backend(be, field, like=like, name="state") for field in state))
+def _state(state: Any) -> LossScaleState:
+    return v.check_state(state, LossScaleState, "LossScaler.init")
 
 
 def _finite_flag(be: Any, finite: Any, like: Any) -> Any:

@@ -409,12 +409,12 @@ def _check_zclip_state(state: Any, policy: Any) -> None:
 def agc(
     clip_factor: float = 0.01, eps: float = 1e-3, *, layout: str = "io", axis: Any = None
 ) -> optax.GradientTransformation:
-    """``numstab.adaptive_clipping.AGC`` as a GradientTransformation: the values of
+    """``numstab.agc.AGC`` as a GradientTransformation: the values of
     ``optax.adaptive_grad_clip(clip_factor, eps)`` (16-bit gradients normed in float32).
 
     ``optax.inject_hyperparams(agc)(...)``: ``clip_factor`` and ``eps`` are injected;
     ``axis`` picks the units and must be in ``static_args`` when given as an int."""
-    from numstab.adaptive_clipping import AGC
+    from numstab.agc import AGC
 
     policy = AGC(clip_factor, eps, layout=layout, axis=axis)
 

@@ -37,7 +37,8 @@ import keras
 from keras.src.utils import tracking  # what Keras' own LossScaleOptimizer.build uses
 
 from numstab._dispatch import resolve_backend
-from numstab.adaptive_clipping import AGC, ZClip, ZClipState
+from numstab.adaptive_clipping import ZClip, ZClipState
+from numstab.agc import AGC
 from numstab.clipping import global_norm, scale_leaves
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.keras.wrapping import inner_from_config, paired

@@ -210,7 +210,7 @@ def agc_(
     ``layout="oi"`` (default here): torch weights put the output axis first, so a unit is a
     row of an ``nn.Linear`` weight or an output channel of a ``ConvNd`` weight (as timm).
     """
-    from numstab.adaptive_clipping import AGC
+    from numstab.agc import AGC
 
     if isinstance(parameters, torch.nn.Module):
         parameters = parameters.parameters()
