@@ -45,6 +45,9 @@ class TorchBackend(NamespaceBackend):
         return x.full_tensor() if is_dtensor(x) else x
 
     def asarray(self, x, dtype=None, like=None):
+        if isinstance(x, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in x):
+            # stacked, as NumPy, JAX and TensorFlow do (as_tensor takes 1-element tensors only)
+            return torch.stack([self.asarray(e, dtype, like) for e in x])
         device = like.device if isinstance(like, torch.Tensor) else None
         return torch.as_tensor(x, dtype=getattr(torch, dtype) if dtype else None, device=device)
 
