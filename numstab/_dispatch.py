@@ -112,7 +112,7 @@ def scalar_array(be: Backend, name: str, x: Any, like: Any = None) -> Any:
         raise InvalidArgumentError(
             f"Expected {name} to be a scalar number or a one-element array. Received: {name}={x!r}"
         )
-    x = to_backend(be, x, like=like, name=name)
+    x = to_backend(be, same_framework(be, name, x), like=like, name=name)
     dtype, shape = be.dtype_name(x), be.shape(x)
     if not (v.is_floating(dtype) or v.is_integer(dtype)):
         raise InvalidArgumentError(
@@ -155,6 +155,19 @@ def check_numeric_host(x: Any, name: str) -> None:
 def _short_repr(x: Any) -> str:
     text = repr(x)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def same_framework(be: Backend, name: str, x: Any) -> Any:
+    """``x`` if it is host data or an array of ``be``'s framework, else BackendMismatchError
+    naming ``name`` (an array of another framework passed on unconverted: a torch loss in a
+    NumPy guard was computed with, a JAX one in a torch guard raised AttributeError)."""
+    found = framework_of(x)
+    if found not in (HOST, be.name):
+        raise BackendMismatchError(
+            f"Expected {name} of the {be.name} backend (or a number, or NumPy). Received: "
+            f"{name} of {found}, {type(x).__name__}"
+        )
+    return x
 
 
 def resolve_backend(*arrays: Any, backend: str | None = None) -> Backend:

@@ -460,3 +460,27 @@ def test_results_before_training_started_raise_typed():
     for name in ("history", "events"):
         with pytest.raises(InvalidArgumentError, match="Unstarted that has started"):
             getattr(Unstarted(), name)
+
+
+def test_a_loss_of_another_framework_is_a_backend_mismatch():
+    """``decide`` passed another framework's array on unconverted: a torch loss in a NumPy
+    guard was computed with, a JAX one in a torch guard raised AttributeError; so did
+    ``TorchGuard.step`` with a JAX loss."""
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    from numstab.errors import BackendMismatchError
+
+    guard = TrainingGuard()
+    cases = [("numpy", "loss", torch.tensor(1.0)), ("torch", "loss", jnp.asarray(1.0)),
+             ("torch", "grad_norm", jnp.asarray(1.0)), ("numpy", "scaler_overflow",
+             torch.tensor(True))]  # fmt: skip
+    for be, name, x in cases:
+        args = {"loss": 1.0, "grad_norm": None, "scaler_overflow": None, name: x}
+        with pytest.raises(BackendMismatchError, match=name):
+            guard.decide(guard.init_state(be), args["loss"], args["grad_norm"], be,
+                         scaler_overflow=args["scaler_overflow"])  # fmt: skip
+    model = torch.nn.Linear(2, 1)
+    tg = guard.for_torch(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(BackendMismatchError, match="loss"):
+        tg.step(jnp.asarray(1.0))

@@ -129,11 +129,11 @@ def scalar_input(be: Backend, name: str, x: Any, like: Array | None = None) -> A
 def flag_input(be: Backend, name: str, x: Any, like: Array | None = None) -> Array:
     """A step's flag as a 0-d bool array of ``be``: a Python or NumPy bool, or a one-element
     bool array; anything else raises ``InvalidArgumentError`` naming ``name``."""
-    from numstab._dispatch import to_backend
+    from numstab._dispatch import same_framework, to_backend
     from numstab.errors import InvalidArgumentError
 
     if isinstance(x, bool) or hasattr(x, "dtype"):
-        x = to_backend(be, x, like=like, name=name)
+        x = to_backend(be, same_framework(be, name, x), like=like, name=name)
         if be.dtype_name(x) == "bool" and all(n == 1 for n in be.shape(x)):
             return be.cast(be.reshape(x, ()), "bool")  # (a foreign array: this backend's)
     raise InvalidArgumentError(
