@@ -419,6 +419,18 @@ def test_bad_calls_raise():
         opt.apply([tf.zeros((3, 2))], [var])
 
 
+def test_a_gradient_of_another_shape_is_a_typed_error_for_every_wrapper():
+    """ZClipOptimizer and numstab's LossScaleOptimizer raised TensorFlow's own error from the
+    variable update (AGCOptimizer's shape check was its own); the shared pairing checks now."""
+    from numstab.integrations.keras import LossScaleOptimizer
+
+    for opt in (ZClipOptimizer(keras.optimizers.SGD(0.1)),
+                LossScaleOptimizer(keras.optimizers.SGD(0.1))):  # fmt: skip
+        var = keras.Variable(np.zeros((2,), np.float32))
+        with pytest.raises(InvalidArgumentError, match=r"grads\[0\].shape=\(3,\)"):
+            opt.apply([tf.ones(3)], [var])
+
+
 def test_unsupported_keras_backend_raises(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "openvino")
     with pytest.raises(InvalidArgumentError, match="KERAS_BACKEND='openvino'"):

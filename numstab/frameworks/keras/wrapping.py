@@ -48,4 +48,20 @@ def paired(optimizer: Any, grads: Sequence[Any], trainable_variables: Sequence[A
             f"Expected one gradient per variable. Received: {len(grads)} gradients for "
             f"{len(variables)} variables"
         )
+    for i, (g, var) in enumerate(zip(grads, variables, strict=True)):
+        have, want = _static_shape(g), _static_shape(var)
+        if have is not None and want is not None and have != want:  # (the framework's error)
+            raise InvalidArgumentError(
+                f"Expected each gradient of its variable's shape. Received: grads[{i}].shape="
+                f"{have} for variable {getattr(var, 'path', i)!r} of shape {want}"
+            )
     return grads, variables
+
+
+def _static_shape(x: Any) -> tuple | None:
+    """``x``'s shape where every size is known while tracing (None otherwise, or for None)."""
+    try:
+        dims = tuple(x.shape)
+    except (AttributeError, TypeError, ValueError):  # None, no shape, TF's unknown rank
+        return None
+    return None if any(d is None for d in dims) else tuple(int(d) for d in dims)
