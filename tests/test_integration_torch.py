@@ -663,3 +663,22 @@ def test_clip_grad_norm_16bit_tiny_max_norm_stays_under_it(dtype, norm_type):
                 clip_grad_norm_(params, max_norm, norm_type)
             norm = numstab.global_norm([p.grad for p in params], float(norm_type)).item()
             assert norm <= max_norm * (1 + 70 * 2.0**-23) + 2.0**-149
+
+
+def test_parameters_that_are_not_tensors_are_typed_errors():
+    """clip_grad_norm_, ZClip.step and agc_ raised Python's TypeError (None) or
+    AttributeError (another framework's arrays, a string); agc_ checked clip_factor and
+    layout only once gradients existed."""
+    from numstab.integrations.torch import ZClip, agc_, clip_grad_norm_
+
+    jnp = pytest.importorskip("jax.numpy")
+    calls = [lambda p: clip_grad_norm_(p, 1.0), lambda p: ZClip().step(p), agc_]
+    for call in calls:
+        for bad in (None, "x", [jnp.ones(2)]):
+            with pytest.raises(InvalidArgumentError, match="parameters"):
+                call(bad)
+    fresh = torch.nn.Linear(2, 2)  # no .grad yet
+    with pytest.raises(InvalidArgumentError, match="clip_factor"):
+        agc_(fresh, clip_factor=0.0)
+    with pytest.raises(InvalidArgumentError, match="layout"):
+        agc_(fresh, layout="xx")

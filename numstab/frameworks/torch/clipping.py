@@ -46,8 +46,7 @@ def clip_grad_norm_(
     norm_type = norm_type_of(norm_type)
     if foreach is not None:
         v.check_bool("foreach", foreach)
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = grads_by_device_dtype(params)
+    grads = grads_by_device_dtype(tensors_of(parameters))
     norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")
     if error_if_nonfinite and not torch.isfinite(norm):
         raise NonFiniteError(
@@ -131,11 +130,28 @@ def scale_groups_(groups: dict[tuple, list[torch.Tensor]], coef: torch.Tensor) -
 
 # -- adaptive clipping (ZClip, AGC) --------------------------------------------------------------
 def _grads_of(parameters: Any) -> list[torch.Tensor]:
+    return [p.grad for p in tensors_of(parameters) if p.grad is not None]
+
+
+def tensors_of(parameters: Any) -> list[torch.Tensor]:
+    """``parameters`` (a module, a tensor, or an iterable of tensors, as torch's clipping
+    functions take) as a list of tensors; anything else raises InvalidArgumentError (None or
+    another framework's arrays raised Python's TypeError or AttributeError)."""
     if isinstance(parameters, torch.nn.Module):
-        parameters = parameters.parameters()
-    elif isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    return [p.grad for p in parameters if p.grad is not None]
+        return list(parameters.parameters())
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    try:
+        found = list(parameters)
+    except TypeError:
+        found = None
+    if found is None or not all(isinstance(p, torch.Tensor) for p in found):
+        raise InvalidArgumentError(
+            f"Expected parameters to be a torch module, a tensor or an iterable of tensors. "
+            f"Received: {type(parameters).__name__}"
+            + ("" if found is None else f" of {sorted({type(p).__name__ for p in found})}")
+        )
+    return found
 
 
 class ZClip:
@@ -212,15 +228,11 @@ def agc_(
     """
     from numstab.agc import AGC
 
-    if isinstance(parameters, torch.nn.Module):
-        parameters = parameters.parameters()
-    elif isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
+    policy = AGC(clip_factor, eps, layout=layout, axis=axis)  # checked with no .grad yet too
+    params = [p for p in tensors_of(parameters) if p.grad is not None]
     if not params:
         return
     grads = [p.grad for p in params]
-    policy = AGC(clip_factor, eps, layout=layout, axis=axis)
     clipped = policy.clip(grads, [p.detach() for p in params], backend="torch")
     with torch.no_grad():
         torch._foreach_copy_(grads, clipped)
