@@ -109,8 +109,10 @@ def assert_finite(tree: Tree, name: str = "grads", *, backend: str | None = None
     The error's ``paths``, ``nan_count`` and ``inf_count`` sum over the leaves, and
     ``records`` holds the ``NonFiniteRecord`` list. Eager only, like ``find_nonfinite``.
     """
-    if not isinstance(name, str):
-        raise InvalidArgumentError(f"Expected name to be a str. Received: name={name!r}")
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidArgumentError(
+            f"Expected name to be a non-empty str (it starts the message). Received: name={name!r}"
+        )
     if isinstance(tree, Iterator):  # read twice below: an iterator once, as a list
         tree = list(tree)
     records = find_nonfinite(tree, backend=backend)

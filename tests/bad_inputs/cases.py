@@ -472,6 +472,7 @@ def tree_cases() -> Iterator[Case]:
             bad("grads", errors.NonFiniteError),
         ),
         Case("assert_finite.name=int", lambda c: ns.assert_finite(g(c), 3), bad("name")),
+        Case("assert_finite.name=empty", lambda c: ns.assert_finite(g(c), ""), bad("name")),
         Case(
             "adaptive_grad_clip.params=structure",
             lambda c: ns.adaptive_grad_clip(g(c), [c.a([1.0, 1.0])]),
