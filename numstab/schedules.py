@@ -85,7 +85,7 @@ class WarmupCosineSchedule:
 
     # -- evaluation ----------------------------------------------------------------------------
     def __call__(self, step: int | Array, *, backend: str | None = None) -> float | Array:
-        number = host_step(step)
+        number = _host_step(step)
         if number is None:
             return self._array_value(step, backend)
         if backend is not None:
@@ -154,10 +154,10 @@ class WarmupCosineSchedule:
     keras = for_keras
 
 
-def host_step(step: Any) -> int | None:
+def _host_step(step: Any) -> int | None:
     """``step`` as a Python int when it is one (NumPy's too), checked >= 0; None for an
-    integer or floating array (``schedule(step)`` and the framework adapters compute on
-    those); anything else (a bool, a float, a string, None) raises."""
+    integer or floating array (computed on); anything else (a bool, a float, a string, None)
+    raises."""
     if isinstance(step, numbers.Integral) and not isinstance(step, bool):
         if step < 0:
             raise InvalidArgumentError(f"Expected step >= 0. Received: step={step}")

@@ -83,13 +83,13 @@ def test_bad_steps_raise(step):
         warmup_cosine_schedule(**CONFIG)(step)
 
 
-@pytest.mark.parametrize("step", [1.5, -1, True, "3", None])
-def test_the_optax_adapter_refuses_the_same_steps(step):
-    """``for_optax()`` took a Python step to a jax array first: "3" and None raised JAX's
-    own errors, and -1 and 1.5 were computed (``schedule(step)`` refuses them)."""
+@pytest.mark.parametrize("count", ["3", None, [3]])
+def test_the_optax_adapter_refuses_what_is_no_count(count):
+    """``for_optax()`` took a Python count to a jax array first: "3" and None raised JAX's
+    own errors. Negative and float counts stay accepted, as optax's schedules take them."""
     pytest.importorskip("optax")
-    with pytest.raises(InvalidArgumentError, match="step"):
-        warmup_cosine_schedule(**CONFIG).for_optax()(step)
+    with pytest.raises(InvalidArgumentError, match="count"):
+        warmup_cosine_schedule(**CONFIG).for_optax()(count)
 
 
 def test_an_unknown_backend_raises_for_a_python_step():

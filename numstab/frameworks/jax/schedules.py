@@ -10,14 +10,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numstab.schedules import host_step
+from numstab.errors import InvalidArgumentError
 
 
 def optax_schedule(schedule: Any) -> Callable[[Any], Any]:
     """``count -> lr``, ``schedule`` evaluated on the jax backend (traceable by jit)."""
 
     def lr(count: Any) -> Any:
-        host_step(count)  # a negative int, a float, a string, None: schedule(step)'s errors
+        # optax's counts: any number or array (a negative one gives the warmup's start, as
+        # optax's schedules); a string or None raised JAX's own error
+        if not isinstance(count, numbers.Real) and not hasattr(count, "dtype"):
+            raise InvalidArgumentError(
+                f"Expected count to be a number or an array. Received: count={count!r}"
+            )
         return schedule(_step_array(count), backend="jax")
 
     return lr

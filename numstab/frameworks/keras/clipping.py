@@ -30,7 +30,7 @@ local gradients).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -41,6 +41,7 @@ from numstab.adaptive_clipping import ZClip, ZClipState
 from numstab.agc import AGC
 from numstab.clipping import global_norm, scale_leaves
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.keras import wrapping
 from numstab.frameworks.keras.wrapping import inner_from_config, paired
 from numstab.tree import flatten, unflatten
 
@@ -95,11 +96,7 @@ class _ClipOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # -- the step ------------------------------------------------------------------------------
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
-        """``apply`` on (gradient, variable) pairs; returns the inner ``iterations``."""
-        grads, trainable_variables = zip(*grads_and_vars, strict=True)
-        self.apply(grads, trainable_variables)
-        return self.iterations
+    apply_gradients = wrapping.apply_gradients
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         """Clip ``grads``, then ``inner_optimizer.apply`` them."""

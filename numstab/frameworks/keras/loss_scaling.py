@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import keras
@@ -57,6 +57,7 @@ from keras.src.utils import tracking  # what Keras' own LossScaleOptimizer.build
 import numstab
 from numstab import _validate as v
 from numstab.errors import InvalidArgumentError, NumstabError
+from numstab.frameworks.keras import wrapping
 from numstab.frameworks.keras.wrapping import inner_from_config, paired
 from numstab.loss_scale import LossScaler, LossScaleState
 
@@ -180,11 +181,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self._scaler.scale(tf.convert_to_tensor(loss), self.state)
 
     # -- the step ------------------------------------------------------------------------------
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> tf.Variable:
-        """``apply`` on (scaled gradient, variable) pairs; returns the inner ``iterations``."""
-        grads, trainable_variables = zip(*grads_and_vars, strict=True)
-        self.apply(grads, trainable_variables)
-        return self.iterations
+    apply_gradients = wrapping.apply_gradients
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         """One step on SCALED gradients: unscale, check, clip, apply if finite, update the

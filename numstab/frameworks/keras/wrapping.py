@@ -65,3 +65,11 @@ def _static_shape(x: Any) -> tuple | None:
     except (AttributeError, TypeError, ValueError):  # None, no shape, TF's unknown rank
         return None
     return None if any(d is None for d in dims) else tuple(int(d) for d in dims)
+
+
+def apply_gradients(optimizer: Any, grads_and_vars: Any) -> Any:
+    """A wrapper's ``apply_gradients``: its ``apply`` on (gradient, variable) pairs (the
+    scaled gradients, for a loss-scale optimizer); returns the inner ``iterations``."""
+    grads, trainable_variables = zip(*grads_and_vars, strict=True)
+    optimizer.apply(grads, trainable_variables)
+    return optimizer.iterations
