@@ -158,11 +158,12 @@ def _short_repr(x: Any) -> str:
 
 
 def same_framework(be: Backend, name: str, x: Any) -> Any:
-    """``x`` if it is host data or an array of ``be``'s framework, else BackendMismatchError
-    naming ``name`` (an array of another framework passed on unconverted: a torch loss in a
-    NumPy guard was computed with, a JAX one in a torch guard raised AttributeError)."""
+    """``x`` if ``be`` can take it: host data, an array of ``be``'s framework, or, for the
+    NumPy backend, any framework's array (read through ``__array__``: a host-mode guard
+    reads a torch scaler's found-inf flag so); else BackendMismatchError naming ``name`` (a
+    JAX loss in a torch guard raised AttributeError)."""
     found = framework_of(x)
-    if found not in (HOST, be.name):
+    if found not in (HOST, be.name) and be.name != "numpy":
         raise BackendMismatchError(
             f"Expected {name} of the {be.name} backend (or a number, or NumPy). Received: "
             f"{name} of {found}, {type(x).__name__}"

@@ -463,22 +463,27 @@ def test_results_before_training_started_raise_typed():
 
 
 def test_a_loss_of_another_framework_is_a_backend_mismatch():
-    """``decide`` passed another framework's array on unconverted: a torch loss in a NumPy
-    guard was computed with, a JAX one in a torch guard raised AttributeError; so did
-    ``TorchGuard.step`` with a JAX loss."""
+    """``decide`` passed another framework's array on unconverted: a JAX loss, norm or flag
+    in a torch guard raised AttributeError, and so did ``TorchGuard.step`` with a JAX loss.
+    A NumPy guard reads any framework's scalar (as a torch scaler's found-inf flag)."""
     torch = pytest.importorskip("torch")
     jnp = pytest.importorskip("jax.numpy")
     from numstab.errors import BackendMismatchError
 
     guard = TrainingGuard()
-    cases = [("numpy", "loss", torch.tensor(1.0)), ("torch", "loss", jnp.asarray(1.0)),
-             ("torch", "grad_norm", jnp.asarray(1.0)), ("numpy", "scaler_overflow",
-             torch.tensor(True))]  # fmt: skip
+    cases = [
+        ("torch", "loss", jnp.asarray(1.0)),
+        ("torch", "grad_norm", jnp.asarray(1.0)),
+        ("torch", "scaler_overflow", jnp.asarray(True)),
+        ("jax", "loss", torch.tensor(1.0)),
+    ]
     for be, name, x in cases:
         args = {"loss": 1.0, "grad_norm": None, "scaler_overflow": None, name: x}
         with pytest.raises(BackendMismatchError, match=name):
             guard.decide(guard.init_state(be), args["loss"], args["grad_norm"], be,
                          scaler_overflow=args["scaler_overflow"])  # fmt: skip
+    decision, _ = guard.decide(guard.init_state("numpy"), torch.tensor(2.0), jnp.asarray(1.0))
+    assert float(decision.loss) == 2.0 and float(decision.grad_norm) == 1.0
     model = torch.nn.Linear(2, 1)
     tg = guard.for_torch(model, torch.optim.SGD(model.parameters(), lr=0.1))
     model(torch.ones(1, 2)).sum().backward()
