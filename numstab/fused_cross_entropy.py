@@ -396,7 +396,7 @@ def _vocab_mask(be: Backend, b32, w, eps: float, vocab: int, cdt: str, want_dh: 
     (softmax, lse), but ``x * 0`` is 0, not NaN, so the smoothing mean is one weighted sum as
     before, ``sum_c x[c] * mean_weights[c]``. The smoothing shift the softmax gradient puts on
     every column is taken back on the masked ones: out of dhidden by ``w_masked``, and out of
-    dweight and dbias by zeroing their masked rows (+0.0) once, with the multiply by the
+    dweight and dbias by zeroing their masked rows once, in the multiply by the
     cotangent (``_scale_classes``). A finite bias gives the same values as no mask at all:
     weights ``1/V`` and ``eps/V``, ``w_masked`` 0. NaN compares false (valid, it propagates);
     +inf is valid (non-finite results)."""

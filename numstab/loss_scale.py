@@ -322,8 +322,7 @@ def _stored_scale(scaler: LossScaler, value: Any) -> float:
     finite=True), below it 0; a negative scale flipped the gradients' sign, NaN skipped every
     step, one outside [min_scale, max_scale] broke the config's bounds."""
     try:
-        scale = float(value)
-        stored = struct.unpack("<f", struct.pack("<f", scale))[0]
+        stored = _float32(float(value))
     except OverflowError:  # finite, but rounds past float32's largest value
         stored = math.inf
     except (TypeError, ValueError):  # None, "abc"
@@ -378,10 +377,16 @@ def _finite_flag(be: Any, finite: Any, like: Any) -> Any:
     return be.reshape(finite, ()) if shape else finite
 
 
+def _float32(x: float) -> float:
+    """``x`` rounded to the nearest float32, in plain Python (struct: no framework needed);
+    OverflowError past float32's range."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
 def _float32_rounded(x: float, up: bool) -> float:
     """The float32 nearest ``x`` on the side asked (``up``: >= x, else <= x), for x within
-    float32's finite range; in plain Python (struct), so no framework is needed."""
-    f = struct.unpack("<f", struct.pack("<f", x))[0]
+    float32's finite range."""
+    f = _float32(x)
     if (up and f < x) or (not up and f > x):
         bits = struct.unpack("<I", struct.pack("<f", f))[0]  # a positive float: bits order it
         f = struct.unpack("<f", struct.pack("<I", bits + (1 if up else -1)))[0]

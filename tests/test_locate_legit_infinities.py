@@ -18,13 +18,21 @@ import numstab as ns
 VOCAB, REAL = 16, 12  # the last VOCAB - REAL logits are padding, masked to -inf
 
 
+def _torch_pad_vocab(name):
+    """A torch module class (named ``name``) masking the padded logits to -inf."""
+    import torch
+
+    def forward(self, x):
+        return x.masked_fill(torch.arange(x.shape[-1]) >= REAL, float("-inf"))
+
+    return type(name, (torch.nn.Module,), {"forward": forward})
+
+
 def test_torch_masked_vocab_backward_nan_is_found():
     torch = pytest.importorskip("torch")
     nn = torch.nn
 
-    class PadVocab(nn.Module):
-        def forward(self, x):
-            return x.masked_fill(torch.arange(x.shape[-1]) >= REAL, float("-inf"))
+    PadVocab = _torch_pad_vocab("PadVocab")
 
     class RowNorm(nn.Module):  # NaN gradient on an all-zero row: sqrt'(0)
         def forward(self, x):
@@ -61,10 +69,7 @@ def test_torch_nan_from_finite_values_outranks_an_earlier_inf():
     torch = pytest.importorskip("torch")
     nn = torch.nn
 
-    class Mask(nn.Module):
-        def forward(self, x):
-            return x.masked_fill(torch.arange(x.shape[-1]) >= REAL, float("-inf"))
-
+    Mask = _torch_pad_vocab("Mask")
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, VOCAB), Mask(), nn.Softmax(-1), nn.Linear(VOCAB, 4))
     x = torch.randn(3, 8)
