@@ -308,6 +308,9 @@ class LossScaler:
                 f"Expected state_dict's hysteresis_left within [0, hysteresis={scaler.hysteresis}]"
                 f". Received: hysteresis_left={values['hysteresis_left']}"
             )
+        # a tracker at or past growth_interval - 1 grows on the next finite step either way;
+        # clamped, its increment cannot wrap past int32 (2**31 - 1 + 1 grew never again)
+        ints["growth_tracker"] = min(ints["growth_tracker"], scaler.growth_interval - 1)
         be = resolve_backend(like, backend=backend)
         state = LossScaleState(
             scale=be.asarray(scale, dtype="float32", like=like),

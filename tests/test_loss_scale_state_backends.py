@@ -112,3 +112,19 @@ def test_int32_fields_refuse_values_that_would_wrap(backend):
     scaler = ns.LossScaler(init_scale=8.0, growth_interval=2**31 - 1)  # the largest
     state = scaler.update(scaler.init(backend=backend), True)
     assert float(load_backend(backend).to_numpy(state.scale)) == 8.0
+
+
+@pytest.mark.parametrize("backend", ["numpy", *FRAMEWORKS])
+def test_a_loaded_tracker_at_int32s_largest_value_still_grows(backend):
+    """A state dict's tracker of 2**31 - 1 wrapped to -2**31 on its next increment: the
+    scale then never grew again. Loaded trackers at or past growth_interval - 1 grow on
+    the next finite step, as those the updates make."""
+    scaler = ns.LossScaler(init_scale=8.0, growth_interval=2000)
+    data = scaler.state_dict(scaler.init())
+    for tracker in (1999, 5000, 2**31 - 1):
+        data["state"]["growth_tracker"] = tracker
+        _, state = ns.LossScaler.from_state_dict(data, backend=backend)
+        grown = scaler.update(state, True, backend=backend)
+        be = load_backend(backend)
+        assert float(be.to_numpy(grown.scale)) == 16.0, tracker
+        assert int(be.to_numpy(grown.growth_tracker)) == 0, tracker
