@@ -29,6 +29,7 @@ from numstab.errors import (
     BackendMismatchError,
     BackendUnavailableError,
     InvalidArgumentError,
+    MixedBackendsError,
     NonFiniteError,
     OutlierError,
 )
@@ -105,6 +106,25 @@ def test_check_batch_errors():
     torch = pytest.importorskip("torch")
     with pytest.raises(BackendMismatchError):
         check_batch({"x": torch.ones(2)}, backend="numpy")
+
+
+def test_fields_of_two_frameworks_are_each_checked_in_their_own():
+    """check_batch raised MixedBackendsError for a batch that Firewall.process handled field
+    by field; both read each field in its framework now, and agree (backend= still asserts)."""
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    x = np.ones((4, 3), np.float32)
+    x[1, 2] = np.nan
+    y = np.ones((4, 2), np.float32)
+    y[3, 0] = np.inf
+    batch = {"x": torch.tensor(x), "y": jnp.asarray(y), "ids": np.arange(4)}
+    report = check_batch(batch)
+    assert (report.nan_count, report.inf_count, report.bad_samples) == (1, 1, (1, 3))
+    kept = Firewall("drop").process(batch)
+    assert [len(kept[k]) for k in ("x", "y", "ids")] == [2, 2, 2]
+    assert np.asarray(kept["ids"]).tolist() == [0, 2]
+    with pytest.raises(MixedBackendsError):
+        check_batch(batch, backend="torch")
 
 
 # -- protect: policies over a Python iterator -------------------------------------------------

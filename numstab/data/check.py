@@ -103,13 +103,15 @@ class BatchReport:
 def check_batch(batch: Any, *, batch_axis: int = 0, backend: str | None = None) -> BatchReport:
     """Count NaN and inf per floating field and per sample of a nested batch (eager).
 
-    Each field is checked in its own framework (NumPy arrays with NumPy, never converted).
-    ``backend=`` only asserts the framework (BackendMismatchError / MixedBackendsError as in
+    Each field is checked in its own framework (NumPy arrays with NumPy, never converted),
+    so fields of two frameworks are accepted, as by ``Firewall.process``. ``backend=`` only
+    asserts the framework (BackendMismatchError / MixedBackendsError as in
     docs/semantics.md §1.3). A clean batch costs one fused sum per field and one host sync.
     """
     batch_axis = check_batch_axis(batch_axis)
     parts = split_batch(batch, batch_axis)
-    resolve_backend(*[f.stored for f in parts.fields if f.backend is not None], backend=backend)
+    if backend is not None:
+        resolve_backend(*[f.stored for f in parts.fields if f.backend is not None], backend=backend)
     return report_of(parts, batch_axis)
 
 
