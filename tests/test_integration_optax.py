@@ -428,3 +428,29 @@ def test_bad_arguments_raise():
     tx = loss_scaled(optax.sgd(0.1))
     with pytest.raises(InvalidArgumentError, match="LossScaledState"):
         tx.update(params, optax.sgd(0.1).init(params), params)
+
+
+def test_another_optimizers_or_models_state_raises_a_typed_error():
+    """loss_scaled(adam).update with loss_scaled(sgd)'s state (or one made for other params)
+    raised optax's AttributeError / a shape error from inside the update."""
+    params = {"w": jnp.ones(2), "b": jnp.ones(1)}
+    adam = loss_scaled(optax.adam(0.1))
+    for state in (
+        loss_scaled(optax.sgd(0.1, momentum=0.9)).init(params),
+        adam.init({"w": jnp.ones(3), "b": jnp.ones(1)}),
+    ):
+        with pytest.raises(InvalidArgumentError, match="inner_state") as caught:
+            adam.update(params, state, params)
+        assert caught.value.__cause__ is not None  # optax's own error stays attached
+    with pytest.raises(InvalidArgumentError, match="inner_state"):  # also while traced
+        jax.jit(adam.update)(params, loss_scaled(optax.sgd(0.1, momentum=0.9)).init(params))
+
+
+def test_the_inner_transformations_own_errors_pass_through():
+    def failing_update(updates, state, params=None):
+        raise RuntimeError("inner failed")
+
+    tx = loss_scaled(optax.GradientTransformation(lambda p: optax.EmptyState(), failing_update))
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(RuntimeError, match="inner failed"):
+        tx.update(params, tx.init(params), params)

@@ -166,7 +166,11 @@ def _step_fn(inner, scaler, max_norm, norm_type, axis_name) -> Callable[..., tup
         def apply(_: None) -> tuple[Any, Any]:
             return inner.update(grads, state.inner_state, params, **extra_args)
 
-        out_shapes = jax.eval_shape(apply, None)
+        try:
+            out_shapes = jax.eval_shape(apply, None)
+        except Exception as error:
+            _check_inner_state(inner, grads, state.inner_state, error)
+            raise
 
         def skip(_: None) -> tuple[Any, Any]:
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes[0])
@@ -285,6 +289,31 @@ def _check_matches(grads: Any, params: Any) -> None:
         raise InvalidArgumentError(
             f"Expected gradients with the structure of params. Received: grads "
             f"{jax.tree.structure(grads)}, params {jax.tree.structure(params)}"
+        ) from error
+
+
+def _check_inner_state(inner: Any, grads: Any, inner_state: Any, error: Exception) -> None:
+    """Why ``inner.update`` raised ``error``, when the reason is the state passed: an
+    ``InvalidArgumentError`` if ``inner_state`` is not what ``inner.init`` makes for these
+    gradients (another optimizer's state, or one for other parameters: optax raised an
+    AttributeError or a shape error from inside the update). Otherwise nothing: the caller
+    re-raises ``error``, the inner transformation's own."""
+    try:
+        expected = jax.eval_shape(inner.init, grads)
+    except Exception:  # an init that needs the real params: nothing to compare with
+        return
+
+    def layout(tree: Any) -> tuple:
+        leaves, structure = jax.tree.flatten(tree)
+        return structure, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+
+    (want, want_leaves), (got, got_leaves) = layout(expected), layout(inner_state)
+    if want != got or want_leaves != got_leaves:
+        raise InvalidArgumentError(
+            f"Expected state.inner_state to be what the inner transformation's init makes "
+            f"for these gradients (another optimizer's state, or one made for other "
+            f"parameters?). Received: {got} where init gives {want}"
+            + ("" if want != got else " (same structure, other shapes or dtypes)")
         ) from error
 
 
