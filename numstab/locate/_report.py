@@ -19,6 +19,7 @@ from numstab._dispatch import framework_of
 from numstab.backends import load_backend
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError
+from numstab.nonfinite import find_nonfinite
 
 Array = Any
 
@@ -37,6 +38,17 @@ def absmax(be: Backend, tensors: list) -> Array | None:
         if len(tensors) == 1:  # the common case, in two ops
             return be.max(be.abs(be.cast(tensors[0], dtype)))
         return be.max(native_op(be, "leaf_norms")(tensors, math.inf, dtype))
+
+
+def nonfinite_counts(*trees: Any) -> tuple[int, int]:
+    """(NaN count, inf count) over the arrays of ``trees``: a located layer's counts."""
+    found = [r for tree in trees for r in find_nonfinite(tree)]
+    return sum(r.nan_count for r in found), sum(r.inf_count for r in found)
+
+
+def nonfinite_names(names: list[str], arrays: list) -> list[str]:
+    """The names of the arrays that hold a NaN or inf; ``names[i]`` names ``arrays[i]``."""
+    return [names[int(r.path[1:-1])] for r in find_nonfinite(list(arrays))]  # "[i]" -> i
 
 
 def check_loss(loss: Any, framework: str) -> None:

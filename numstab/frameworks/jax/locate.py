@@ -43,8 +43,15 @@ import jax.numpy as jnp
 
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
-from numstab.locate._report import LOSS, LayerCall, LocateReport, check_loss, summarise
-from numstab.nonfinite import find_nonfinite
+from numstab.locate._report import (
+    LOSS,
+    LayerCall,
+    LocateReport,
+    check_loss,
+    nonfinite_counts,
+    nonfinite_names,
+    summarise,
+)
 
 __all__ = ["layer"]
 
@@ -341,13 +348,13 @@ def locate(
     def counts(call: LayerCall, phase: str) -> tuple[int, int]:
         kept = details[id(call)][1]
         xs = kept["outputs"] if phase == "forward" else kept["grad_inputs"] + kept["grad_params"]
-        found = find_nonfinite(list(xs))
-        return sum(r.nan_count for r in found), sum(r.inf_count for r in found)
+        return nonfinite_counts(list(xs))
 
     def param_paths(call: LayerCall, phase: str) -> list[str]:
         record, kept = details[id(call)]
-        xs = kept["params" if phase == "forward" else "grad_params"]
-        return [record.param_paths[int(r.path[1:-1])] for r in find_nonfinite(list(xs))]
+        return nonfinite_names(
+            record.param_paths, kept["params" if phase == "forward" else "grad_params"]
+        )
 
     return summarise(
         load_backend("numpy"),

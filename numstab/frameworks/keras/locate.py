@@ -21,8 +21,16 @@ from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.keras.layers import own_variables, wrapped_calls
 from numstab.frameworks.keras.locate_autodiff import autodiff_for
-from numstab.locate._report import LOSS, LayerCall, LocateReport, absmax, check_loss, summarise
-from numstab.nonfinite import find_nonfinite
+from numstab.locate._report import (
+    LOSS,
+    LayerCall,
+    LocateReport,
+    absmax,
+    check_loss,
+    nonfinite_counts,
+    nonfinite_names,
+    summarise,
+)
 
 
 class _Entry:
@@ -146,15 +154,13 @@ def locate(
     def counts(call: LayerCall, phase: str) -> tuple[int, int]:
         e = by_call[id(call)]
         tensors = e.outs if phase == "forward" else [*e.grad_ins, *e.grad_vars.values()]
-        found = find_nonfinite([t for t in tensors if t is not None])
-        return sum(r.nan_count for r in found), sum(r.inf_count for r in found)
+        return nonfinite_counts([t for t in tensors if t is not None])
 
     def param_paths(call: LayerCall, phase: str) -> list[str]:
         e = by_call[id(call)]
         tree = {w.path: w.value for w in e.variables} if phase == "forward" else e.grad_vars
         paths = [k for k, x in tree.items() if x is not None]
-        found = find_nonfinite([tree[k] for k in paths])
-        return [paths[int(r.path[1:-1])] for r in found]  # "[i]" -> the variable's path
+        return nonfinite_names(paths, [tree[k] for k in paths])
 
     return summarise(
         be,

@@ -34,6 +34,7 @@ from numstab.locate._report import (
     LocateReport,
     backward_needed,
     check_loss,
+    nonfinite_counts,
     summarise,
 )
 from numstab.nonfinite import find_nonfinite
@@ -222,11 +223,8 @@ def locate(
     def counts(call: LayerCall, phase: str) -> tuple[int, int]:
         rec = by_call[id(call)]
         if phase == "forward":
-            found = find_nonfinite([flat_values(t) for t in rec.outputs])  # nested: components
-        else:
-            found = find_nonfinite(backward.own_input_grads(rec))
-            found += find_nonfinite(backward.named_param_grads(rec))
-        return sum(r.nan_count for r in found), sum(r.inf_count for r in found)
+            return nonfinite_counts([flat_values(t) for t in rec.outputs])  # nested: components
+        return nonfinite_counts(backward.own_input_grads(rec), backward.named_param_grads(rec))
 
     def param_paths(call: LayerCall, phase: str) -> list[str]:
         rec = by_call[id(call)]
