@@ -51,11 +51,16 @@ class CustomGradient(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.mark_non_differentiable(*[r for r in output[1:] if r is not None])
+        # the residual outputs get no gradient: undefined, not zeros (materialised, they were
+        # a zero dweight and dhidden, a second weight-sized buffer at the step's peak)
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(*output[1:])
         ctx.backward_fn = inputs[1]
 
     @staticmethod
     def backward(ctx, cotangent, *_):
+        if cotangent is None:  # the loss itself got no gradient
+            return (None,) * (3 + len(ctx.saved_tensors))
         saved = ctx.saved_tensors
         # grad mode is on under create_graph=True and always under torch.func, where only a
         # second differentiating level counts; a torch.func.vjp function (jacrev) runs after
