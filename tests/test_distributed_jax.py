@@ -9,13 +9,14 @@ must equal the norm of the unsharded gradients.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.jax_devices import cpu_devices_env
 
 pytest.importorskip("jax")
 pytest.importorskip("optax")
@@ -157,12 +158,7 @@ SCRIPT = textwrap.dedent(
 def test_one_device_overflow_skips_everywhere_under_shard_map(tmp_path):
     script = tmp_path / "distributed_check.py"
     script.write_text(SCRIPT)
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    env = cpu_devices_env(4)
     env.pop("NUMSTAB_BACKEND", None)
     proc = subprocess.run(
         [sys.executable, str(script)],

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +22,7 @@ import pytest
 import numstab as ns
 from conformance_tests.tolerances import GRADIENT, VALUE
 from numstab.fused_cross_entropy import fused_linear_cross_entropy
+from tests.jax_devices import cpu_devices_env
 
 TOKENS, WIDTH, VOCAB, CHUNK = 14, 8, 11, 4  # 3 full chunks and a short one
 MASKED = (3, 9, 10)  # -inf bias: not contiguous, the last class among them
@@ -245,7 +244,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, PartitionSpec as P
 import numstab as ns
 
-assert jax.device_count() == 4
+assert jax.device_count() == 4, jax.devices()
 rng = np.random.default_rng(0)
 T, D, V, MASKED = 64, 16, 40, [3, 17, 39]
 h = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
@@ -288,13 +287,11 @@ def test_jax_sharded_rows():
     jax = pytest.importorskip("jax")
     if not hasattr(jax, "shard_map") or not hasattr(jax.sharding, "AxisType"):
         pytest.skip("needs jax.shard_map and explicit sharding (jax >= 0.7)")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-c", SHARDED], capture_output=True, text=True, timeout=600, env=env
+        [sys.executable, "-c", SHARDED],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=cpu_devices_env(4),
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-4000:]

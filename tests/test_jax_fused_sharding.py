@@ -8,13 +8,14 @@ so the checks run in a fresh interpreter (as tests/test_distributed_jax.py).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.jax_devices import cpu_devices_env
 
 jax = pytest.importorskip("jax")
 pytest.importorskip("optax")
@@ -129,12 +130,7 @@ EXPLICIT = textwrap.dedent(
 
 
 def _run(script: str, *args: str) -> None:
-    env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    env["XLA_FLAGS"] = flags.strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env = cpu_devices_env(4)
     proc = subprocess.run(
         [sys.executable, "-c", PRELUDE + script, *args],
         capture_output=True,
