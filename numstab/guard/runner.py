@@ -314,13 +314,19 @@ def _state_from_host(be: Backend, tree: dict) -> policy.GuardState:
         ) from None
 
 
-def check_payload(payload: Any, keys: tuple[str, ...], framework: str) -> None:
+def check_payload(
+    payload: Any, keys: tuple[str, ...], framework: str, *, exact: bool = False
+) -> None:
     """``InvalidArgumentError`` unless a snapshot file's payload holds ``keys`` (a file of
-    another framework's guard otherwise)."""
-    if not (isinstance(payload, dict) and payload.keys() >= set(keys)):
-        got = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+    another framework's guard otherwise); ``exact``: those and no others (the optax guard's
+    ``extra``: a file with it loaded into a guard without it dropped the state silently)."""
+    names = set(payload) if isinstance(payload, dict) else None
+    if names is None or not (names == set(keys) if exact else names >= set(keys)):
+        got = sorted(names) if names is not None else type(payload).__name__
+        article = "an" if framework[:1] in tuple("aeiou") else "a"
         raise InvalidArgumentError(
-            f"Expected a snapshot of a {framework} guard (payload {list(keys)}). Received: {got}"
+            f"Expected a snapshot of {article} {framework} guard (payload {list(keys)}"
+            f"{', exactly' if exact else ''}). Received: {got}"
         )
 
 

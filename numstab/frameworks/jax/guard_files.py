@@ -25,7 +25,7 @@ def from_host(file: dict[str, Any], names: tuple[str, ...], current: tuple[Any, 
     """The saved leaves of each of ``names`` in the structure of the ``current`` trees, after
     checking their number and shapes (``check_fits``: before, JAX's "Too many leaves for
     PyTreeDef", or other shapes loaded silently)."""
-    check_payload(file, names, "optax")
+    check_payload(file, names, "optax", exact=True)  # extra= in the file iff in the guard
     out = []
     for name, tree in zip(names, current, strict=False):
         paths, treedef = jax.tree_util.tree_flatten_with_path(tree)

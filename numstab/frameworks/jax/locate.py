@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
+from numstab.frameworks.jax.tree_checks import check_values
 from numstab.locate._report import (
     LOSS,
     LayerCall,
@@ -318,6 +319,12 @@ def locate(
         leaves = jax.tree_util.tree_leaves(value)
         is_data = leaves and all(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves)
         (traced if is_data else fixed)[name] = value
+    named = [(f"inputs[{i}]", x) for i, x in enumerate(inputs)] + [("targets", targets)]
+    # they are arguments of the jitted pass (a torch tensor or a string raised JAX's "Error
+    # interpreting argument to <function analyze>"); None, an omitted optional argument,
+    # is an empty pytree; keywords that are not arrays are static on purpose (§15.3)
+    named += [(f"model_kwargs[{k!r}]", v) for k, v in traced.items()]
+    check_values(named, "a JAX or NumPy array, a number, or a pytree of them")
     jitted, static, layout = _instrumented(split, loss_fn, (inputs, traced), fixed, targets)
     try:
         vector, tensors = jitted(split.arrays, (inputs, traced), targets)

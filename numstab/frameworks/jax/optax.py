@@ -35,6 +35,7 @@ from numstab.clipping import clip_by_global_norm, global_norm
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.jax.eager import eager_jit
 from numstab.frameworks.jax.sharding import pvary, varying
+from numstab.frameworks.jax.tree_checks import check_matches, check_state_made_by
 from numstab.loss_scale import LossScaler, LossScaleState
 
 __all__ = [
@@ -127,7 +128,7 @@ def loss_scaled(
                 f"Expected the LossScaledState made by this transformation's init. Received: "
                 f"{type(state).__name__}"
             )
-        _check_matches(updates, params)
+        check_matches(updates, params)
         return eager_step(updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -169,7 +170,7 @@ def _step_fn(inner, scaler, max_norm, norm_type, axis_name) -> Callable[..., tup
         try:
             out_shapes = jax.eval_shape(apply, None)
         except Exception as error:
-            _check_inner_state(inner, grads, state.inner_state, error)
+            check_state_made_by(inner.init, grads, state.inner_state, "state.inner_state", error)
             raise
 
         def skip(_: None) -> tuple[Any, Any]:
@@ -260,61 +261,6 @@ def _same_varying_axes(*branches: Callable[[None], Any]) -> list[Callable[[None]
         return run
 
     return [aligned(b, s) for b, s in zip(branches, shapes, strict=True)]
-
-
-def _check_matches(grads: Any, params: Any) -> None:
-    """InvalidArgumentError unless grads and params (when given) have one structure and shapes.
-    A None gradient matches any params subtree: Equinox's ``filter_grad`` gives None where
-    the model holds no array (an activation function), and the model itself is passed as
-    params, as optax's own transformations accept.
-
-    Integer or other non-floating gradients are rejected by ``LossScaler.unscale``.
-    """
-    if params is None:
-        return
-
-    def check(path: Any, g: Any, p: Any) -> None:
-        if g is not None and jnp.shape(g) != jnp.shape(p):
-            raise InvalidArgumentError(
-                f"Expected gradient shapes equal to param shapes. Received: at "
-                f"{jax.tree_util.keystr(path)} grad shape {jnp.shape(g)}, param shape "
-                f"{jnp.shape(p)}"
-            )
-
-    try:
-        jax.tree_util.tree_map_with_path(check, grads, params, is_leaf=lambda x: x is None)
-    except InvalidArgumentError:
-        raise
-    except (ValueError, TypeError) as error:  # JAX's structure mismatch
-        raise InvalidArgumentError(
-            f"Expected gradients with the structure of params. Received: grads "
-            f"{jax.tree.structure(grads)}, params {jax.tree.structure(params)}"
-        ) from error
-
-
-def _check_inner_state(inner: Any, grads: Any, inner_state: Any, error: Exception) -> None:
-    """Why ``inner.update`` raised ``error``, when the reason is the state passed: an
-    ``InvalidArgumentError`` if ``inner_state`` is not what ``inner.init`` makes for these
-    gradients (another optimizer's state, or one for other parameters: optax raised an
-    AttributeError or a shape error from inside the update). Otherwise nothing: the caller
-    re-raises ``error``, the inner transformation's own."""
-    try:
-        expected = jax.eval_shape(inner.init, grads)
-    except Exception:  # an init that needs the real params: nothing to compare with
-        return
-
-    def layout(tree: Any) -> tuple:
-        leaves, structure = jax.tree.flatten(tree)
-        return structure, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
-
-    (want, want_leaves), (got, got_leaves) = layout(expected), layout(inner_state)
-    if want != got or want_leaves != got_leaves:
-        raise InvalidArgumentError(
-            f"Expected state.inner_state to be what the inner transformation's init makes "
-            f"for these gradients (another optimizer's state, or one made for other "
-            f"parameters?). Received: {got} where init gives {want}"
-            + ("" if want != got else " (same structure, other shapes or dtypes)")
-        ) from error
 
 
 def _norm_across(grads: Any, norm_type: float, axis_name: Hashable) -> jax.Array:
