@@ -40,10 +40,11 @@ its parameters), then multiplies every param group's ``lr`` (and ``initial_lr``,
 scheduler's ``base_lrs``) by the LR factor. Param groups added after the snapshot
 (``add_param_group``) stay, with their settings as now and no optimizer state.
 
-The gradients checked are those of the parameters the step can update (trainable, or with a
-``.grad``; a missing ``.grad`` has norm 0); a frozen parameter joins them as soon as it
-requires grad (gradual unfreezing, read every step), and in device mode is backed up from
-then on. The history has one column per floating parameter of the model, 0 while frozen.
+The optimizer may update the model's parameters only (checked at construction). The gradients
+checked are those of the parameters the step can update (trainable, or with a ``.grad``; a
+missing ``.grad`` has norm 0); a frozen parameter joins them as soon as it requires grad
+(gradual unfreezing, read every step), and in device mode is backed up from then on. The
+history has one column per floating parameter of the model, 0 while frozen.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class TorchGuard(RunnerResults):
                 f"Expected scaler to be a torch.amp.GradScaler (or numstab's) or None. "
                 f"Received: scaler of type {type(scaler).__name__}"
             )
+        _check_own_parameters(model, optimizer)
         v.check_bool("sharded", sharded)
         group_type = getattr(dist, "ProcessGroup", None)
         if process_group is not None and not (group_type and isinstance(process_group, group_type)):
@@ -361,6 +363,21 @@ class TorchGuard(RunnerResults):
             [(name, (len(p),)) for name, p in groups(self.optimizer.param_groups)],
         )
         return _tensors(tree)
+
+
+def _check_own_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer over tensors that are not ``model``'s parameters, which the guard
+    neither checks nor snapshots. Checked once (not in a group added later)."""
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+    if foreign:
+        raise InvalidArgumentError(
+            "Expected an optimizer over the model's own parameters: the guard checks and "
+            "snapshots those only, so the others' non-finite gradients would be applied and no "
+            "rollback could restore them. Register them on the model (an nn.Parameter of one "
+            f"of its modules). Received: {len(foreign)} optimizer parameter(s) not in "
+            f"model.parameters(), shapes {[tuple(p.shape) for p in foreign[:4]]}"
+        )
 
 
 def _updatable(p: torch.Tensor) -> bool:

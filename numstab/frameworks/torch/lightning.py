@@ -18,6 +18,11 @@ under "16-mixed".
 - The gradients are measured in ``on_before_optimizer_step``, before Lightning clips them
   (``gradient_clip_val``), and after the GradScaler unscales them under "16-mixed": the
   gradient-norm rules and ``numstab/grad_norm`` see the norm the backward pass made.
+- ``max_grad_norm=M``: the guarded step clips the gradients to ``M`` after the guard decided,
+  with the norm measured before (``StepGuard``). Lightning's own clipping
+  (``gradient_clip_val`` > 0) runs between the two: with both, the gradients were clipped
+  twice (the second time by ``M / norm`` with the unclipped norm: weights that barely moved,
+  no error). Both together now raise ``InvalidArgumentError`` when training starts.
 - "16-mixed": Lightning's GradScaler skips non-finite steps itself (and the guard never sees
   them: the scaler does not call ``step``); the guard skips the spikes.
 - Lightning steps its LR schedulers after every optimizer step it asked for, also a skipped
@@ -55,7 +60,9 @@ from numstab.frameworks.torch.step_guard import GuardedCallback
 
 class NumstabCallback(GuardedCallback, pl.Callback):
     """See the module docstring. ``guard``: the :class:`TrainingGuard` settings;
-    ``locate``: run ``locate_nonfinite`` on the first non-finite step."""
+    ``locate``: run ``locate_nonfinite`` on the first non-finite step; ``max_grad_norm``:
+    clip the gradients to this norm after the guard decided (a positive finite float; the
+    Trainer must then not clip: ``gradient_clip_val`` None or 0), or None."""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "deepspeed" in type(trainer.strategy).__name__.lower():
@@ -69,6 +76,11 @@ class NumstabCallback(GuardedCallback, pl.Callback):
                 f"Expected one optimizer in configure_optimizers. Received: "
                 f"{len(trainer.optimizers)} optimizers"
             )
+        self._check_loop_clipping(
+            trainer.gradient_clip_val,
+            "trainer.gradient_clip_val",
+            "lightning.Trainer(gradient_clip_val=None)",
+        )
         optimizer = trainer.optimizers[0]
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if configs else None

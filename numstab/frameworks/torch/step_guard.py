@@ -9,9 +9,11 @@ gradients instead would still move AdamW's weights. Rollbacks and spike skips wo
 plain torch loop (docs/semantics.md §16).
 
 The loss comes from ``record_loss`` (Lightning's ``on_before_backward``) or, for models that
-return it (``output.loss``, as Hugging Face models do when given labels), from a forward hook;
-the mean over a step's micro-batches is used (gradient accumulation). Without any loss the
-guard decides on the gradients alone (a loss of 0 is passed).
+return it (``output.loss``, as Hugging Face models do when given labels), from a forward hook.
+With gradient accumulation the step's loss is the mean of its micro-batches' losses, or their
+sum where each is already its part of the step's loss: a forward given ``num_items_in_batch``
+(transformers divides each micro-batch's summed loss by the step's item count then, and logs
+the sum). Without any loss the guard decides on the gradients alone (a loss of 0 is passed).
 
 fp16 with a ``torch.amp.GradScaler``: non-finite gradients are the scaler's to handle (it
 skips the step and lowers the scale), so the real step still runs and the guard only records
@@ -91,6 +93,8 @@ class StepGuard:
         self.first_nonfinite_report: Any = None
         self.messages: list[str] = []
         self._losses: list[torch.Tensor] = []
+        self._parts = False  # the recorded losses are parts of the step's loss: summed
+        self.part_scale = 1  # a part's factor (the Trainer's across ranks: its process count)
         self.replay: functools.partial | None = None  # the last batch's forward, as called
         self._hooks: list[Any] = []
         self._resume: tuple[dict, Any, dict] | None = None  # loaded, for the next attach
@@ -129,7 +133,9 @@ class StepGuard:
         self.torch_guard = guard.for_torch(model, optimizer, scheduler=scheduler)
         if hook_loss:
             self._hooks.append(model.register_forward_pre_hook(self._keep_batch, with_kwargs=True))
-            self._hooks.append(model.register_forward_hook(self._loss_from_output))
+            self._hooks.append(
+                model.register_forward_hook(self._loss_from_output, with_kwargs=True)
+            )
         self._apply_resume()
         return True
 
@@ -154,7 +160,10 @@ class StepGuard:
                 "Expected a numstab callback's state_dict (skipped, guard). Received: "
                 f"{state!r:.80}"
             )
-        self.skipped = v.check_int("skipped", state["skipped"])
+        skipped = v.check_int("skipped", state["skipped"])
+        if skipped < 0:  # a count
+            raise InvalidArgumentError(f"Expected skipped >= 0. Received: skipped={skipped}")
+        self.skipped = skipped
         saved = state["guard"]
         if saved is not None:
             from numstab.backends import load_backend
@@ -208,16 +217,25 @@ class StepGuard:
             self._unwrap = None
         self._losses.clear()
 
-    def record_loss(self, loss: torch.Tensor) -> None:
-        """The (micro-batch) loss of the current step; none while locating (a replay)."""
+    def record_loss(self, loss: torch.Tensor, *, part: bool = False) -> None:
+        """The (micro-batch) loss of the current step; none while locating (a replay).
+        ``part``: it is already its share of the step's loss (divided by the whole step's item
+        count): the step's loss is then the sum of the recorded ones, else their mean."""
         if not self._locating:
             self._losses.append(loss.detach().float().reshape(()))
+            self._parts = part
+
+    def _step_loss(self) -> torch.Tensor | float:
+        """The recorded losses' sum where they are parts of the step's, else their mean (0.0
+        without any); cleared."""
+        losses, self._losses = self._losses, []
+        reduce = torch.sum if self._parts else torch.mean
+        return reduce(torch.stack(losses)) if losses else 0.0
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, real_step: Callable[[], Any], scaler: Any = None) -> bool:
         """Decide on the step; run ``real_step`` when it is good. Returns whether it ran."""
-        loss = torch.stack(self._losses).mean() if self._losses else 0.0
-        self._losses.clear()
+        loss = self._step_loss()
         tg = self.torch_guard
         tg.scaler = scaler  # its overflows (the Trainer's fp16) do not count toward rollbacks
         guarded = real_step if self.max_grad_norm is None else self._clipping(real_step, scaler)
@@ -275,14 +293,18 @@ class StepGuard:
         if self._training_call(module):
             self.replay = functools.partial(module.forward, *args, **kwargs)
 
-    def _loss_from_output(self, module: Any, args: tuple, output: Any) -> None:
+    def _loss_from_output(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        """``output.loss`` of a training forward: with ``num_items_in_batch`` (the Trainer's, to
+        a model accepting loss kwargs) a part of the step's loss (times ``part_scale``, as the
+        Trainer takes it), which the Trainer sums; else a micro-batch mean, which it averages."""
         if not self._training_call(module):
             return  # an evaluation's loss (a NaN of a dirty eval set) is no training step's
         loss = getattr(output, "loss", None)
         if loss is None and isinstance(output, dict):
             loss = output.get("loss")
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self.record_loss(loss)
+            part = kwargs.get("num_items_in_batch") is not None
+            self.record_loss(loss.detach() * self.part_scale if part else loss, part=part)
 
     def _locate(self) -> None:
         """``locate_nonfinite`` on the last batch; the model is called as the loop called it."""
@@ -410,3 +432,19 @@ class GuardedCallback:
     @property
     def first_nonfinite_report(self) -> Any:
         return self.step_guard.first_nonfinite_report
+
+    def _check_loop_clipping(self, loop_norm: float | None, setting: str, off: str) -> None:
+        """Refuse ``max_grad_norm`` where the loop clips too (``loop_norm`` > 0, set as
+        ``setting``; ``off`` switches it off): clipped twice, the second time with the norm
+        before the first, or the guard deciding on clipped gradients (the ``Trainer``)."""
+        max_norm = self.step_guard.max_grad_norm
+        if max_norm is None or not (loop_norm or 0) > 0:
+            return
+        raise InvalidArgumentError(
+            f"Expected {off} with NumstabCallback(max_grad_norm={max_norm}): the callback "
+            f"clips the gradients itself after the guard decided, and the loop clips them "
+            f"too, so they would be clipped twice (or the guard would decide on clipped "
+            f"gradients). Set {off} (the callback clips to {max_norm} itself), or drop the "
+            f"callback's max_grad_norm to keep the loop's clipping. Received: "
+            f"{setting}={loop_norm}"
+        )

@@ -79,8 +79,14 @@ class NumstabCallback(GuardedCallback, TrainerCallback, ExportableState):
                 "itself. Supported: single-process and DDP training in fp32, bf16 and fp16. "
                 "Received: args.deepspeed set"
             )
+        self._check_loop_clipping(
+            getattr(args, "max_grad_norm", None),
+            "args.max_grad_norm",
+            "TrainingArguments(max_grad_norm=0)",
+        )
         if self.step_guard.max_grad_norm is not None:
-            _check_clipping(self.step_guard.max_grad_norm, args, optimizer)
+            _check_clipping(self.step_guard.max_grad_norm, optimizer)
+        self.step_guard.part_scale = _part_scale(args)
         self._resume(state)
         raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         if not self.step_guard.attach(model, raw, lr_scheduler):
@@ -160,20 +166,21 @@ def _mark_skipped(optimizer: Any) -> None:
 _NO_CLIPPING_HERE = ("FSDP", "XLA", "MEGATRON_LM")  # each clips through its own code
 
 
-def _check_clipping(max_grad_norm: float, args: Any, optimizer: Any) -> None:
-    """Refuse ``max_grad_norm`` where the callback's clipping would be wrong: after the
-    Trainer's own (it clips first: the guard would decide on clipped gradients, clipped
-    twice), or under FSDP / XLA / Megatron-LM (sharded or not yet reduced gradients). The
-    distributed type: the ``AcceleratedOptimizer``'s, else accelerate's state if made."""
-    trainer_norm = getattr(args, "max_grad_norm", None) or 0
-    if trainer_norm > 0:
-        raise InvalidArgumentError(
-            f"Expected TrainingArguments(max_grad_norm=0) with NumstabCallback(max_grad_norm="
-            f"{max_grad_norm}): the Trainer clips before any callback runs, so the guard would "
-            f"decide on clipped gradients. Set max_grad_norm=0 in the TrainingArguments (the "
-            f"callback clips to {max_grad_norm} itself), or drop the callback's max_grad_norm "
-            f"to keep the Trainer's clipping. Received: args.max_grad_norm={trainer_norm}"
-        )
+def _part_scale(args: Any) -> int:
+    """What the Trainer multiplies a loss divided by ``num_items_in_batch`` by: its process
+    count where that count is taken over all processes (``average_tokens_across_devices``;
+    the mean over the processes is then the step's loss, as the guard's all-reduce takes it),
+    else 1. Tensor parallelism (which divides it by the TP size) is not accounted for."""
+    if not getattr(args, "average_tokens_across_devices", False):
+        return 1
+    return max(1, int(getattr(args, "world_size", 1)))
+
+
+def _check_clipping(max_grad_norm: float, optimizer: Any) -> None:
+    """Refuse ``max_grad_norm`` under FSDP / XLA / Megatron-LM (sharded or not yet reduced
+    gradients), where the callback's clipping would be wrong (the Trainer's own clipping:
+    ``GuardedCallback._check_loop_clipping``). The distributed type: the
+    ``AcceleratedOptimizer``'s, else accelerate's state if made."""
     state = getattr(optimizer, "accelerator_state", None)
     if state is None:
         from accelerate.state import AcceleratorState, is_initialized
