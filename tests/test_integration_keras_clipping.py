@@ -91,17 +91,42 @@ model.compile(optimizer=opt, loss=lambda y, p: keras.ops.sum(p * y, axis=-1), ji
 model.fit(np.concatenate(xs), np.concatenate(ts), batch_size=4, shuffle=False, verbose=0)
 policy = ZClip(warmup_steps=10)
 state, w, clipped = policy.init(backend="numpy"), np.zeros((4, 3), np.float32), 0
+EPS, tolerance, cond, scale, spread2, alpha = 2.0**-23, 0.0, 1.0, 0.0, 0.0, 0.97
 for x, t in zip(xs, ts):
     g = [x.T @ t / 4, t.sum(0) / 4]
+    terms = [np.abs(x).T @ np.abs(t) / 4, np.abs(t).sum(0) / 4]  # what the B-term sums add
+    active, var_before = int(state.count) == 10, float(state.var)
     (gw, gb), state = policy.update(g, state)
+    if active:  # the EMA's (c - mean)**2, from var = alpha * var + (1 - alpha) * (c - mean)**2
+        spread2 = max(spread2, max(float(state.var) - alpha * var_before, 0) / (1 - alpha))
     clipped += not np.allclose(gw, g[0])
     w -= gw
-# 32 SGD steps: per step an ulp of the weights and eps * (B + 15) of the step, accumulated
-tolerance = 32 * 2.0**-23 * (np.abs(w).max() + 19 * np.abs(x.T @ t / 4).max())
+    coef = np.linalg.norm(gw) / np.linalg.norm(g[0])
+    # per SGD step: an ulp of the weights, eps * B of the sums' terms (x.T @ t / B on two
+    # paths, clipped by coef) and eps * 15 of the step (a float32 norm of 15 squares)
+    tolerance += EPS * (np.abs(w).max() + 4 * coef * terms[0].max() + 15 * np.abs(gw).max())
+    cond = max(cond, np.linalg.norm(np.concatenate([a.ravel() for a in terms]))
+               / np.linalg.norm(np.concatenate([a.ravel() for a in g])))
+    # >= every later EMA input c: a norm below the z-score limit, or the (lower) threshold
+    scale = max(scale, float(state.mean) + 2.5 * (float(state.var) ** 0.5 + 1e-6))
 np.testing.assert_allclose(model.get_weights()[0], w, rtol=0, atol=tolerance)
+# ZClip's state. Each norm: eps * (B * cond + 9) (the sums of B products, cancelling by cond,
+# and a float32 norm of 15 squares); the mean adds 10 eps (warmup mean) and 3 eps per EMA
+# step, damped by alpha to 3 / (1 - alpha) at most; the variance (a mean of (c - mean)**2)
+# moves by 2 max|c - mean| times its inputs' errors (each c <= scale, the norms' bound)
+# and by the same roundings as the mean, relative to itself
+scale = max(scale, float(state.buffer.max()))
+spread = max(spread2**0.5, np.abs(state.buffer - state.buffer.mean()).max())  # warmup's too
+eps_norm = EPS * (4 * cond + 9)
+eps_mean = eps_norm + EPS * (10 + 3 * min(32 - 10, 1 / (1 - alpha)))
 ours = opt.zclip_state
-for field in ("count", "buffer", "mean", "var", "norm"):
-    np.testing.assert_allclose(np.asarray(getattr(ours, field)), getattr(state, field), rtol=1e-5)
+got = {k: np.asarray(x) for k, x in ours._asdict().items()}
+assert got["count"] == state.count
+np.testing.assert_allclose(got["buffer"], state.buffer, rtol=eps_norm, atol=0)
+np.testing.assert_allclose(got["norm"], state.norm, rtol=eps_norm, atol=0)
+np.testing.assert_allclose(got["mean"], state.mean, rtol=eps_mean, atol=0)
+var_atol = 2 * spread * scale * (eps_norm + eps_mean) + eps_mean * state.var
+np.testing.assert_allclose(got["var"], state.var, rtol=0, atol=var_atol)
 assert type(ours.mean).__module__.split(".")[0] in ("jax", "jaxlib", "torch"), type(ours.mean)
 assert clipped >= 3 and int(opt.iterations) == 32
 
