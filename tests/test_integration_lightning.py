@@ -4,8 +4,6 @@ ends with NaN weights; with it, that one step is skipped and its layer is named.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,6 +11,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from numstab.errors import InvalidArgumentError  # noqa: E402
 from numstab.integrations.lightning import NumstabCallback  # noqa: E402
+from tests.tiny_models import lightning_fit  # noqa: E402
 
 
 class Regressor(pl.LightningModule):
@@ -60,21 +59,7 @@ def _fit(
     model = module or Regressor()
     x, y = _data(poison)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        precision=precision,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        **trainer_kwargs,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, loader)
-    return model, trainer
+    return model, lightning_fit(model, loader, callbacks, precision=precision, **trainer_kwargs)
 
 
 def _finite(model) -> bool:

@@ -6,14 +6,13 @@ The replay must leave the training as ``locate=False`` leaves it."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pl = pytest.importorskip("lightning.pytorch")
 
 from numstab.integrations.lightning import NumstabCallback  # noqa: E402
+from tests.tiny_models import lightning_fit  # noqa: E402
 
 STEPS = 8
 
@@ -60,19 +59,7 @@ def _fit(callback: NumstabCallback, closure: bool):
     y = torch.randn(4 * STEPS, 1, generator=torch.Generator().manual_seed(2))
     x[13, 0] = float("nan")  # batch 3
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(module, loader)
-    return module, trainer
+    return module, lightning_fit(module, loader, [callback])
 
 
 @pytest.mark.parametrize("closure", [False, True], ids=["step", "step_closure"])

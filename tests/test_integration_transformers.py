@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from numstab.errors import InvalidArgumentError  # noqa: E402
 from numstab.guard import TrainingGuard  # noqa: E402
 from numstab.integrations.transformers import NumstabCallback  # noqa: E402
+from tests.tiny_models import gpt2_config  # noqa: E402
 
 POISON = 13  # the one poisoned sample: exactly one batch holds it, wherever it is shuffled
 STEPS = 6
@@ -44,15 +45,7 @@ class Clean(Embedded):
 
 
 def _train(tmp_path, precision: str, callbacks, train_dataset=None, **overrides):
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_head=2,
-        n_embd=32,
-        vocab_size=64,
-        n_positions=16,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = gpt2_config(n_layer=2, n_embd=32)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     args = transformers.TrainingArguments(

@@ -19,6 +19,7 @@ from numstab.frameworks.torch.step_guard import StepGuard  # noqa: E402
 from numstab.guard import TrainingGuard  # noqa: E402
 from numstab.guard.spikes import SpikeDetector  # noqa: E402
 from numstab.integrations.transformers import NumstabCallback  # noqa: E402
+from tests.tiny_models import gpt2_config  # noqa: E402
 
 STEPS = 8
 LR = 0.5
@@ -49,15 +50,7 @@ class Scaled(transformers.Trainer):
 
 
 def _train(tmp_path, trainer_norm, callback, precision="fp32", trainer=transformers.Trainer):
-    config = transformers.GPT2Config(
-        n_layer=1,
-        n_head=2,
-        n_embd=16,
-        vocab_size=64,
-        n_positions=16,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = gpt2_config()
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     args = transformers.TrainingArguments(

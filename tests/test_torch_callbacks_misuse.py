@@ -7,7 +7,6 @@ accumulation, a negative skip count loaded from a state dict. Tiny random-weight
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 
@@ -16,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 from numstab.errors import InvalidArgumentError  # noqa: E402
 from numstab.guard import TrainingGuard  # noqa: E402
+from tests.tiny_models import gpt2_config, lightning_fit  # noqa: E402
 
 EPS = torch.finfo(torch.float32).eps
 QUIET = TrainingGuard(loss_spikes=None, grad_norm_spikes=None)
@@ -46,15 +46,7 @@ def test_one_foreign_tensor_beside_the_models_is_refused():
 # -- Hugging Face Trainer ---------------------------------------------------------------------
 def _gpt2(accepts_loss_kwargs: bool):
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_layer=1,
-        n_head=2,
-        n_embd=16,
-        vocab_size=64,
-        n_positions=16,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = gpt2_config()
     cls = transformers.GPT2LMHeadModel
     if not accepts_loss_kwargs:  # the Trainer then divides each micro-batch's loss by k
         cls = type("NoLossKwargs", (cls,), {"accepts_loss_kwargs": False})
@@ -175,24 +167,11 @@ def test_trainer_refuses_an_optimizer_over_other_tensors():
 
 # -- Lightning ------------------------------------------------------------------------------------
 def _lightning_fit(module, callbacks, **trainer_kwargs):
-    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("lightning.pytorch")
     x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
     y = torch.randn(32, 1, generator=torch.Generator().manual_seed(2))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        **trainer_kwargs,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(module, loader)
-    return trainer
+    return lightning_fit(module, loader, callbacks, **trainer_kwargs)
 
 
 def _regressor(extra: bool = False):
