@@ -10,12 +10,12 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 _EXPLICIT = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)  # jax >= 0.5
-_typeof = getattr(jax, "typeof", None) or jax.core.get_aval
+typeof = getattr(jax, "typeof", None) or jax.core.get_aval  # an abstract value (old jax: get_aval)
 
 
 def varying(x: Any) -> frozenset:
     """The manual axes (``shard_map``) that ``x`` (an array or an abstract value) varies over."""
-    aval = x if isinstance(x, jax.ShapeDtypeStruct) else _typeof(x)
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
     if manual is not None:
         return frozenset(getattr(manual, "varying", ()) or ())
@@ -39,7 +39,7 @@ def explicit_spec(x: Any) -> P | None:
     sharding = getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
     if sharding is None:
         try:
-            sharding = _typeof(x).sharding
+            sharding = typeof(x).sharding
         except (TypeError, AttributeError):
             return None
     mesh = getattr(sharding, "mesh", None)

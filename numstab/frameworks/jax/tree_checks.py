@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from numstab.errors import InvalidArgumentError
-from numstab.frameworks.jax.sharding import _typeof
+from numstab.frameworks.jax.sharding import typeof
 
 
 def is_jax_value(x: Any) -> bool:
@@ -21,7 +21,7 @@ def is_jax_value(x: Any) -> bool:
     Not a string, an object array, a torch tensor, nor an object that merely has a ``dtype``
     attribute (a linen Module's field). None is no leaf: pytree walks skip it."""
     try:
-        _typeof(x)
+        typeof(x)
     except TypeError:
         return False
     return True
