@@ -60,7 +60,7 @@ class CustomGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, cotangent, *_):
         if cotangent is None:  # the loss itself got no gradient
-            return (None,) * (3 + len(ctx.saved_tensors))
+            return (None,) * len(ctx.needs_input_grad)
         saved = ctx.saved_tensors
         # grad mode is on under create_graph=True and always under torch.func, where only a
         # second differentiating level counts; a torch.func.vjp function (jacrev) runs after
