@@ -84,6 +84,21 @@ def test_flush_refuses_a_whole_module_when_it_snapshots_and_keeps_the_decisions(
     assert [e["event"] for e in og.events].count("snapshot") == 2
 
 
+def test_after_step_that_flushes_keeps_its_decision_only_once_its_trees_pass():
+    """host_every=2: the second after_step flushes; rejected for its trees, it kept nothing
+    (before, its decision stayed pending and the retry counted the step twice)."""
+    og, mlp, (p, o, gstate, decision) = _mlp_guard(snapshot_every=2, host_every=2)
+    p, o, gstate = og.after_step(decision, p, o, gstate)
+    grads = jax.tree.map(jnp.ones_like, p)
+    p, o, gstate, decision = og.step(TX, p, o, gstate, jnp.float32(1.0), grads)
+    with pytest.raises(InvalidArgumentError, match=r"params\.activation"):
+        og.after_step(decision, mlp, o, gstate)
+    assert len(og._pending) == 1 and og._steps_seen == 1
+    p, o, gstate = og.after_step(decision, p, o, gstate)
+    assert og._pending == [] and og._steps_seen == 2
+    assert og.history.as_arrays()["step"].tolist() == [0, 1]
+
+
 # -- finding 5: a linen Module (it has a dtype field) is not an array -----------------------------
 def test_init_refuses_a_linen_module_as_params_and_takes_numpy_and_numbers():
     linen = pytest.importorskip("flax.linen")

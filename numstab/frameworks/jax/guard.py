@@ -171,11 +171,11 @@ class OptaxGuard:
         if self.guard.host_every > 1:  # keep the decision on the device; read k at a time
             if isinstance(decision, policy.Decision):  # one form to stack (check's, unpack())
                 decision = PackedDecision.pack(decision)
-            self._pending.append(decision)
-            self._current = (params, opt_state, extra)
+            pending = [*self._pending, decision]
+            if len(pending) >= self.guard.host_every:  # kept only once its trees pass
+                return self._flush(pending, params, opt_state, gstate, extra)
+            self._pending, self._current = pending, (params, opt_state, extra)
             self._steps_seen += 1
-            if len(self._pending) >= self.guard.host_every:
-                return self.flush(params, opt_state, gstate, extra=extra)
             return self._out(gstate)
         host, layers = host_decision(jax.device_get(decision), ())  # one transfer
         if host["snapshot"]:  # the trees' one use (a rollback returns the snapshot's)
@@ -195,9 +195,12 @@ class OptaxGuard:
         a snapshot that fell due (taken now). Returns (params, opt_state, gstate) and
         ``extra`` as ``after_step`` does, restored after a rollback. Call it at the end of
         training too."""
-        runner = self._require()
+        self._require()
         self._check_extra(extra)
-        pending = self._pending
+        return self._flush(self._pending, params, opt_state, gstate, extra)
+
+    def _flush(self, pending: list, params: Any, opt_state: Any, gstate: Any, extra: Any) -> tuple:
+        runner = self._require()  # nothing is kept before the trees pass: a retry is clean
         if not pending:
             self._current = (params, opt_state, extra)
             return self._out(gstate)
