@@ -355,6 +355,29 @@ def test_a_rollback_after_add_param_group_keeps_the_added_group():
         tg.restore(tg.runner.ring.latest().payload)
 
 
+@pytest.mark.parametrize("host_every", [1, 3])
+def test_a_group_added_over_foreign_tensors_is_refused_at_the_next_step(host_every):
+    """add_param_group over a tensor outside the model (checked at construction only, before):
+    its NaN gradient was applied and no rollback restored it. Refused before anything moves;
+    a group of the model's own parameters is taken."""
+    model, _ = make()
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.05)
+    tg = TrainingGuard(host_every=host_every).for_torch(model, opt)
+    opt.add_param_group({"params": list(model[0].parameters())})
+    foreign = torch.nn.Parameter(torch.ones(3))
+    opt.add_param_group({"params": [foreign]})
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    foreign.grad = torch.full((3,), math.nan)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(InvalidArgumentError, match=r"add_param_group.*1 optimizer parameter"):
+        tg.step(torch.nn.functional.mse_loss(model(x), y))
+    assert torch.equal(foreign, torch.ones(3))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    opt.param_groups.pop()  # the user's fix: the model's groups only, checked again
+    assert tg.step(torch.nn.functional.mse_loss(model(x), y))
+
+
 def test_a_second_rollback_scales_the_added_group_once():
     """The added group kept its learning rate through a restore, yet was multiplied by the
     new factor over the snapshot's: after a second rollback, past an earlier snapshot, by

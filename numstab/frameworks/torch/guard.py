@@ -40,7 +40,8 @@ its parameters), then multiplies every param group's ``lr`` (and ``initial_lr``,
 scheduler's ``base_lrs``) by the LR factor. Param groups added after the snapshot
 (``add_param_group``) stay, with their settings as now and no optimizer state.
 
-The optimizer may update the model's parameters only (checked at construction). The gradients
+The optimizer may update the model's parameters only (checked at construction, and at the
+first ``step`` after ``add_param_group``). The gradients
 checked are those of the parameters the step can update (trainable, or with a ``.grad``; a
 missing ``.grad`` has norm 0); a frozen parameter joins them as soon as it requires grad
 (gradual unfreezing, read every step), and in device mode is backed up from then on. The
@@ -67,6 +68,7 @@ from numstab.frameworks.torch import lr_scaling
 from numstab.frameworks.torch.backend import is_dtensor
 from numstab.frameworks.torch.distributed import reduction_group
 from numstab.frameworks.torch.guard_device import DeviceSteps, LazyApplied
+from numstab.frameworks.torch.guard_groups import check_own_parameters, fitted
 from numstab.guard import policy
 from numstab.guard.runner import GuardRunner, RunnerResults, check_fits, check_payload
 
@@ -109,7 +111,7 @@ class TorchGuard(RunnerResults):
                 f"Expected scaler to be a torch.amp.GradScaler (or numstab's) or None. "
                 f"Received: scaler of type {type(scaler).__name__}"
             )
-        _check_own_parameters(model, optimizer)
+        self._groups_checked = check_own_parameters(model.parameters(), optimizer)
         v.check_bool("sharded", sharded)
         group_type = getattr(dist, "ProcessGroup", None)
         if process_group is not None and not (group_type and isinstance(process_group, group_type)):
@@ -166,6 +168,10 @@ class TorchGuard(RunnerResults):
         if step_fn is not None and not callable(step_fn):
             raise InvalidArgumentError(
                 f"Expected step_fn to be a callable or None. Received: step_fn={step_fn!r}"
+            )
+        if len(self.optimizer.param_groups) != self._groups_checked:  # add_param_group since
+            self._groups_checked = check_own_parameters(
+                self._all, self.optimizer, self._groups_checked
             )
         loss = _scalar_loss(self._torch, loss, self._norm_device)
         self.runner.take_pending_snapshot()
@@ -312,7 +318,7 @@ class TorchGuard(RunnerResults):
 
     def restore(self, payload: dict[str, Any]) -> None:
         # a copy: load_state_dict may keep the given tensors, which later steps update in place
-        optimizer = _fitted(copy.deepcopy(payload["optimizer"]), self.optimizer)
+        optimizer = fitted(copy.deepcopy(payload["optimizer"]), self.optimizer)
         self._kept_groups = len(payload["optimizer"]["param_groups"])  # the rest: added since
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(optimizer)
@@ -365,47 +371,12 @@ class TorchGuard(RunnerResults):
         return _tensors(tree)
 
 
-def _check_own_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer over tensors that are not ``model``'s parameters, which the guard
-    neither checks nor snapshots. Checked once (not in a group added later)."""
-    own = {id(p) for p in model.parameters()}
-    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
-    if foreign:
-        raise InvalidArgumentError(
-            "Expected an optimizer over the model's own parameters: the guard checks and "
-            "snapshots those only, so the others' non-finite gradients would be applied and no "
-            "rollback could restore them. Register them on the model (an nn.Parameter of one "
-            f"of its modules). Received: {len(foreign)} optimizer parameter(s) not in "
-            f"model.parameters(), shapes {[tuple(p.shape) for p in foreign[:4]]}"
-        )
-
-
 def _updatable(p: torch.Tensor) -> bool:
     """Whether the optimizer can update ``p`` (torch's skip parameters without ``.grad``)."""
     return p.requires_grad or p.grad is not None
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
-def _fitted(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state ``saved`` (a snapshot's) for ``optimizer`` as it is now. Groups
-    added since (``add_param_group``: Lightning's ``BackboneFinetuning``) are kept with their
-    settings as now and no state, as their parameters had none when the snapshot was taken
-    (torch's ``load_state_dict`` raised ``ValueError``). Any other change of the groups:
-    ``InvalidArgumentError``."""
-    then = [len(g["params"]) for g in saved["param_groups"]]
-    now = [len(g["params"]) for g in optimizer.param_groups]
-    if then == now:
-        return saved
-    if len(then) < len(now) and now[: len(then)] == then:
-        added = optimizer.state_dict()["param_groups"][len(then) :]  # ids follow the old ones
-        return {**saved, "param_groups": saved["param_groups"] + copy.deepcopy(added)}
-    raise InvalidArgumentError(
-        f"Expected the optimizer's parameter groups of the snapshot to roll back to (sizes "
-        f"{then}), or those and groups added after them (add_param_group). Received: an "
-        f"optimizer whose parameter groups changed to sizes {now}"
-    )
 
 
 def _tensors(tree: Any) -> Any:
