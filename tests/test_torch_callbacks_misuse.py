@@ -228,6 +228,55 @@ def test_lightning_refuses_any_clipping_algorithm_with_the_callbacks(algorithm):
         )
 
 
+def _self_clipping_regressor(manual: bool):
+    """The regressor clipping itself with ``self.clip_gradients(opt, 0.5)``: in a manual
+    ``training_step``, or in an overridden ``configure_gradient_clipping``."""
+    module = _regressor()
+    cls = type(module)
+
+    class SelfClipping(cls):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = not manual
+
+        def training_step(self, batch, batch_idx):
+            if not manual:
+                return super().training_step(batch, batch_idx)
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            self.clip_gradients(opt, gradient_clip_val=0.5)
+            opt.step()
+
+        def configure_gradient_clipping(
+            self, optimizer, gradient_clip_val, gradient_clip_algorithm
+        ):
+            self.clip_gradients(optimizer, gradient_clip_val=0.5)
+
+    torch.manual_seed(0)
+    return SelfClipping()
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_lightning_refuses_the_modules_own_clipping_with_the_callbacks(manual):
+    """Before: the module clipped to 0.5, then the guarded step multiplied by 1 / (unclipped
+    norm) again, silently. Refused at the module's clip_gradients call, before it clips; the
+    check leaves with the training, and without max_grad_norm the module clips alone."""
+    from numstab.integrations.lightning import NumstabCallback
+
+    module = _self_clipping_regressor(manual)
+    before = module.net.weight.detach().clone()
+    with pytest.raises(InvalidArgumentError, match=r"clip_gradients\(gradient_clip_val\)=0\.5"):
+        _lightning_fit(module, [NumstabCallback(max_grad_norm=1.0)])
+    assert torch.equal(module.net.weight, before)
+    assert "clip_gradients" not in vars(module)  # put back on the exception
+    alone, plain = _self_clipping_regressor(manual), _self_clipping_regressor(manual)
+    _lightning_fit(alone, [NumstabCallback()])
+    _lightning_fit(plain, [])
+    assert not torch.equal(alone.net.weight, before)
+    torch.testing.assert_close(alone.net.weight, plain.net.weight, rtol=0, atol=0)
+
+
 def test_lightning_refuses_an_optimizer_over_a_tensor_outside_the_module():
     from numstab.integrations.lightning import NumstabCallback
 

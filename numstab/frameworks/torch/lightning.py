@@ -22,7 +22,10 @@ under "16-mixed".
   with the norm measured before (``StepGuard``). Lightning's own clipping
   (``gradient_clip_val`` > 0) runs between the two: with both, the gradients were clipped
   twice (the second time by ``M / norm`` with the unclipped norm: weights that barely moved,
-  no error). Both together now raise ``InvalidArgumentError`` when training starts.
+  no error). Both together now raise ``InvalidArgumentError`` when training starts, and so
+  does the module's own clipping (``self.clip_gradients`` with a ``gradient_clip_val`` > 0,
+  in a manual ``training_step`` or an overridden ``configure_gradient_clipping``) at its
+  first call, before it clips.
 - "16-mixed": Lightning's GradScaler skips non-finite steps itself (and the guard never sees
   them: the scaler does not call ``step``); the guard skips the spikes.
 - Lightning steps its LR schedulers after every optimizer step it asked for, also a skipped
@@ -81,6 +84,8 @@ class NumstabCallback(GuardedCallback, pl.Callback):
             "trainer.gradient_clip_val",
             "lightning.Trainer(gradient_clip_val=None)",
         )
+        if self.step_guard.max_grad_norm is not None:
+            self._refuse_module_clipping(pl_module)
         optimizer = trainer.optimizers[0]
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if configs else None
@@ -119,7 +124,30 @@ class NumstabCallback(GuardedCallback, pl.Callback):
             pl_module.log("numstab/loss_scale", float(scaler.get_scale()), on_step=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _drop_module_clipping_check(pl_module)
         self.step_guard.torch_guard.flush()
+
+    def on_exception(self, trainer, pl_module: pl.LightningModule, exception: BaseException):
+        _drop_module_clipping_check(pl_module)
+
+    def _refuse_module_clipping(self, pl_module: pl.LightningModule) -> None:
+        """With ``max_grad_norm``: the module's own clipping (``self.clip_gradients`` with a
+        ``gradient_clip_val`` > 0, in a manual ``training_step`` or an overridden
+        ``configure_gradient_clipping``) raises at its first call, before it clips, as the
+        Trainer's ``gradient_clip_val`` does at the start (an instance attribute, until
+        training ends)."""
+        own = type(pl_module).clip_gradients.__get__(pl_module)
+
+        def clip_gradients(optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            self._check_loop_clipping(
+                gradient_clip_val if isinstance(gradient_clip_val, (int, float)) else None,
+                "LightningModule.clip_gradients(gradient_clip_val)",
+                "no clipping in the LightningModule (clip_gradients with gradient_clip_val > 0)",
+            )
+            return own(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+        clip_gradients.numstab_check = True  # type: ignore[attr-defined]
+        pl_module.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
 
 class _ManualReplay:
@@ -190,6 +218,11 @@ def _replaced(patches: list[tuple[Any, str, Any]]) -> Any:
                 delattr(obj, name)
             else:
                 setattr(obj, name, old)
+
+
+def _drop_module_clipping_check(module: pl.LightningModule) -> None:
+    if getattr(vars(module).get("clip_gradients"), "numstab_check", False):
+        del module.clip_gradients
 
 
 def _scale(scaler: Any) -> Any:

@@ -444,7 +444,7 @@ class GuardedCallback:
             f"Expected {off} with NumstabCallback(max_grad_norm={max_norm}): the callback "
             f"clips the gradients itself after the guard decided, and the loop clips them "
             f"too, so they would be clipped twice (or the guard would decide on clipped "
-            f"gradients). Set {off} (the callback clips to {max_norm} itself), or drop the "
+            f"gradients). Keep {off} (the callback clips to {max_norm} itself), or drop the "
             f"callback's max_grad_norm to keep the loop's clipping. Received: "
             f"{setting}={loop_norm}"
         )
