@@ -49,9 +49,13 @@ class TrainingGuard:
         skipped (1 <= rollback_after <= rollback_window).
       lr_factor: multiply the learning rate by this at every rollback, in (0, 1].
       skip_after_rollback: batches to skip right after a rollback (>= 0).
-      max_rollbacks: raise NonFiniteError at the rollback after this many (None: never).
+      max_rollbacks: raise NonFiniteError at the rollback after this many (None: never);
+        the step is counted and recorded all the same, so a loop that catches the error
+        and goes on numbers its next step one higher.
       snapshot_dir: also write every snapshot there as ``snapshot-<step>.npz`` (atomic);
-        ``keep_on_disk`` newest files are kept.
+        ``keep_on_disk`` newest files are kept. The first snapshot (at the start) stays in
+        memory where the folder holds snapshot files already (an earlier run's, to resume
+        from with ``load_snapshot``); a file written removes those of later steps.
       log_path, log_callback: where each action goes as a JSON object (file: one per line).
       track_layers: keep per-layer gradient norms in the history (torch, optax).
       host_every: how often the host reads the guard's decisions (int >= 1). 1 (default):

@@ -66,24 +66,35 @@ class GuardRunner:
         self._rolled_back_to_latest = False
         self.defer_snapshots = defer_snapshots
         self._pending: tuple[int, policy.GuardState] | None = None
+        self._first_taken = False  # the first snapshot (at construction) has been taken
 
     # -- events ----------------------------------------------------------------------------------
     def snapshot(self, steps_seen: int, state: policy.GuardState) -> None:
+        """Take a snapshot into the ring, and into ``snapshot_dir`` (``_to_disk``)."""
         lr_factor = float(self.be.to_numpy(state.lr_factor))
         payload = self.adapter.capture()
         self.ring.add(Snapshot(steps_seen, payload, state, lr_factor))
         self._rolled_back_to_latest = False
         self.offending_steps = []
         written: dict[str, str] = {}  # ``path`` only when written to disk (§16.7)
-        if self.disk is not None:
+        if self._to_disk():
             tree = {
                 "payload": self.adapter.to_host(payload),
                 "guard_state": _host_tree(self.be, state),
                 "lr_factor": lr_factor,
                 "step": steps_seen,
             }
-            written["path"] = self.disk.save(steps_seen, tree)
+            written["path"] = self.disk.save(steps_seen, tree)  # type: ignore[union-attr]
         self.log.emit("snapshot", steps_seen, lr_factor=lr_factor, **written)
+
+    def _to_disk(self) -> bool:
+        """Whether this snapshot goes to ``snapshot_dir``: every one, except the first (the
+        fresh state at construction) where the folder already holds snapshot files, those
+        of an earlier run that the user may resume from (``load_from_disk``): before, the
+        first snapshot overwrote an earlier run's ``snapshot-000000000.npz`` with the new
+        process's fresh model, and ``keep_on_disk`` pruned it at once next to newer files."""
+        first, self._first_taken = not self._first_taken, True
+        return self.disk is not None and not (first and self.disk.steps())
 
     def consume_skip_batch(self, steps_seen: int) -> bool:
         """True (and logged) while batches after a rollback are being skipped."""
@@ -128,15 +139,22 @@ class GuardRunner:
         steps ran on the trajectory it discards: they are recorded and logged, nothing
         more); else a snapshot, taken now (``steps_seen``) if one fell due. ``state()``
         gives the current guard state (called only for a rollback or a snapshot). Returns
-        the guard state after a rollback, else None."""
+        the guard state after a rollback, else None. A give-up (``NonFiniteError``, no
+        rollback left) is raised once the later steps are recorded too: they ran, and a
+        loop that goes on after the error goes on from them (before, they were missing)."""
         rolled = None
         due = False
+        rows = [None] * len(decisions) if layers is None else layers
         for i, d in enumerate(decisions):
             act = rolled is None
-            quiet = {**d, "rollback": False, "snapshot": False}
-            self.after_step(quiet, None, None if layers is None else layers[i], be)  # type: ignore[arg-type]
+            self._record(d, rows[i], be)
             if act and d["rollback"]:
-                rolled = self.rollback(int(d["step"]), state(), _numbers(d))
+                try:
+                    rolled = self.rollback(int(d["step"]), state(), _numbers(d))
+                except NonFiniteError:  # gave up: the later steps ran all the same
+                    for j in range(i + 1, len(decisions)):
+                        self._record(decisions[j], rows[j], be)
+                    raise
             due = due or (act and d["snapshot"])
         if due and rolled is None:
             if self.defer_snapshots:
@@ -144,6 +162,11 @@ class GuardRunner:
             else:
                 self.snapshot(steps_seen, state())
         return rolled
+
+    def _record(self, d: dict[str, Any], layers: Any, be: Any) -> None:
+        """A step's history and skip (``after_step`` without its rollback or snapshot)."""
+        quiet = {**d, "rollback": False, "snapshot": False}
+        self.after_step(quiet, None, layers, be)  # type: ignore[arg-type]
 
     def take_pending_snapshot(self) -> None:
         """Take the snapshot that a deferred ``after_step`` found due, if any."""
@@ -187,7 +210,11 @@ class GuardRunner:
 
     def load_from_disk(self, step: int | None = None) -> tuple[int, policy.GuardState]:
         """Restore the adapter from the newest (or ``step``) snapshot file; returns
-        ``(step, guard state)`` as saved, for resuming after a crash."""
+        ``(step, guard state)`` as saved, for resuming after a crash.
+
+        The ring then holds the loaded snapshot alone: a rollback never goes back past it
+        (before, to the resuming process's first snapshot, its fresh model). A snapshot due
+        (deferred), the skips after a rollback and the offending steps are forgotten."""
         if self.disk is None:
             raise InvalidArgumentError("Expected a TrainingGuard with snapshot_dir set")
         step, tree = self.disk.load(step)
@@ -200,7 +227,10 @@ class GuardRunner:
         # rollback_window) broke the next step with a broadcast error
         state = checked_state(self.guard, self.be, tree["guard_state"], "the snapshot's")
         self.adapter.restore(self.adapter.from_host(tree["payload"]))
+        self.ring.clear()
         self.ring.add(Snapshot(step, self.adapter.capture(), state, float(tree["lr_factor"])))
+        self._rolled_back_to_latest, self._pending = False, None
+        self.offending_steps, self.skip_batches_left = [], 0
         return step, state
 
     # -- resuming from a training loop's checkpoint (the Trainer / Lightning callbacks) -------

@@ -200,7 +200,7 @@ def _name(step: int) -> str:
 
 class SnapshotDirectory:
     """``snapshot-<step>.npz`` files in ``directory`` (the step zero-padded to 9 digits), the
-    newest ``keep`` kept."""
+    newest ``keep`` kept; writing a step removes the files of later steps (``save``)."""
 
     def __init__(self, directory: str | os.PathLike, keep: int = 2) -> None:
         if not isinstance(directory, (str, os.PathLike)):
@@ -222,9 +222,16 @@ class SnapshotDirectory:
         return sorted(int(m.group(1)) for m in found if m and m.group(0) == _name(int(m.group(1))))
 
     def save(self, step: int, tree: Any) -> str:
+        """Write the snapshot of ``step`` (atomically), then remove every file of a later
+        step and all but the newest ``keep`` of the others. A later step's file is of a
+        trajectory the writer does not continue (an earlier run's, in a folder it did not
+        resume from; or the steps after an older file it resumed from): kept, it stayed the
+        newest file, the one a resume loads, and the pruning removed the file just written."""
         path = self.path(step)
         write_npz_atomic(path, encode_tree(tree))
-        for old in self.steps()[: -self.keep]:
+        steps = self.steps()
+        earlier = [s for s in steps if s <= step]
+        for old in [s for s in steps if s > step] + earlier[: -self.keep]:
             with contextlib.suppress(OSError):
                 os.unlink(self.path(old))
         for name in os.listdir(self.directory):  # leftovers of crashed writes
