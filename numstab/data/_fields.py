@@ -11,6 +11,7 @@ tensor (TensorFlow's) is one field too, read through its stored values (a framew
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from numstab._dispatch import framework_of
 from numstab.backends import load_backend
 from numstab.backends._base import Backend, numpy_dtype_name
 from numstab.data import _host
+from numstab.data.outliers import is_real_dtype
 from numstab.errors import InvalidArgumentError
 
 Array = Any
@@ -353,3 +355,65 @@ def surely_finite(fields: list[Field], batch_axis: int) -> bool:
             if be.any(~be.isfinite(be.stack(sums))):
                 return False
     return True
+
+
+def outlier_features(batch: Any, parts: Batch, spec: Any, batch_axis: int, n: int) -> np.ndarray:
+    """The (n, d) float64 host matrix the outlier filter sees (``n``: the batch's samples):
+    from ``spec``, the firewall's ``outlier_fields`` (None: every floating batched field, each
+    flattened per sample, a complex one as both parts; paths: those fields; a callable:
+    ``_called_features`` of what it returns)."""
+    if callable(spec):
+        return _called_features(spec(batch), n)
+    fields = [f for f in parts.float_fields if f.batched]
+    if spec is not None:
+        known = {f.path: f for f in fields}
+        missing = [p for p in spec if p not in known]
+        if missing:
+            raise InvalidArgumentError(
+                f"Expected outlier_fields among the floating batched fields "
+                f"{sorted(known)}. Received: {missing}"
+            )
+        fields = [known[p] for p in spec]
+    columns = []
+    for f in fields:
+        x = f.backend.real_view(f.value) if v.is_complex(f.dtype) else f.value  # both parts
+        x = np.moveaxis(f.backend.to_numpy(x), batch_axis, 0)
+        columns.append(x.reshape(x.shape[0], -1).astype(np.float64))
+    if not columns:
+        raise InvalidArgumentError(
+            "Expected at least one floating batched field for the outlier filter. "
+            "Received: none (pass outlier_fields= a callable to build features)"
+        )
+    return np.concatenate(columns, axis=1)
+
+
+def _called_features(x: Any, n: int) -> np.ndarray:
+    """What an ``outlier_fields`` callable returned, as an ``(n, d)`` float64 matrix: an array
+    (NumPy, a framework's tensor) or nested list of real numbers with one row per sample,
+    ``d >= 1`` (a vector is one feature; further axes are flattened per sample; a complex
+    value gives its real and imaginary parts). Anything else (a string, None, objects, a
+    scalar, another number of rows) raises ``InvalidArgumentError`` naming outlier_fields
+    and what it returned. Non-finite values pass: the filter flags their samples."""
+    try:
+        if hasattr(x, "dtype") and not isinstance(x, np.ndarray):
+            x = backend_of(x).to_numpy(x)
+        a = np.asarray(x)
+    except Exception as exc:  # a ragged list, an object no array holds
+        raise _bad_features(x, n, f"({type(exc).__name__}: {exc})") from None
+    real = is_real_dtype(a.dtype)
+    if not (real or a.dtype.kind == "c"):
+        raise _bad_features(x, n, f"of dtype {a.dtype}")
+    if a.ndim == 0 or a.shape[0] != n or a.size == 0 < n:
+        raise _bad_features(x, n, f"of shape {a.shape}")
+    if not real:  # both parts of each value, as for a complex field
+        a = np.stack([a.real, a.imag], axis=-1)
+    return a.astype(np.float64).reshape(n, math.prod(a.shape[1:]))  # (n,) gives (n, 1)
+
+
+def _bad_features(x: Any, n: int, what: str) -> InvalidArgumentError:
+    shown = repr(x)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return InvalidArgumentError(
+        f"Expected outlier_fields to return an (n, d) array of real numbers, one row per "
+        f"sample (n={n}). Received: {type(x).__name__} {what}: {shown}"
+    )

@@ -193,21 +193,20 @@ def dirty_found(parts: Batch, batch_axis: int, counted: list) -> list | None:
     return dirty
 
 
-def handle(
-    fw: Firewall, batch: Any, parts: Batch, first_index: int, number: int, counted: list
-) -> Any:
+def handle(fw: Firewall, batch: Any, parts: Batch, counted: list) -> Any:
     """The batch after ``fw``'s policy (``"drop"`` or ``"replace"``), with its flagged samples
-    recorded as the general path records them; ``UNHANDLED`` (stats untouched) when
-    ``dirty_found`` cannot count it. ``first_index``/``number``: the batch's first global
-    sample index and its number in the epoch (the caller has counted the batch as seen)."""
+    recorded as the general path records them, counted as seen once ``replace_value`` was
+    checked (``Firewall.count_batch``: a rejected batch leaves the stats as they were);
+    ``UNHANDLED`` (stats untouched) when ``dirty_found`` cannot count it."""
     dirty = dirty_found(parts, fw.batch_axis, counted)
     if dirty is None:
         return UNHANDLED
     stats, n = fw.stats, parts.size
+    fw.check_replaceable((f.label, f.dtype) for f, _ in dirty)
+    first_index, number = fw.count_batch(n)
     if not dirty:  # every suspect was a finite sum that overflowed
         stats.samples_passed += n
         return batch
-    fw.check_replaceable((f.label, f.dtype) for f, _ in dirty)
     flagged, bad_values = _record(fw, [(f.label, found) for f, found in dirty], first_index, number)
     if fw.policy == "replace":
         bad_ids = {id(f) for f, _ in dirty}

@@ -28,11 +28,11 @@ from numstab.data import _lean, quarantine
 from numstab.data._fast import SUSPECT, clean_batch_size
 from numstab.data._fields import (
     Batch,
-    backend_of,
     check_batch_axis,
     check_replace_value,
     check_replacement,
     compress,
+    outlier_features,
     replaced,
     split_batch,
     surely_finite,
@@ -119,7 +119,9 @@ class Firewall:
 
     def process(self, batch: Any) -> Any:
         """The batch with its flagged samples handled; None when all were dropped (and
-        ``keep_empty`` is False). A clean batch comes back as the same object."""
+        ``keep_empty`` is False). A clean batch comes back as the same object. A batch
+        rejected with ``InvalidArgumentError`` leaves ``stats``, the outlier filter, the
+        quarantine and the later global indices as they were (every check comes first)."""
         stats = self.stats
         counted: list = []  # counts the fast path computed on a dirty NumPy leaf
         size = clean_batch_size(batch, self.batch_axis, counted) if self.outliers is None else None
@@ -139,12 +141,8 @@ class Firewall:
                 f"Expected a batch with at least one array field of rank > batch_axis="
                 f"{self.batch_axis}. Received: {type(batch).__name__} with no batched field"
             )
-        n = parts.size
-        first_index, number = stats.samples_seen, self._batch_in_epoch
-        stats.samples_seen += n
-        stats.batches_seen += 1
         if lean:
-            out = _lean.handle(self, batch, parts, first_index, number, counted)
+            out = _lean.handle(self, batch, parts, counted)
             if out is not _lean.UNHANDLED:
                 return out
         parts.keep_counts(counted)
@@ -152,23 +150,45 @@ class Firewall:
         # SUSPECT: the fast path already found a leaf it could not prove finite
         clean = size != SUSPECT and (not floats or surely_finite(floats, self.batch_axis))
         if clean and self.outliers is None:
-            stats.samples_passed += n
+            self.count_batch(parts.size)
+            stats.samples_passed += parts.size
             return batch
+        return self._general(batch, parts, clean)
+
+    def count_batch(self, n: int) -> tuple[int, int]:
+        """Count a batch of ``n`` samples as seen; returns its first global sample index and
+        its number in the epoch. Called once every check of the batch has passed, so a
+        rejected batch leaves the stats (and the later indices) as they were."""
+        stats = self.stats
+        first_index, number = stats.samples_seen, self._batch_in_epoch
+        stats.samples_seen += n
+        stats.batches_seen += 1
+        return first_index, number
+
+    def _general(self, batch: Any, parts: Batch, clean: bool) -> Any:
+        """The general path: every check first (counts, ``replace_value``, the outlier
+        features, quarantine), then the filter learns, the batch is counted and its flagged
+        samples recorded, then the policy."""
+        n = parts.size
         report = report_of(parts, self.batch_axis, clean=clean)
         flagged = np.array(report.bad_samples, dtype=np.intp)  # sorted
         bad = np.zeros(n, dtype=bool)
         bad[flagged] = True
+        self.check_replaceable((f.path or "<batch>", f.dtype) for f in report.bad_fields)
+        learn = None
         if self.outliers:
-            outlier = self._outlier_flags(batch, parts, bad)
+            outlier, learn = self._outlier_flags(batch, parts, bad)
             flagged = np.flatnonzero(bad | outlier)
         else:
             outlier = np.zeros_like(bad)
-        if flagged.size == 0:
-            stats.samples_passed += n
-            return batch
-        self.check_replaceable((f.path or "<batch>", f.dtype) for f in report.bad_fields)
-        if self.quarantine_dir is not None:
+        if flagged.size and self.quarantine_dir is not None:
             quarantine.check_fields(parts)
+        if learn is not None:
+            learn()
+        first_index, number = self.count_batch(n)
+        if flagged.size == 0:
+            self.stats.samples_passed += n
+            return batch
         self._record(report, bad, flagged, first_index, number)
         if self.quarantine_dir is not None:
             reasons = ["nonfinite" if bad[i] else "outlier" for i in flagged]
@@ -183,22 +203,27 @@ class Firewall:
                 first_index + flagged,
                 reasons,
             )
-            stats.quarantine_files.append(path)
+            self.stats.quarantine_files.append(path)
         self._maybe_raise(report, bad, outlier, first_index, number)
         return self._apply(batch, parts, report, bad, outlier)
 
     # -- steps --------------------------------------------------------------------------------
-    def _outlier_flags(self, batch: Any, parts: Batch, bad: np.ndarray) -> np.ndarray:
-        features = _features(batch, parts, self.outlier_fields, self.batch_axis)
+    def _outlier_flags(
+        self, batch: Any, parts: Batch, bad: np.ndarray
+    ) -> tuple[np.ndarray, Callable[[], None] | None]:
+        """``(flags, learn)``: the filter's flags over the finite samples (``bad`` holds the
+        non-finite ones) and its learning step, for ``process`` to call once every check
+        passed (``OutlierFilter.screen``). A filter that overrides ``__call__`` is called
+        (and learns) here: ``learn`` is then None."""
+        features = outlier_features(batch, parts, self.outlier_fields, self.batch_axis, len(bad))
         flags = np.zeros(len(bad), dtype=bool)
         good = ~bad
-        if features.shape[0] != len(bad):
-            raise InvalidArgumentError(
-                f"Expected outlier features with one row per sample ({len(bad)}). "
-                f"Received: features.shape={features.shape}"
-            )
-        flags[good] = self.outliers(features[good])
-        return flags
+        learn = None
+        if type(self.outliers).__call__ is OutlierFilter.__call__:
+            flags[good], learn = self.outliers.screen(features[good])
+        else:
+            flags[good] = self.outliers(features[good])
+        return flags, learn
 
     def _action(self, is_bad: bool) -> str:
         policy = self.policy if is_bad else self.outlier_policy
@@ -325,39 +350,6 @@ def _check_outlier_fields(spec: Features) -> Features:
             f"sequence of field paths such as [\"['x']\"]. Received: outlier_fields={spec!r}"
         )
     return paths
-
-
-def _features(batch: Any, parts: Batch, spec: Features, batch_axis: int) -> np.ndarray:
-    """The (n, d) float64 host matrix the outlier filter sees."""
-    if callable(spec):
-        x = spec(batch)
-        return _as_matrix(backend_of(x).to_numpy(x) if hasattr(x, "dtype") else x)
-    fields = [f for f in parts.float_fields if f.batched]
-    if spec is not None:
-        known = {f.path: f for f in fields}
-        missing = [p for p in spec if p not in known]
-        if missing:
-            raise InvalidArgumentError(
-                f"Expected outlier_fields among the floating batched fields "
-                f"{sorted(known)}. Received: {missing}"
-            )
-        fields = [known[p] for p in spec]
-    columns = []
-    for f in fields:
-        x = f.backend.real_view(f.value) if v.is_complex(f.dtype) else f.value  # both parts
-        x = np.moveaxis(f.backend.to_numpy(x), batch_axis, 0)
-        columns.append(x.reshape(x.shape[0], -1).astype(np.float64))
-    if not columns:
-        raise InvalidArgumentError(
-            "Expected at least one floating batched field for the outlier filter. "
-            "Received: none (pass outlier_fields= a callable to build features)"
-        )
-    return np.concatenate(columns, axis=1)
-
-
-def _as_matrix(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    return x[:, None] if x.ndim == 1 else x.reshape(x.shape[0], -1)
 
 
 class GuardedIterable:

@@ -3,7 +3,14 @@
 A filter is called once per batch with the ``(n, d)`` features of the batch's finite samples
 and returns a boolean vector: True marks an outlier. It learns only from the samples it
 accepts, so an outlier cannot inflate the statistics that should catch the next one. During
-its warm-up a filter flags nothing and learns from every sample.
+its warm-up a filter flags nothing and learns from every sample. A sample with a NaN or inf
+feature (features computed by a callable, ``log`` of a negative value) is always an outlier,
+in the warm-up too, and is never learned: one such sample would make the statistics NaN
+and blind the filter for good.
+
+``screen(features)`` splits a call in two: the flags, computed without touching the state,
+and a function that learns from the accepted samples. ``Firewall.process`` learns only once
+every check of the batch has passed, so a rejected batch leaves the filter as it was.
 
 A sample is an outlier when ANY of its features is: ``max_j |z_j| > threshold``. On clean
 Gaussian data one feature exceeds 3 sigma with probability 0.27% (3.5 robust sigma: 0.047%),
@@ -15,6 +22,7 @@ per-feature threshold is then Bonferroni-corrected for ``d`` (``bonferroni_thres
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from statistics import NormalDist
 from typing import Any
 
@@ -62,14 +70,52 @@ class OutlierFilter:
             return self.threshold
         return bonferroni_threshold(self.false_positive_rate, d)
 
-    def __call__(self, features: np.ndarray) -> np.ndarray:
-        features = self._check(features)
-        if features.shape[0] == 0:
-            return np.zeros(0, dtype=bool)
-        return self._step(features)
+    def __call__(self, features: Any) -> np.ndarray:
+        """Flags (True: outlier) for the ``(n, d)`` ``features``, then learns from the
+        accepted samples (``screen`` followed by its ``learn``)."""
+        flags, learn = self.screen(features)
+        learn()
+        return flags
+
+    def screen(self, features: Any) -> tuple[np.ndarray, Callable[[], None]]:
+        """``(flags, learn)``: the outlier flags of ``features`` without any change of state,
+        and a function that learns from the accepted samples (and fixes ``num_features``).
+
+        A sample whose features are not all finite is flagged, warm-up or not, and never
+        learned. ``InvalidArgumentError`` (state untouched) for features that are not
+        ``(n, d)`` or whose ``d`` differs from earlier batches."""
+        x = self._check(features)
+        finite = np.isfinite(x).all(axis=1)
+        if finite.all():
+            flags = self._flags(x) if len(x) else np.zeros(0, dtype=bool)
+        else:  # never handed to _flags: NaN compares False, so it would pass
+            flags = np.ones(len(x), dtype=bool)
+            flags[finite] = self._flags(x[finite]) if finite.any() else False
+        accepted = x[~flags]
+
+        def learn() -> None:
+            self.num_features = x.shape[1]
+            if len(accepted):
+                self._learn(accepted)
+
+        return flags, learn
 
     def _check(self, features: Any) -> np.ndarray:
-        features = np.asarray(features, dtype=np.float64)
+        """``features`` as an ``(n, d)`` float64 matrix (a vector is one feature); no state
+        is changed."""
+        try:
+            array = np.asarray(features)
+        except (TypeError, ValueError) as exc:  # a ragged list
+            raise InvalidArgumentError(
+                f"Expected outlier features: an (n, d) array of real numbers. Received: "
+                f"{type(features).__name__} ({exc})"
+            ) from None
+        if not is_real_dtype(array.dtype):  # a complex value would lose its imaginary part
+            raise InvalidArgumentError(
+                f"Expected outlier features: an (n, d) array of real numbers. Received: "
+                f"features of dtype {array.dtype}"
+            )
+        features = array.astype(np.float64, copy=False)
         if features.ndim == 1:
             features = features[:, None]
         if features.ndim != 2:
@@ -83,14 +129,25 @@ class OutlierFilter:
                 f"Expected {d} features per sample, as in earlier batches. "
                 f"Received: features.shape={features.shape}"
             )
-        self.num_features = features.shape[1]
         return features
 
-    def _step(self, features: np.ndarray) -> np.ndarray:
+    def _flags(self, x: np.ndarray) -> np.ndarray:
+        """The outlier flags of the finite ``(n, d)`` samples ``x`` (n >= 1); no state change."""
+        raise NotImplementedError
+
+    def _learn(self, x: np.ndarray) -> None:
+        """Learn from the accepted finite samples ``x`` (n >= 1)."""
         raise NotImplementedError
 
     def reset(self) -> None:
         raise NotImplementedError
+
+
+def is_real_dtype(dtype: np.dtype) -> bool:
+    """Bool, integer or floating (ml_dtypes' bfloat16 and float8 too): values a float64
+    feature holds without loss of meaning; not complex, str, object or dates."""
+    name = str(dtype)
+    return dtype.kind in "biuf" or v.is_floating(name) or v.is_narrow_float(name)
 
 
 def _robust_ratio(deviation: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -139,19 +196,14 @@ class ZScoreFilter(OutlierFilter):
     def std(self) -> np.ndarray | None:
         return None if self.mean is None else np.sqrt(self.m2 / max(self.count - 1, 1))
 
-    def _step(self, x: np.ndarray) -> np.ndarray:
+    def _flags(self, x: np.ndarray) -> np.ndarray:
         if self.count < self.warmup:
-            flags = np.zeros(len(x), dtype=bool)
-        else:
-            z = _robust_ratio(x - self.mean, self.std)
-            flags = (z > self.feature_threshold(x.shape[1])).any(axis=1)
-        self._learn(x[~flags])
-        return flags
+            return np.zeros(len(x), dtype=bool)
+        z = _robust_ratio(x - self.mean, self.std)
+        return (z > self.feature_threshold(x.shape[1])).any(axis=1)
 
     def _learn(self, x: np.ndarray) -> None:
         n = len(x)
-        if n == 0:
-            return
         mean = x.mean(axis=0)
         m2 = ((x - mean) ** 2).sum(axis=0)
         if self.mean is None:
@@ -207,15 +259,12 @@ class MADFilter(OutlierFilter):
         median = np.median(data, axis=0)
         return median, np.median(np.abs(data - median), axis=0)
 
-    def _step(self, x: np.ndarray) -> np.ndarray:
+    def _flags(self, x: np.ndarray) -> np.ndarray:
         if self.filled < self.warmup:
-            flags = np.zeros(len(x), dtype=bool)
-        else:
-            median, mad = self.median_and_mad()
-            z = MAD_SCALE * _robust_ratio(x - median, mad)
-            flags = (z > self.feature_threshold(x.shape[1])).any(axis=1)
-        self._learn(x[~flags])
-        return flags
+            return np.zeros(len(x), dtype=bool)
+        median, mad = self.median_and_mad()
+        z = MAD_SCALE * _robust_ratio(x - median, mad)
+        return (z > self.feature_threshold(x.shape[1])).any(axis=1)
 
     def _learn(self, x: np.ndarray) -> None:
         if self.buffer is None:
@@ -276,18 +325,23 @@ class IsolationForestFilter(OutlierFilter):
         self._pending_count = 0
         self.num_features: int | None = None
 
-    def _step(self, x: np.ndarray) -> np.ndarray:
+    def _flags(self, x: np.ndarray) -> np.ndarray:
         if self.model is None:
-            self._pending.append(x)
-            self._pending_count += len(x)
-            if self._pending_count >= self.warmup:
-                self._fit(np.concatenate(self._pending))
             return np.zeros(len(x), dtype=bool)
         flags = self.model.predict(x) == -1
         if self.extrapolation_margin is not None:
             slack = self.extrapolation_margin * (self.high - self.low)
             flags |= ((x < self.low - slack) | (x > self.high + slack)).any(axis=1)
         return flags
+
+    def _learn(self, x: np.ndarray) -> None:
+        """Warm-up only: buffer the samples, fit once ``warmup`` were buffered."""
+        if self.model is not None:
+            return
+        self._pending.append(x)
+        self._pending_count += len(x)
+        if self._pending_count >= self.warmup:
+            self._fit(np.concatenate(self._pending))
 
     def _fit(self, data: np.ndarray) -> None:
         self.low, self.high = data.min(axis=0), data.max(axis=0)
