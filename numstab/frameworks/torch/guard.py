@@ -34,11 +34,17 @@ the skip through the optimizer's ``found_inf`` (fused optimizers) or a backup-an
 host read; the host reads the decisions every k steps and at ``flush()`` (docs/semantics.md
 §16.12).
 
+A skipped step leaves the model's buffers (BatchNorm's running statistics) as they were
+after the last applied step: the forward pass changed them before the guard saw the step,
+so a copy is put back (``guard_buffers.py``; on the device's flag in device mode).
+
 Snapshots copy ``model.state_dict()`` (buffers included), ``optimizer.state_dict()`` and the
 scheduler's state on the device. A rollback loads them back (in place: the optimizer keeps
-its parameters), then multiplies every param group's ``lr`` (and ``initial_lr``, and the
-scheduler's ``base_lrs``) by the LR factor. Param groups added after the snapshot
-(``add_param_group``) stay, with their settings as now and no optimizer state.
+its parameters; each optimizer state tensor with its dtype in the snapshot, not cast to its
+parameter's: ``guard_groups.exact_state``), then multiplies every param group's ``lr`` (and
+``initial_lr``, and the scheduler's ``base_lrs``) by the LR factor. Param groups added after
+the snapshot (``add_param_group``) stay, with their settings as now and no optimizer state.
+Snapshot files: ``guard_files.py``.
 
 The optimizer may update the model's parameters only (checked at construction, and at the
 first ``step`` after ``add_param_group``). The gradients
@@ -64,13 +70,14 @@ from numstab.backends import load_backend
 from numstab.backends._base import Backend
 from numstab.backends._native import has_native
 from numstab.errors import InvalidArgumentError
-from numstab.frameworks.torch import lr_scaling
+from numstab.frameworks.torch import guard_files, lr_scaling
 from numstab.frameworks.torch.backend import is_dtensor
 from numstab.frameworks.torch.distributed import reduction_group
+from numstab.frameworks.torch.guard_buffers import ModelBuffers
 from numstab.frameworks.torch.guard_device import DeviceSteps, LazyApplied
-from numstab.frameworks.torch.guard_groups import check_own_parameters, fitted
+from numstab.frameworks.torch.guard_groups import check_own_parameters, exact_state, fitted
 from numstab.guard import policy
-from numstab.guard.runner import GuardRunner, RunnerResults, check_fits, check_payload
+from numstab.guard.runner import GuardRunner, RunnerResults
 
 if TYPE_CHECKING:
     from numstab.guard.guard import TrainingGuard
@@ -137,6 +144,7 @@ class TorchGuard(RunnerResults):
         # user's scheduler.step() after step t is in it
         names = [n for n, _ in named]
         self.runner = GuardRunner(guard, self, self._host, names, defer_snapshots=True)
+        self._buffers = ModelBuffers(model)  # put back on a skipped step
         self.runner.snapshot(0, self.state)
         self._device: DeviceSteps | None = None
         self._use_params([_updatable(p) for p in self._all])
@@ -174,7 +182,11 @@ class TorchGuard(RunnerResults):
                 self._all, self.optimizer, self._groups_checked
             )
         loss = _scalar_loss(self._torch, loss, self._norm_device)
-        self.runner.take_pending_snapshot()
+        self._buffers.after_forward = True  # a due snapshot takes the buffers after step t
+        try:
+            self.runner.take_pending_snapshot()
+        finally:
+            self._buffers.after_forward = False
         grads = self.grads()
         measured, self._measured = self._measured, None
         self.step_norm = None
@@ -205,6 +217,10 @@ class TorchGuard(RunnerResults):
         d = _host_dict(decision)
         if d["apply"]:
             (step_fn or self.optimizer.step)()  # if it raises, the guard's state stays as it was
+            self._buffers.applied()
+        else:
+            self._buffers.skipped()  # what this step's forward passes did to them, undone
+        self.state = state  # counted, also where after_step gives up (NonFiniteError)
         self.state = self.runner.after_step(
             d, state, self.layer_row(norms) if self.guard.track_layers else None, self._torch
         )
@@ -308,10 +324,13 @@ class TorchGuard(RunnerResults):
 
     # -- the Adapter protocol of GuardRunner -------------------------------------------------------
     def capture(self) -> dict[str, Any]:
-        payload = {
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-        }
+        if self._buffers.after_forward:  # in a step: the buffers after the last one
+            with self._buffers.kept():
+                model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        else:  # between steps: as they are now (a resumed model), and the copy renewed
+            self._buffers.read()
+            model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        payload = {"model": model, "optimizer": copy.deepcopy(self.optimizer.state_dict())}
         if self.scheduler is not None:
             payload["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
         return payload
@@ -321,7 +340,10 @@ class TorchGuard(RunnerResults):
         optimizer = fitted(copy.deepcopy(payload["optimizer"]), self.optimizer)
         self._kept_groups = len(payload["optimizer"]["param_groups"])  # the rest: added since
         self.model.load_state_dict(payload["model"])
+        self._buffers.read()  # a skipped step puts back the restored buffers
         self.optimizer.load_state_dict(optimizer)
+        if not payload.get(guard_files.CAST):  # an older file cannot tell
+            exact_state(self.optimizer, optimizer)  # torch cast the state to the params' dtypes
         self._scheduler_restored = self.scheduler is not None and "scheduler" in payload
         if self._scheduler_restored:
             self.scheduler.load_state_dict(copy.deepcopy(payload["scheduler"]))
@@ -340,35 +362,11 @@ class TorchGuard(RunnerResults):
         )
 
     def to_host(self, payload: Any) -> Any:
-        if isinstance(payload, torch.Tensor):
-            t = payload.detach().cpu()
-            return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-        if isinstance(payload, dict):
-            return {k: self.to_host(x) for k, x in payload.items()}
-        if isinstance(payload, (list, tuple)):
-            return type(payload)(self.to_host(x) for x in payload)
-        return payload
+        return guard_files.to_host(payload)
 
     def from_host(self, tree: Any) -> Any:
-        """A snapshot file's payload as tensors, after checking that it fits this model and
-        optimizer (``check_fits``: before, torch's load_state_dict raised after loading the
-        parameters that did fit)."""
-        check_payload(tree, ("model", "optimizer"), "torch")
-        model = self.model.state_dict()
-        check_fits(
-            "model's state_dict",
-            list(tree["model"].items()),
-            [(k, tuple(t.shape)) for k, t in model.items()],
-        )
-        groups = lambda state: [
-            (f"param_groups[{i}]['params']", g["params"]) for i, g in enumerate(state)
-        ]
-        check_fits(
-            "optimizer's parameter groups",
-            groups(tree["optimizer"]["param_groups"]),
-            [(name, (len(p),)) for name, p in groups(self.optimizer.param_groups)],
-        )
-        return _tensors(tree)
+        """A snapshot file's payload as tensors, checked to fit this model and optimizer."""
+        return guard_files.from_host(tree, self.model, self.optimizer)
 
 
 def _updatable(p: torch.Tensor) -> bool:
@@ -377,17 +375,6 @@ def _updatable(p: torch.Tensor) -> bool:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
-def _tensors(tree: Any) -> Any:
-    """``tree`` with its NumPy arrays as tensors (``load_state_dict`` casts and moves them)."""
-    if isinstance(tree, np.ndarray):
-        return torch.from_numpy(np.array(tree))
-    if isinstance(tree, dict):
-        return {k: _tensors(x) for k, x in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_tensors(x) for x in tree)
-    return tree
 
 
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # norms accumulated in float32

@@ -6,7 +6,7 @@
   ``step % k``.
 * :func:`undo_plan`: ``t = where(apply, t, backup)`` over every tensor of a step (parameters
   and optimizer state), exact (no arithmetic on the values), in one call, bound once to the
-  tensors.
+  tensors; with ``keep``, the backup takes the result too (the model's buffers).
 
 Both are traced with ``make_fx`` (fake tensors) and compiled by inductor
 (``torch._inductor.compile``: C++ on CPU, which needs a compiler; Triton on GPU). No dynamo:
@@ -193,16 +193,31 @@ def _select(flag: torch.Tensor, *pairs: torch.Tensor) -> None:
         t.copy_(torch.where(flag, t, backup))
 
 
+def _select_keep(flag: torch.Tensor, *pairs: torch.Tensor) -> None:
+    n = len(pairs) // 2
+    for t, backup in zip(pairs[:n], pairs[n:], strict=True):
+        kept = torch.where(flag, t, backup)
+        t.copy_(kept)
+        backup.copy_(kept)
+
+
 def undo_plan(
-    flag: torch.Tensor, tensors: list[torch.Tensor], backups: list[torch.Tensor]
+    flag: torch.Tensor,
+    tensors: list[torch.Tensor],
+    backups: list[torch.Tensor],
+    *,
+    keep: bool = False,
 ) -> Callable[[torch.Tensor], None]:
     """``t = where(f, t, backup)`` for each tensor (all on ``flag``'s device) and its buffer,
     bound to them (compiled once, looked up once, eager where compilation failed): a
     function of a flag ``f`` like ``flag``, for the steps that update the same tensors in
-    place; to be called under ``no_grad``."""
+    place; to be called under ``no_grad``. ``keep``: the buffer takes the result too (the
+    model's buffers, ``guard_buffers``: the copy is renewed after an applied step)."""
     if not tensors:
         return lambda f: None
     pairs = [*tensors, *backups]
-    fn = _compiled(("undo", _signature([flag, *pairs])), _select, [flag, *pairs])
-    fn = fn if fn is not None else _select
+    select = _select_keep if keep else _select
+    key = ("keep" if keep else "undo", _signature([flag, *pairs]))
+    fn = _compiled(key, select, [flag, *pairs])
+    fn = fn if fn is not None else select
     return lambda f: fn(f, *pairs)  # the caller is under no_grad

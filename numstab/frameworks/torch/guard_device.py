@@ -21,6 +21,9 @@
   ``capturable=True``) are restored with one copy of the flag per device and step: one sync
   per step, with a warning, once, naming the cure; a step that adds or replaces non-tensor
   state, or creates the state (the first step), reads the flag on the host once.
+
+The model's buffers (BatchNorm's statistics), changed by the forward pass before the step,
+are then kept or put back on the same flag (``guard_buffers.ModelBuffers.settle``).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class DeviceSteps:
     ) -> LazyApplied:
         try:
             read_now = self.skipper.run(apply, found_inf, step_fn)
+            self.owner._buffers.settle(apply)  # the model's buffers kept or put back
         finally:  # a step_fn that raised: the device state has counted the step, so do we
             self.norms.append(self.owner.layer_row(norms) if self.guard.track_layers else None)
             self.pending += 1
