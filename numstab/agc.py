@@ -21,17 +21,22 @@ Array = Any
 Tree = Any
 
 AGC_LAYOUTS = ("io", "oi")
+INF = float("inf")
 
 
 class AGC:
     """Adaptive gradient clipping (Brock et al., 2021), as ``optax.adaptive_grad_clip``.
 
     For every unit (a slice of a leaf, see ``unit_axes``) with gradient norm ``|G|`` and
-    parameter norm ``|W|``::
+    parameter norm ``|W|`` (float32 sums of squares, float64 for float64 leaves)::
 
         limit = clip_factor * max(|W|, eps)
-        G    <- G                                   if |G| < limit
-        G    <- G * (limit / max(|G|, 1e-6))        otherwise
+        G    <- G * (limit / max(|G|, 1e-6))        if limit <= |G| < inf and limit < inf
+        G    <- G                                   otherwise
+
+    A non-finite ``|G|`` (a NaN or inf in the unit, or a sum of squares past the dtype's
+    largest value) or ``|W|`` leaves the unit unchanged, as ``clip_by_global_norm`` leaves a
+    tree whose norm is not finite (optax made [inf, 1] [nan, 0] and [1e20, 1e20] [0, 0]).
 
     Units (``layout``): ``"io"`` (default; optax, Flax and Keras kernels, output axis last):
     a leaf whose squeezed rank is <= 1 is one unit; rank 2 and 3 reduce axis 0; rank 4 axes
@@ -92,7 +97,8 @@ class AGC:
                     f"Expected a parameter for every gradient. Received: params{path}=None"
                 )
             g, p = to_backend(be, g, like, "grads"), to_backend(be, p, like, "params")
-            out.append(self._clip_leaf(be, g, p, path))
+            with be.float_errors_ignored():  # an overflowing sum of squares is handled
+                out.append(self._clip_leaf(be, g, p, path))
         return unflatten(treedef, out)
 
     def unit_axes(self, shape: tuple) -> tuple[int, ...] | None:
@@ -140,7 +146,11 @@ class AGC:
         )
         limit = factor * be.maximum(_unit_norm(be, p32, axes), eps)
         clipped = g32 * (limit / be.maximum(g_norm, 1e-6))
-        out = be.where(g_norm < limit, g32, clipped)
+        # a unit whose norm is not finite (a NaN or inf element, or a sum of squares past the
+        # dtype's largest value) or whose limit is not (its parameter's) is left as it is:
+        # never a half-NaN, half-zero or zeroed unit (optax: [inf, 1] -> [nan, 0])
+        clip = (g_norm >= limit) & (g_norm < INF) & (limit < INF)
+        out = be.where(clip, clipped, g32)
         return out if dtype == compute else be.cast_toward_zero(out, dtype)  # never above limit
 
 

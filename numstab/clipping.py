@@ -150,12 +150,20 @@ def _accumulation_dtype(dtypes: set[str]) -> str:
 
 
 def _check_norm_type(norm_type: Any) -> float:
+    """``norm_type`` as a float: any real > 0 (NaN fails the comparison). One past float64's
+    range (``10**400``) is ``math.inf``: every p from ``max_norm_from`` (~7.3e8 in float32)
+    gives the max-abs norm to the dtype's rounding. One that float64 rounds to 0 raises."""
     if (
         isinstance(norm_type, numbers.Real)
         and not isinstance(norm_type, bool)
         and norm_type > 0  # False for NaN; a comparison, so torch.compile's SymFloat passes
     ):
-        return float(norm_type)
+        try:
+            value = float(norm_type)
+        except OverflowError:  # an int or Fraction past float64: the max-abs norm
+            return math.inf
+        if value > 0.0:
+            return value
     raise InvalidArgumentError(
         f"Expected norm_type > 0 (math.inf allowed). Received: norm_type={norm_type!r}"
     )

@@ -14,6 +14,7 @@ from numstab._config import AUTO, configured_backend
 from numstab._dispatch import HOST, resolve_backend
 from numstab._dispatch import framework_of as _framework_of
 from numstab._dispatch import to_backend as _to_backend
+from numstab._layouts import dense_only
 from numstab._loss_checks import (
     check_label_shape,
     class_count,
@@ -128,6 +129,7 @@ def smooth_labels(
     return labels * (1.0 - alpha) + alpha / num_classes
 
 
+@dense_only
 def cross_entropy(
     logits: Array,
     labels: Array,

@@ -55,10 +55,11 @@ class TreeOps:
 
     def leaf_power_sums(self, leaves: list[Array], ord: float, dtype: str) -> Array:
         """Each (non-empty) leaf's ``sum |g| ** p`` (``max |g|`` for p = inf), accumulated in
-        ``dtype``, as a vector: one reduction per leaf, no root."""
+        ``dtype``, as a vector: one reduction per leaf, no root, nothing rescaled (for p = 1,
+        2, inf and p < 1, whose terms overflow only where the norm does; other p: ``p_norms``)."""
         sums = []
         for leaf in leaves:
-            x = self.cast(leaf, dtype)
+            x = self.cast(self.elements(leaf), dtype)  # (a torch nested tensor: flat)
             if ord == 2.0:
                 sums.append(self.sum(x * x))
             elif ord == float("inf"):
@@ -79,14 +80,47 @@ class TreeOps:
 
     def leaf_norms(self, leaves: list[Array], ord: float, dtype: str) -> Array:
         """The ``ord``-norm of each (non-empty) leaf, accumulated in ``dtype``, as a vector."""
+        if _rescaled(ord):
+            return self.p_norms(leaves, ord, dtype, total=False)
         return self.power_root(self.leaf_power_sums(leaves, ord, dtype), ord)
 
     def global_norm(self, leaves: list[Array], ord: float, dtype: str) -> Array:
         """§7.2's formula, a 0-d array of ``dtype``: the leaves' power sums summed (their maxima
         maxed for p = inf), then one root; optax's reductions. (A norm of the leaf norms took
-        a root and a power per leaf more: 52 more kernels than optax on XLA:CPU, 50 leaves.)"""
+        a root and a power per leaf more: 52 more kernels than optax on XLA:CPU, 50 leaves.)
+        p > 1 other than 2: ``p_norms``, rescaled."""
+        if _rescaled(ord):
+            return self.p_norms(leaves, ord, dtype, total=True)
         sums = self.leaf_power_sums(leaves, ord, dtype)
         return self.max(sums) if ord == float("inf") else self.power_root(self.sum(sums), ord)
+
+    def p_norms(self, leaves: list[Array], ord: float, dtype: str, total: bool) -> Array:
+        """The ``ord``-norm (1 < p < inf, p != 2) of each leaf (a vector), or of all of them
+        (``total``: 0-d), rescaled by the max-abs ``M`` so that no power overflows:
+
+            norm = M * (sum (|g| / M) ** p) ** (1 / p)        (every term in [0, 1], sum >= 1)
+
+        exact to a few roundings of ``dtype`` for every p (an element's rounding error, raised
+        to p, moves the root by at most that rounding). For p >= ``max_norm_from(dtype)`` the
+        root is 1 to ``dtype``'s rounding: the max-abs norm is returned. ``M`` of 0, inf or
+        NaN divides by 1: a zero tree gives 0, an inf gives inf, a NaN gives NaN."""
+        maxima = self.leaf_power_sums(leaves, float("inf"), dtype)
+        if total:
+            maxima = self.max(maxima)
+        if ord >= max_norm_from(dtype):
+            return maxima
+        usable = (maxima > 0.0) & (maxima < float("inf"))
+        divisor = self.where(usable, maxima, 1.0)
+        n = len(leaves)
+        scales = [divisor] * n if total else [divisor[i] for i in range(n)]
+        sums = self.stack(
+            [self._scaled_power_sum(x, m, ord, dtype) for x, m in zip(leaves, scales, strict=True)]
+        )
+        return maxima * self.power_root(self.sum(sums) if total else sums, ord)
+
+    def _scaled_power_sum(self, leaf: Array, scale: Array, ord: float, dtype: str) -> Array:
+        """``sum (|leaf| / scale) ** p`` accumulated in ``dtype`` (``p_norms``' terms)."""
+        return self.sum((self.abs(self.cast(self.elements(leaf), dtype)) / scale) ** ord)
 
     def scale_leaves(
         self, leaves: list[Array], factor: Array, toward_zero: bool = False
@@ -161,11 +195,28 @@ class TreeOps:
     def leaf_finite(self, leaves: list[Array]) -> Array:
         """A boolean vector, one entry per (non-empty) leaf: every element of that leaf is
         finite. Stays on the device: the first pass of ``find_nonfinite`` and ``all_finite``."""
-        return self.stack([self.all(self.isfinite(leaf)) for leaf in leaves])
+        return self.stack([self.all(self.isfinite(self.elements(leaf))) for leaf in leaves])
 
     def all_finite(self, leaves: list[Array]) -> Array:
         """One 0-d boolean: every element of every leaf is finite."""
         return self.all(native_op(self, "leaf_finite")(leaves))
+
+
+def max_norm_from(dtype: str) -> float:
+    """The smallest p from which the p-norm is the max-abs norm to ``dtype``'s rounding u
+    (2**-24 for float32, 2**-53 for float64): with ``M = max |g|`` over n elements,
+    ``M <= norm_p <= M * n ** (1 / p)``, and ``n ** (1 / p) <= 1 + u`` once
+    ``p >= ln(n) / ln(1 + u)``; with n < 2**63 (any array), ``p >= 63 ln 2 / ln(1 + u)``:
+    about 7.33e8 for float32 and 3.94e17 for float64."""
+    unit = 2.0**-53 if dtype == "float64" else 2.0**-24
+    return 63.0 * math.log(2.0) / math.log1p(unit)
+
+
+def _rescaled(ord: float) -> bool:
+    """The p-norms computed by ``p_norms``: 1 < p < inf other than 2 (whose unrescaled sum of
+    squares is the documented, optax's and torch's; p <= 1 sums terms that overflow only
+    where the norm itself does)."""
+    return 1.0 < ord < float("inf") and ord != 2.0
 
 
 def _maybe_nonempty(size: Any) -> bool:

@@ -34,6 +34,7 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {getattr(torch, name): name for name in _
 
 
 _FAST_FLOATS = (torch.float32, torch.float64)
+_TORCH_ORDS = (1.0, 2.0, math.inf)  # torch's norm kernels (other p: Backend.p_norms, rescaled)
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
 
 
@@ -162,7 +163,12 @@ class TorchBackend(NamespaceBackend):
 
     # fused kernels with the generic semantics
     def native_logsumexp(self, x, axis=-1, keepdims=False):
-        return torch.logsumexp(x, dim=axis, keepdim=keepdims)
+        if type(x) is torch.Tensor and not records_grad(x) and in_place_ok(x):  # no gradient
+            return torch.logsumexp(x, dim=axis, keepdim=keepdims)
+        # its gradient exp(x - lse) loses x's digits under lse's ulp; this one is softmax(x - m)
+        m = torch.amax(x, dim=axis, keepdim=True).detach().nan_to_num(0.0, 0.0, 0.0)
+        out = torch.logsumexp(x - m, dim=axis, keepdim=keepdims)
+        return out + (m if keepdims else m.squeeze(axis))
 
     def native_shifted_logsumexp(self, x):
         if x.dtype not in (torch.float32, torch.float64):  # 16-bit: logsumexp's wider sum
@@ -223,6 +229,8 @@ class TorchBackend(NamespaceBackend):
         return partial.redistribute(mesh, [Replicate()] * mesh.ndim)
 
     def native_global_norm(self, leaves, ord, dtype):
+        if ord not in _TORCH_ORDS:
+            return super().global_norm(leaves, ord, dtype)
         # torch.nn.utils.get_total_norm's kernels: the norm of the stacked leaf norms
         return torch.linalg.vector_norm(self.native_leaf_norms(leaves, ord, dtype), ord)
 
@@ -237,10 +245,9 @@ class TorchBackend(NamespaceBackend):
 
     def native_clip_factor(self, norm, limit, dtype, tiny):
         """``Backend.clip_factor`` for a normal ``limit`` and a plain float32/float64 ``norm``
-        (else the generic): a NaN or +inf ``max(norm, limit)`` becomes ``limit``
-        (``nan_to_num``) and ``limit / limit`` is exactly 1: 4 kernels for the generic 5,
-        no Python scalar wrapped into a tensor for a comparison or a ``where``. The fill and
-        ``limit`` round the same double to the same float32/float64."""
+        (else the generic): a NaN or +inf ``max(norm, limit)`` becomes ``limit`` (``nan_to_num``;
+        fill and ``limit`` round alike), and ``limit / limit`` is exactly 1: 4 kernels for the
+        generic 5, no Python scalar wrapped into a tensor for a comparison or a ``where``."""
         if tiny or type(norm) is not torch.Tensor or norm.dtype not in _FAST_FLOATS:
             return super().clip_factor(norm, limit, dtype, tiny)
         bound = norm.new_full((), limit)  # norm's dtype and device
@@ -285,9 +292,11 @@ class TorchBackend(NamespaceBackend):
         return loss if finite else None
 
     def native_smoothed_nll(self, x, labels, eps, weight):
-        return F.cross_entropy(
-            x, labels.long(), weight=weight, reduction="none", label_smoothing=eps
-        )
+        # nll_loss has no derivative for weight: one that may need it takes the generic rows
+        if weight is not None and (weight.requires_grad or not in_place_ok(weight)):
+            return super().smoothed_nll(x, labels, eps, weight)
+        y = labels.long()
+        return F.cross_entropy(x, y, weight=weight, reduction="none", label_smoothing=eps)
 
     # -- schedules and adaptive clipping --
     def cos(self, x):
@@ -381,11 +390,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class _OneKernel(list):
-    """Non-empty tensors on one ``device``, of one ``dtype``, as
-    ``native_dtypes_and_nonempty`` found them: ``native_leaf_norms`` and
-    ``native_scale_leaves`` trust these facts instead of passing over the tensors again.
-    Built eagerly for one call's leaves and never mutated (a changed list would keep facts
-    that no longer hold)."""
+    """Non-empty tensors on one ``device``, of one ``dtype``, as ``native_dtypes_and_nonempty``
+    found them: ``native_leaf_norms`` and ``native_scale_leaves`` trust these facts instead of
+    passing over the tensors again. Built eagerly for one call's leaves and never mutated (a
+    changed list would keep facts that no longer hold)."""
 
     __slots__ = ("device", "dtype")
     device: torch.device
