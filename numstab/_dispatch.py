@@ -90,7 +90,14 @@ def to_backend(be: Backend, x: Any, like: Any = None, name: str = "array") -> An
     """Host data (NumPy, scalars, lists) becomes an array of ``be`` (on the device of
     ``like``); framework arrays and None pass as they are, a Keras 3 variable as its
     ``.value`` (its backend tensor). Host data that is not numeric (strings, objects) raises
-    InvalidArgumentError naming ``name``."""
+    InvalidArgumentError naming ``name``.
+
+    One rule for host data on every backend: it is read as NumPy reads it (``host_array``:
+    Python floats are float64, ints int64), then becomes ``be``'s array of that dtype. torch
+    and TensorFlow made Python floats float32 (1e300 became inf) where NumPy kept float64.
+    Where the framework has no such dtype (JAX without ``jax_enable_x64``: no float64 or
+    int64) JAX's own conversion applies; what must be exact there reads host data on the
+    host (``find_nonfinite``, ``scalar_array``)."""
     if x is None:
         return x
     framework = framework_of(x)
@@ -98,8 +105,34 @@ def to_backend(be: Backend, x: Any, like: Any = None, name: str = "array") -> An
         x = x.value
     if framework != HOST:
         return x
-    check_numeric_host(x, name)
-    return be.asarray(x, like=like)
+    if _holds_framework_arrays(x):
+        check_numeric_host(x, name)
+        return be.asarray(x, like=like)
+    return be.asarray(host_array(x, name), like=like)
+
+
+def host_array(x: Any, name: str) -> Any:
+    """Host data as NumPy reads it (``np.asarray``: Python floats float64, ints int64, a
+    NumPy array as it is); InvalidArgumentError naming ``name`` unless it holds numbers or
+    booleans (strings, objects, ragged lists, ints past uint64)."""
+    import numpy as np
+
+    if type(x).__module__ == "numpy":
+        check_numeric_host(x, name)
+        return x
+    try:
+        array = np.asarray(x)
+    except (TypeError, ValueError, OverflowError):  # ragged lists and the like
+        array = None
+    if array is None or not _numeric_dtype(array.dtype):
+        _raise_not_numbers(x, name)
+    return array
+
+
+def _holds_framework_arrays(x: Any) -> bool:
+    """A list or tuple with a framework array in it (stacked by ``Backend.asarray``, as
+    torch cannot through NumPy for a GPU tensor)."""
+    return isinstance(x, (list, tuple)) and any(framework_of(e) != HOST for e in x)
 
 
 def scalar_array(be: Backend, name: str, x: Any, like: Any = None) -> Any:
@@ -107,12 +140,21 @@ def scalar_array(be: Backend, name: str, x: Any, like: Any = None) -> Any:
     dtype with one element (shape ``(1,)`` or ``(1, 1)`` is reshaped). Anything else raises
     ``InvalidArgumentError`` naming ``name``: a vector would broadcast against what it meets
     (NumPy, JAX, TensorFlow) or raise torch's "scalar tensor expected", and a bool is no
-    number."""
+    number.
+
+    Host integers (Python ints, NumPy integer arrays) become float32 through float64, on
+    the host, on every backend: JAX without x64 wrapped an int64 loss of 2**40 to 0, and
+    the framework's conversion of a Python int past int64 raised its own error. An int
+    past float64's range raises InvalidArgumentError. Host floats keep NumPy's dtype
+    (a Python float is float64; float32 on JAX without x64)."""
     if isinstance(x, bool) or not (isinstance(x, numbers.Real) or hasattr(x, "dtype")):
         raise InvalidArgumentError(
             f"Expected {name} to be a scalar number or a one-element array. Received: {name}={x!r}"
         )
-    x = to_backend(be, same_framework(be, name, x), like=like, name=name)
+    x = same_framework(be, name, x)
+    if framework_of(x) == HOST:
+        x = _host_number(name, x)
+    x = to_backend(be, x, like=like, name=name)
     dtype, shape = be.dtype_name(x), be.shape(x)
     if not (v.is_floating(dtype) or v.is_integer(dtype)):
         raise InvalidArgumentError(
@@ -124,6 +166,27 @@ def scalar_array(be: Backend, name: str, x: Any, like: Any = None) -> Any:
             f"Expected {name} to be a scalar (one element). Received: {name}.shape={shape}"
         )
     return be.reshape(x, ()) if shape else x
+
+
+def _host_number(name: str, x: Any) -> Any:
+    """Host data for ``scalar_array`` as a NumPy array, integers as float32 through float64
+    (exact up to 2**24, rounded to nearest beyond; no wrap)."""
+    import numpy as np
+
+    python_int = isinstance(x, numbers.Integral) and not hasattr(x, "dtype")
+    if python_int:
+        try:
+            x = float(x)
+        except OverflowError:
+            raise InvalidArgumentError(
+                f"Expected {name} to be a number within float64's range. Received: {name}="
+                f"an int of {x.bit_length()} bits"
+            ) from None
+    x = host_array(x, name)
+    if python_int or x.dtype.kind in "iu":
+        with np.errstate(over="ignore"):  # past float32's range: inf
+            x = x.astype(np.float64).astype(np.float32)
+    return x
 
 
 _NUMERIC_KINDS = frozenset("biufc")  # bool, int, uint, float, complex
@@ -144,12 +207,20 @@ def check_numeric_host(x: Any, name: str) -> None:
             dtype = np.asarray(x).dtype
         except (TypeError, ValueError):  # ragged lists and the like
             dtype = np.dtype(object)
+    if not _numeric_dtype(dtype):
+        _raise_not_numbers(x, name)
+
+
+def _numeric_dtype(dtype: Any) -> bool:
     # ml_dtypes' bfloat16 / float8 are kind "V" to NumPy
-    if dtype.kind not in _NUMERIC_KINDS and not dtype.name.startswith(("bfloat", "float")):
-        raise InvalidArgumentError(
-            f"Expected {name} to be an array of numbers. Received: {name} of type "
-            f"{type(x).__name__}: {_short_repr(x)}"
-        )
+    return dtype.kind in _NUMERIC_KINDS or dtype.name.startswith(("bfloat", "float"))
+
+
+def _raise_not_numbers(x: Any, name: str) -> None:
+    raise InvalidArgumentError(
+        f"Expected {name} to be an array of numbers. Received: {name} of type "
+        f"{type(x).__name__}: {_short_repr(x)}"
+    )
 
 
 def _short_repr(x: Any) -> str:

@@ -52,10 +52,16 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
 
 
 def check_number(
-    name: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False
+    name: str,
+    value: Any,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
 ) -> float:
-    """A finite real number (NumPy scalars included) in [low, high] ((low, high] with
-    low_open); an infinite ``high`` means no upper bound."""
+    """A finite real number (NumPy scalars included) in [low, high] (``low_open`` /
+    ``high_open`` leave out an end); an infinite ``high`` means no upper bound."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidArgumentError(
             f"Expected {name} to be a real number. Received: {name}={value!r}"
@@ -65,11 +71,12 @@ def check_number(
     except OverflowError:
         value = math.inf
     too_low = value <= low if low_open else value < low
+    too_high = value >= high if high_open else value > high
     # comparisons, not math.isfinite: torch.compile passes a float it made dynamic (a second
     # value of max_norm) as a SymFloat, which comparisons guard on and isfinite cannot take
-    if not -math.inf < value < math.inf or too_low or value > high:
+    if not -math.inf < value < math.inf or too_low or too_high:
         left = "(" if low_open or low == -math.inf else "["  # -inf is never accepted
-        right = ")" if high == math.inf else "]"
+        right = ")" if high_open or high == math.inf else "]"
         raise InvalidArgumentError(
             f"Expected {name} in {left}{low:g}, {high:g}{right}. Received: {name}={value!r}"
         )
@@ -110,8 +117,11 @@ def _number_kind(value: Any) -> str | None:
     torch's or TensorFlow's by name (``torch.int32``, ``float32``); None for anything else
     (bool, complex, no dtype)."""
     dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        return None
+    return None if dtype is None else _dtype_kind(dtype)
+
+
+def _dtype_kind(dtype: Any) -> str | None:
+    """``_number_kind`` of an array of this dtype."""
     kind = getattr(dtype, "kind", None)
     if kind is not None:
         return {"i": "i", "u": "i", "f": "f"}.get(kind)
@@ -197,3 +207,71 @@ def check_state(state: Any, kind: type, maker: str) -> Any:
             f"type {type(state).__name__}"
         )
     return state
+
+
+#: what a state field's kind ("f" floating, "i" integer) is called in messages
+_KIND_WORDS = {"f": "floating", "i": "integer"}
+
+
+def _field_kind_and_shape(x: Any) -> tuple[str | None, tuple | None]:
+    """(kind, static shape) of a state field: a Python int or float is a 0-d number, an
+    array (any framework's, or a wrapper exposing ``dtype`` and ``shape``) its dtype's kind
+    and its shape; (None, None) for anything else (None, str, bool). A shape of unknown rank
+    (TensorFlow while tracing) is None, which matches any expected shape."""
+    dtype = getattr(x, "dtype", None)  # arrays first: the state check runs every step
+    if dtype is None:
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            return None, None
+        return ("f" if isinstance(x, float) else "i"), ()
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        return None, None
+    # no cache keyed by dtypes: torch.compile cannot hash a TensorFlow DType in one
+    kind = _torch_kind(dtype) or _dtype_kind(dtype)
+    try:
+        return kind, tuple(shape)
+    except (TypeError, ValueError):  # a TensorShape of unknown rank
+        return kind, None
+
+
+def _torch_kind(dtype: Any) -> str | None:
+    """ "f" or "i" for a torch floating or signed integer dtype, from its flags (faster than
+    its name); None for anything else."""
+    floating = getattr(dtype, "is_floating_point", None)
+    if floating is None or dtype.is_complex:
+        return None
+    return "f" if floating else ("i" if dtype.is_signed else None)
+
+
+def check_state_fields(
+    state: Any, kind: type, maker: str, fields: tuple[tuple[str, str, tuple], ...]
+) -> Any:
+    """``check_state``, then each field's kind and static shape: ``fields`` holds, for every
+    field in order, (name, "f" floating or "i" integer, expected shape). Reads shapes and
+    dtypes, never values (no host sync; static under ``jax.jit``). A field of another shape
+    was broadcast silently against the others (NumPy, JAX, TensorFlow) or raised torch's
+    "scalar tensor expected"; ``None`` or a string raised Python's ``TypeError``."""
+    check_state(state, kind, maker)
+    for x, (name, want, shape) in zip(state, fields, strict=True):
+        got, got_shape = _field_kind_and_shape(x)
+        if got == want and (
+            got_shape == shape or got_shape is None or shapes_match(got_shape, shape)
+        ):
+            continue
+        what = f"an {_KIND_WORDS[want]}" if want == "i" else f"a {_KIND_WORDS[want]}"
+        if got == want:
+            received = f"state.{name}.shape={got_shape}"
+        elif got_shape is None and not hasattr(x, "dtype"):
+            received = f"state.{name}={_short(x)}"
+        else:
+            received = f"state.{name} with dtype={x.dtype}, shape={got_shape}"
+        raise InvalidArgumentError(
+            f"Expected state.{name} to be {what} array of shape {shape} (a {kind.__name__} "
+            f"from {maker}). Received: {received}"
+        )
+    return state
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -122,6 +122,7 @@ class ZClip:
         self.mode, self.clip_option = mode, clip_option
         self.clip_factor = number("clip_factor", clip_factor, low=0.0, low_open=True)
         self.skip_update_on_spike = v.check_bool("skip_update_on_spike", skip_update_on_spike)
+        self._fields_spec = _state_spec(self.buffer_size)
 
     @property
     def buffer_size(self) -> int:
@@ -154,7 +155,7 @@ class ZClip:
         found = _float_leaves(grads, backend, state.mean, name="grads", complex_ok=True)
         be, leaves, treedef = found.be, found.leaves, found.treedef
         norm = _tree_norm(found, 2.0)
-        coef, state = self.coefficient(norm, state, backend=be.name)
+        coef, state = self._coefficient(norm, state, be.name)  # state checked above
         return unflatten(treedef, scale_leaves(be, leaves, coef, toward_zero=True)), state
 
     def coefficient(
@@ -163,7 +164,13 @@ class ZClip:
         """(factor to multiply the gradients by, next state) for a global norm computed
         elsewhere (for example across ranks). The factor is a 0-d array: float64 for a float64
         norm (float64 gradients), else float32. The state stays float32 whatever the norm."""
-        be = resolve_backend(norm, *self._checked(state), backend=backend)
+        return self._coefficient(norm, self._checked(state), backend)
+
+    def _coefficient(
+        self, norm: Array, state: ZClipState, backend: str | None
+    ) -> tuple[Array, ZClipState]:
+        """``coefficient`` for a checked ``state``."""
+        be = resolve_backend(norm, *state, backend=backend)
         state = state_on_backend(be, state, norm)  # a host state (bare init()) joins norm's backend
         # a DTensor norm (FSDP2) becomes the global value; bad norms raise as in §7.3
         norm = be.replicated(_given_norm(be, norm, like=state.mean))
@@ -182,15 +189,20 @@ class ZClip:
         return be.asarray(coef, like=norm), state
 
     def _checked(self, state: Any) -> ZClipState:
-        """``state`` if a ZClipState with this ZClip's static buffer length (another's was
-        broadcast silently, or raised the framework's error)."""
-        shape = tuple(getattr(v.check_state(state, ZClipState, "ZClip.init").buffer, "shape", ()))
-        if shape != (self.buffer_size,):
-            raise InvalidArgumentError(
-                f"Expected state.buffer of shape ({self.buffer_size},) (max(warmup_steps, 1)), "
-                f"a state of this ZClip. Received: state.buffer.shape={shape}"
-            )
-        return state
+        """``state`` if a ZClipState of this ZClip: an integer 0-d ``count``, a floating
+        ``buffer`` of the static shape ``(max(warmup_steps, 1),)``, floating 0-d ``mean``,
+        ``var`` and ``norm`` (another ZClip's buffer, or a vector field, was broadcast
+        silently, or raised the framework's error). Reads static shapes and dtypes only."""
+        return v.check_state_fields(state, ZClipState, "ZClip.init", self._state_fields)
+
+    @property
+    def _state_fields(self) -> tuple[tuple[str, str, tuple], ...]:
+        """ZClipState's fields, kind ("f" floating, "i" integer) and shape, for
+        ``check_state_fields``: made once (again if ``warmup_steps`` was changed)."""
+        fields = self._fields_spec
+        if fields[1][2] != (self.buffer_size,):
+            fields = _state_spec(self.buffer_size)
+        return fields
 
     def _step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:
         with be.float_errors_ignored():
@@ -270,6 +282,16 @@ class ZClip:
         mean = be.where(initialise, first_mean, be.where(learn, mean, state.mean))
         var = be.where(initialise, first_var, be.where(learn, var, state.var))
         return be.cast(coef, dtype), ZClipState(count, buffer, mean, var, raw)
+
+
+def _state_spec(n: int) -> tuple[tuple[str, str, tuple], ...]:
+    """ZClipState's fields for ``check_state_fields``: an integer 0-d count, a floating
+    buffer of length ``n``, floating 0-d mean, var and norm."""
+    return (
+        ("count", "i", ()),
+        ("buffer", "f", (n,)),
+        *((name, "f", ()) for name in ("mean", "var", "norm")),
+    )
 
 
 def _min(be: Backend, x: Array, bound: float | Array) -> Array:

@@ -13,7 +13,14 @@ from typing import Any, NamedTuple
 
 from numstab import _finite_reads
 from numstab import _validate as v
-from numstab._dispatch import HOST, framework_of, resolve_backend, scalar_array, to_backend
+from numstab._dispatch import (
+    HOST,
+    framework_of,
+    host_array,
+    resolve_backend,
+    scalar_array,
+    to_backend,
+)
 from numstab._layouts import dense_only
 from numstab.backends._base import Backend
 from numstab.backends._native import generic_forced, native_op
@@ -93,6 +100,8 @@ def _float_leaves(
     kinds = list({type(leaf): leaf for leaf in present}.values())
     be = resolve_backend(*kinds, *extra, backend=backend)
     if any(framework_of(leaf) == HOST for leaf in kinds):
+        if read_narrow and be.name != "numpy":  # finiteness: a finite host leaf is, exactly
+            leaves = [None if _finite_host_float(x, name) else x for x in leaves]
         like = next((x for x in (*present, *extra) if x is not None and hasattr(x, "device")), None)
         leaves = [to_backend(be, leaf, like=like, name=f"{name} leaves") for leaf in leaves]
         present = _present(leaves)
@@ -170,6 +179,19 @@ def _check_norm_type(norm_type: Any) -> float:
 
 
 @dense_only
+def _finite_host_float(x: Any, name: str) -> bool:
+    """Whether ``x`` is a host array of floats (or complex numbers) that are all finite, read
+    in its own dtype on the host: ``all_finite`` leaves such a leaf out rather than convert
+    it (JAX without x64 made a float64 1e300 float32 inf); a non-finite one stays non-finite
+    through any conversion."""
+    if x is None or framework_of(x) != HOST:
+        return False
+    import numpy as np
+
+    array = host_array(x, f"{name} leaves")
+    return array.dtype.kind in "fc" and bool(np.isfinite(array).all())
+
+
 def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
     """A 0-d boolean array: True when every element of every leaf is finite.
 

@@ -121,11 +121,14 @@ class LossScaler:
             v.check_bool(name, getattr(self, name))
         if self.dynamic:
             v.check_number("growth_factor", self.growth_factor, low=1.0, low_open=True)
-            v.check_number("backoff_factor", self.backoff_factor, low=0.0, high=1.0, low_open=True)
-            if self.backoff_factor == 1.0:
-                raise InvalidArgumentError(
-                    "Expected backoff_factor in (0, 1). Received: backoff_factor=1.0"
-                )
+            v.check_number(
+                "backoff_factor",
+                self.backoff_factor,
+                low=0.0,
+                high=1.0,
+                low_open=True,
+                high_open=True,
+            )
         for name, low in (
             ("growth_interval", 1),
             ("hysteresis", 1),
@@ -355,8 +358,16 @@ def _stored_int(name: str, value: Any) -> int:
     return n
 
 
+#: LossScaleState's fields: kind ("f" floating, "i" integer) and shape (§8: 0-d arrays)
+_STATE_FIELDS = (("scale", "f", ()), ("growth_tracker", "i", ()), ("hysteresis_left", "i", ()))
+
+
 def _state(state: Any) -> LossScaleState:
-    return v.check_state(state, LossScaleState, "LossScaler.init")
+    """``state`` if a LossScaleState of 0-d fields (a floating scale, integer counters; Python
+    numbers too), else InvalidArgumentError naming the field: a vector state was broadcast
+    silently (NumPy, JAX, TensorFlow) or raised torch's "scalar tensor expected". Reads
+    static shapes and dtypes only."""
+    return v.check_state_fields(state, LossScaleState, "LossScaler.init", _STATE_FIELDS)
 
 
 def _finite_flag(be: Any, finite: Any, like: Any) -> Any:

@@ -18,9 +18,10 @@ from typing import Any
 
 from numstab import _validate as v
 from numstab import frameworks
-from numstab._dispatch import framework_of, resolve_backend, to_backend
+from numstab._dispatch import HOST, framework_of, host_array, resolve_backend, to_backend
 from numstab._finite_reads import holds_nonfinite, read_as
 from numstab._layouts import dense_only
+from numstab.backends import load_backend
 from numstab.backends._base import Backend, native_op
 from numstab.errors import InvalidArgumentError, NonFiniteError
 from numstab.tree import leaves_with_paths
@@ -99,8 +100,25 @@ def find_nonfinite(tree: Tree, *, backend: str | None = None) -> list[NonFiniteR
     be, named, reads = _floating_leaves(tree, backend)
     if not named:
         return []
-    bad = _nonfinite_indices(be, reads)
-    return _records(be, [named[i] for i in bad], [reads[i] for i in bad]) if bad else []
+    found: dict[int, NonFiniteRecord] = {}
+    for group_be, group in _by_backend(be, reads):  # host leaves: read on the host, exactly
+        bad = [group[i] for i in _nonfinite_indices(group_be, [reads[i] for i in group])]
+        if bad:
+            records = _records(group_be, [named[i] for i in bad], [reads[i] for i in bad])
+            found.update(zip(bad, records, strict=True))
+    return [found[i] for i in sorted(found)]
+
+
+def _by_backend(be: Backend, reads: list) -> list[tuple[Backend, list[int]]]:
+    """The indices of ``reads`` by the backend that reads them: host (NumPy) leaves by the
+    NumPy backend, the rest by ``be`` (one group when all are of one kind)."""
+    if be.name == "numpy":
+        return [(be, list(range(len(reads))))]
+    host = [i for i, x in enumerate(reads) if framework_of(x) == HOST]
+    if not host:
+        return [(be, list(range(len(reads))))]
+    rest = [i for i, x in enumerate(reads) if framework_of(x) != HOST]
+    return [(load_backend("numpy"), host)] + ([(be, rest)] if rest else [])
 
 
 def assert_finite(tree: Tree, name: str = "grads", *, backend: str | None = None) -> None:
@@ -143,20 +161,24 @@ def _floating_leaves(
     arrays to read for them: ``numstab._finite_reads.read_as`` of each leaf)."""
     named = [(p, x) for p, x in named_leaves(tree) if x is not None]
     be = resolve_backend(*(x for _, x in named), backend=backend)
-    like = next((x for _, x in named if framework_of(x) != "host"), None)
     out, reads = [], []
+    host_be = load_backend("numpy")
     for path, leaf in named:
-        leaf = to_backend(be, leaf, like=like, name="tree leaves")
-        if be.is_tracing(leaf):
+        # host data is read on the host as NumPy reads it (float64 1e300 is finite; JAX
+        # without x64 would make it float32 inf): no framework copy is made of it
+        on_host = framework_of(leaf) == HOST
+        leaf_be = host_be if on_host else be
+        leaf = host_array(leaf, "tree leaves") if on_host else to_backend(be, leaf)
+        if leaf_be.is_tracing(leaf):
             raise InvalidArgumentError(
                 "Expected concrete arrays: find_nonfinite and assert_finite read values on "
                 "the host and cannot run under jax.jit, tf.function or torch.compile (use "
                 f"numstab.all_finite there). Received: a traced leaf at {path or '<root>'}"
             )
-        dtype = be.dtype_name(leaf)
-        if (v.is_floating(dtype) or holds_nonfinite(dtype)) and be.size(leaf, dtype) != 0:
+        dtype = leaf_be.dtype_name(leaf)
+        if (v.is_floating(dtype) or holds_nonfinite(dtype)) and leaf_be.size(leaf, dtype) != 0:
             out.append((path, leaf))
-            reads.append(read_as(be, leaf, dtype))
+            reads.append(read_as(leaf_be, leaf, dtype))
     return be, out, reads
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from numstab._dispatch import HOST, check_numeric_host, detect, framework_of
+from numstab._dispatch import HOST, detect, framework_of, host_array
 from numstab.errors import InvalidArgumentError
 
 __all__ = ["FiniteSummary", "finite_summary"]
@@ -70,9 +70,30 @@ def finite_summary(tree: Any) -> FiniteSummary:
             "step; for torch, TensorFlow and NumPy values pass them to watch() directly). "
             f"Received: tree with {', '.join(kinds[:4])}"
         )
-    for x in leaves:  # converted by JAX: as in watch and find_nonfinite, numbers only
-        if framework_of(x) == HOST:
-            check_numeric_host(x, "tree leaves")
+    # host leaves are summed on the host (as find_nonfinite reads them): JAX without x64
+    # made a float64 1e300 float32 inf
+    leaves = [_host_sum(x) if framework_of(x) == HOST else x for x in leaves]
     from numstab import frameworks
 
     return FiniteSummary(frameworks.module("jax", "numerics").leaf_sums(leaves))
+
+
+def _host_sum(x: Any) -> Any:
+    """A host leaf (numbers only, else InvalidArgumentError) as NumPy reads it, a floating or
+    complex non-empty one replaced by its sum taken on the host in float64 (real part plus
+    imaginary part), as a float32 ``[sum]`` with a finite sum clamped to float32's range:
+    NaN or inf exactly where the leaf's float64 sum is, as for a float64 leaf on the device."""
+    import numpy as np
+
+    x = host_array(x, "tree leaves")
+    # floating or complex (ml_dtypes' bfloat16 / float8 are kind "V" to NumPy)
+    inexact = x.dtype.kind in "fc" or x.dtype.name.startswith(("bfloat", "float"))
+    if not inexact or x.size == 0:
+        return x  # skipped by the summary (integer, bool or empty)
+    with np.errstate(all="ignore"):
+        total = np.sum(np.real(x).astype(np.float64))
+        if np.iscomplexobj(x):
+            total = total + np.sum(np.imag(x).astype(np.float64))
+        high = float(np.finfo(np.float32).max)
+        value = total if not np.isfinite(total) else min(max(total, -high), high)
+        return np.asarray([value], np.float32)
