@@ -123,3 +123,10 @@ def test_int_past_float64_is_a_typed_error(name, field):
     args = {"loss": 1.0, "grad_norm": 1.0, field: 10**400}
     with pytest.raises(InvalidArgumentError, match=rf"{field} to be a number within float64"):
         guard.decide(state, args["loss"], args["grad_norm"], name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_norm_past_float64_is_a_typed_error(name):
+    """clip_by_global_norm(norm=10**400) raised Python's OverflowError (float(norm))."""
+    with pytest.raises(InvalidArgumentError, match="norm to be a number within float64"):
+        ns.clip_by_global_norm([_leaf(name)], 1.0, norm=10**400)
