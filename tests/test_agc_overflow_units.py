@@ -10,25 +10,16 @@ import numpy as np
 import pytest
 
 import numstab as ns
+from tests.backend_arrays import as_backend
 
 BACKENDS = ["numpy", "torch", "jax", "tensorflow"]
 EPS32 = float(np.finfo(np.float32).eps)
 NAN, INF = float("nan"), float("inf")
 
 
-def _convert(backend: str, x: np.ndarray):
-    if backend == "numpy":
-        return x
-    if backend == "torch":
-        return pytest.importorskip("torch").tensor(x)
-    if backend == "jax":
-        return pytest.importorskip("jax").numpy.asarray(x)
-    return pytest.importorskip("tensorflow").constant(x)
-
-
 def _agc(backend: str, mode: str, grads: list, params: list, **kw) -> list[np.ndarray]:
-    g = [_convert(backend, np.asarray(x, np.float32)) for x in grads]
-    p = [_convert(backend, np.asarray(x, np.float32)) for x in params]
+    g = [as_backend(backend, np.asarray(x, np.float32)) for x in grads]
+    p = [as_backend(backend, np.asarray(x, np.float32)) for x in params]
     fn = lambda g, p: ns.adaptive_grad_clip(g, p, 0.01, **kw)
     if mode == "compiled" and backend == "jax":
         fn = pytest.importorskip("jax").jit(fn)
@@ -83,7 +74,7 @@ def test_only_the_overflowing_unit_is_left_unclipped(backend, mode):
 def test_float64_overflow_is_left_unchanged(backend):
     if backend == "jax":
         pytest.skip("JAX without jax_enable_x64 has no float64 arrays")
-    g = _convert(backend, np.array([1e200, -1e200]))
-    p = _convert(backend, np.ones(2))
+    g = as_backend(backend, np.array([1e200, -1e200]))
+    p = as_backend(backend, np.ones(2))
     (got,) = ns.adaptive_grad_clip([g], [p], 0.01)
     np.testing.assert_array_equal(np.asarray(got), [1e200, -1e200])

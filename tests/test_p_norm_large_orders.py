@@ -12,20 +12,11 @@ import numpy as np
 import pytest
 
 import numstab as ns
+from tests.backend_arrays import as_backend
 
 BACKENDS = ["numpy", "torch", "jax", "tensorflow"]
 ORDERS = [1e3, 1e7, 1e38, 1e300]
 EPS32 = float(np.finfo(np.float32).eps)
-
-
-def _convert(backend: str, x: np.ndarray):
-    if backend == "numpy":
-        return x
-    if backend == "torch":
-        return pytest.importorskip("torch").tensor(x)
-    if backend == "jax":
-        return pytest.importorskip("jax").numpy.asarray(x)
-    return pytest.importorskip("tensorflow").constant(x)
 
 
 def _trees() -> list[list[np.ndarray]]:
@@ -50,7 +41,7 @@ def _oracle(tree: list[np.ndarray], p: float) -> float:
 @pytest.mark.parametrize("p", ORDERS)
 def test_large_p_norms_match_the_float64_oracle(impl, backend, p):
     for tree in _trees():
-        got = ns.global_norm([_convert(backend, x) for x in tree], norm_type=p)
+        got = ns.global_norm([as_backend(backend, x) for x in tree], norm_type=p)
         # the max-abs is exact; the root of the rescaled sum is 1 + at most ln(n) / p, and
         # each term's rounding moves it by at most eps: within 2 eps of the oracle
         assert float(np.asarray(got)) == pytest.approx(_oracle(tree, p), rel=2 * EPS32, abs=0)
@@ -58,7 +49,7 @@ def test_large_p_norms_match_the_float64_oracle(impl, backend, p):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_clipping_by_a_huge_order_clips(backend):
-    tree = [_convert(backend, np.array([3.0, 4.0], np.float32))]
+    tree = [as_backend(backend, np.array([3.0, 4.0], np.float32))]
     clipped, norm = ns.clip_by_global_norm(tree, 2.0, norm_type=1e300)
     assert float(np.asarray(norm)) == 4.0  # the max-abs norm, not 1.0
     np.testing.assert_allclose(np.asarray(clipped[0]), [1.5, 2.0], rtol=EPS32)
@@ -68,7 +59,7 @@ def test_clipping_by_a_huge_order_clips(backend):
 def test_order_past_float64_is_the_max_abs_norm(backend):
     """10**400 is a finite real > 0 (§7.5): as every p past ``max_norm_from``, its norm is
     the max-abs norm to rounding (before: Python's OverflowError from float())."""
-    tree = [_convert(backend, np.array([3.0, -4.0], np.float32))]
+    tree = [as_backend(backend, np.array([3.0, -4.0], np.float32))]
     assert float(np.asarray(ns.global_norm(tree, norm_type=10**400))) == 4.0
     assert float(np.asarray(ns.clip_by_global_norm(tree, 2.0, norm_type=10**400)[1])) == 4.0
 
@@ -76,7 +67,7 @@ def test_order_past_float64_is_the_max_abs_norm(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_moderate_orders_do_not_overflow(backend):
     """(|g| / M) ** p stays in [0, 1]: p = 3 of [1e30, 1e30] is 2**(1/3) * 1e30, not inf."""
-    tree = [_convert(backend, np.float32([1e30, 1e30]))]
+    tree = [as_backend(backend, np.float32([1e30, 1e30]))]
     got = float(np.asarray(ns.global_norm(tree, norm_type=3.0)))
     assert got == pytest.approx(2.0 ** (1 / 3) * 1e30, rel=4 * EPS32)
 
