@@ -367,3 +367,18 @@ def test_step_guard_callbacks_keep_the_buffers_of_a_skipped_step():
             assert_bit_equal(buffers(model), before)
     assert sg.skipped == 1
     assert torch.isfinite(model[1].running_mean).all()
+
+
+def test_non_persistent_buffers_are_not_copied():
+    """A persistent=False buffer (a causal mask, a rotary cache) is no training state: the
+    snapshots (state_dict) do not hold it, and the skip copy leaves it out."""
+    from numstab.frameworks.torch.guard_buffers import ModelBuffers
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model[0].register_buffer("mask", torch.ones(64, 64, dtype=torch.bool), persistent=False)
+    kept = ModelBuffers(model)
+    assert [name for _, name in kept.slots] == [
+        "running_mean",
+        "running_var",
+        "num_batches_tracked",
+    ]

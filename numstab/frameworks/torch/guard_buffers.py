@@ -23,8 +23,10 @@ NaN after a NaN batch, and a rollback put them back). A snapshot taken between s
 the guard is built, at ``skip_batch``, ``flush``, ``load_snapshot``, a resume) and a
 rollback read the buffers again and renew the copy.
 
-Which buffers: those of ``model.buffers()`` when the guard is built, each known by its
-module and name. A buffer the module replaces (``self.running = ...``, or ``model.to``) is
+Which buffers: the persistent ones of ``model.buffers()`` (those ``state_dict`` holds, and
+so the snapshots) when the guard is built, each known by its module and name; a
+non-persistent one (``persistent=False``: a causal mask, a rotary cache) is no training
+state and is not copied. A buffer the module replaces (``self.running = ...``, or ``model.to``) is
 found every step (one identity test per buffer) and restored in its new tensor (of another
 shape, dtype or device: kept from then on, not restored at that step). A buffer registered
 later on a module that had none, or in a module added later, is taken in at the next
@@ -62,8 +64,11 @@ class ModelBuffers:
         """Find the model's buffers and copy them as they are now."""
         slots, held, seen = [], [], set()
         for module in self.model.modules():
+            transient = module._non_persistent_buffers_set  # masks and caches: not state
             for name, t in module._buffers.items():
                 if t is None or id(t) in seen or t.layout != torch.strided or t.is_meta:
+                    continue
+                if name in transient:
                     continue
                 seen.add(id(t))
                 slots.append((module._buffers, name))
