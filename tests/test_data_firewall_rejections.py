@@ -244,3 +244,18 @@ def test_a_rejected_ragged_batch_under_quarantine_is_not_counted(tmp_path):
     with pytest.raises(InvalidArgumentError, match="fixed-size samples"):
         fw.process({"r": ragged})
     assert _snapshot(fw) == before and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("make", FILTERS.values(), ids=FILTERS.keys())
+def test_a_feature_too_large_to_learn_is_an_outlier(make):
+    """A finite feature past ``learnable`` (1e200 for the float64 statistics: its squared
+    deviation overflowed, m2 and std became inf and nothing was flagged again; 1e39 for
+    scikit-learn's float32) is flagged and not learned, and the filter still flags later."""
+    f, ref = make(), make()
+    huge = 1e200 if f.learnable > 1e100 else 1e39
+    x = np.array([[1.0, 2.0], [huge, 1.0], [3.0, 1.0], [2.0, 2.0], [1.5, 1.0], [-huge, 0.0]])
+    np.testing.assert_array_equal(f(x), [False, True, False, False, False, True])
+    ref(x[[0, 2, 3, 4]])
+    np.testing.assert_array_equal(_learned(f), _learned(ref))
+    assert np.isfinite(_learned(f)).all()
+    np.testing.assert_array_equal(f(np.array([[2.0, 1.5], [1e6, 1.0]])), [False, True])

@@ -39,6 +39,11 @@ class OutlierFilter:
 
     name = "abstract"
     default_threshold = math.inf
+    #: the largest feature magnitude learned, 2**492 (~1.3e148): float64 statistics then sum
+    #: squared deviations (each at most (2 * 2**492)**2) over 2**38 samples without overflow.
+    #: A larger one (finite) made ``m2`` and ``std`` inf, and the filter flagged nothing ever
+    #: after: such a sample is an outlier, as a NaN one is.
+    learnable = 2.0**492
 
     def _init_threshold(self, threshold: Any, false_positive_rate: Any) -> None:
         """Exactly one of a per-feature ``threshold`` or a per-sample ``false_positive_rate``."""
@@ -81,11 +86,13 @@ class OutlierFilter:
         """``(flags, learn)``: the outlier flags of ``features`` without any change of state,
         and a function that learns from the accepted samples (and fixes ``num_features``).
 
-        A sample whose features are not all finite is flagged, warm-up or not, and never
-        learned. ``InvalidArgumentError`` (state untouched) for features that are not
-        ``(n, d)`` or whose ``d`` differs from earlier batches."""
+        A sample whose features are not all finite, or past ``learnable`` in magnitude, is
+        flagged, warm-up or not, and never learned. ``InvalidArgumentError`` (state
+        untouched) for features that are not ``(n, d)`` or whose ``d`` differs from earlier
+        batches."""
         x = self._check(features)
-        finite = np.isfinite(x).all(axis=1)
+        with np.errstate(invalid="ignore"):  # NaN compares False: not learnable
+            finite = (np.abs(x) <= self.learnable).all(axis=1)
         if finite.all():
             flags = self._flags(x) if len(x) else np.zeros(0, dtype=bool)
         else:  # never handed to _flags: NaN compares False, so it would pass
@@ -291,6 +298,8 @@ class IsolationForestFilter(OutlierFilter):
     (measured: recall 0.5 on one Gaussian feature without the rule). ``None`` disables it.
     Needs the extra ``numstab[outliers]``.
     """
+
+    learnable = float(np.finfo(np.float32).max)  # scikit-learn reads float32: beyond is inf
 
     name = "isolation_forest"
 
