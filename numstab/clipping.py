@@ -178,7 +178,6 @@ def _check_norm_type(norm_type: Any) -> float:
     )
 
 
-@dense_only
 def _finite_host_float(x: Any, name: str) -> bool:
     """Whether ``x`` is a host array of floats (or complex numbers) that are all finite, read
     in its own dtype on the host: ``all_finite`` leaves such a leaf out rather than convert
@@ -192,6 +191,7 @@ def _finite_host_float(x: Any, name: str) -> bool:
     return array.dtype.kind in "fc" and bool(np.isfinite(array).all())
 
 
+@dense_only
 def all_finite(tree: Tree, *, backend: str | None = None) -> Array:
     """A 0-d boolean array: True when every element of every leaf is finite.
 
