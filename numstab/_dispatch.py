@@ -219,13 +219,8 @@ def _numeric_dtype(dtype: Any) -> bool:
 def _raise_not_numbers(x: Any, name: str) -> None:
     raise InvalidArgumentError(
         f"Expected {name} to be an array of numbers. Received: {name} of type "
-        f"{type(x).__name__}: {_short_repr(x)}"
+        f"{type(x).__name__}: {v.short_repr(x)}"
     )
-
-
-def _short_repr(x: Any) -> str:
-    text = repr(x)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def same_framework(be: Backend, name: str, x: Any) -> Any:

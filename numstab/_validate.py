@@ -262,7 +262,7 @@ def check_state_fields(
         if got == want:
             received = f"state.{name}.shape={got_shape}"
         elif got_shape is None and not hasattr(x, "dtype"):
-            received = f"state.{name}={_short(x)}"
+            received = f"state.{name}={short_repr(x)}"
         else:
             received = f"state.{name} with dtype={x.dtype}, shape={got_shape}"
         raise InvalidArgumentError(
@@ -272,6 +272,7 @@ def check_state_fields(
     return state
 
 
-def _short(x: Any) -> str:
+def short_repr(x: Any, limit: int = 60) -> str:
+    """``repr(x)``, cut to ``limit`` characters (ending in ``...``) for an error message."""
     text = repr(x)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

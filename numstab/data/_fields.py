@@ -411,9 +411,7 @@ def _called_features(x: Any, n: int) -> np.ndarray:
 
 
 def _bad_features(x: Any, n: int, what: str) -> InvalidArgumentError:
-    shown = repr(x)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
     return InvalidArgumentError(
         f"Expected outlier_fields to return an (n, d) array of real numbers, one row per "
-        f"sample (n={n}). Received: {type(x).__name__} {what}: {shown}"
+        f"sample (n={n}). Received: {type(x).__name__} {what}: {v.short_repr(x, 80)}"
     )

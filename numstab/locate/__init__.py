@@ -22,6 +22,7 @@ from typing import Any
 from numstab import frameworks
 from numstab._config import AUTO, configured_backend
 from numstab._dispatch import detect
+from numstab._validate import short_repr
 from numstab.errors import InvalidArgumentError
 from numstab.locate._report import LOSS, LayerCall, LocateReport
 
@@ -84,7 +85,8 @@ def _model_library(
             raise InvalidArgumentError(
                 "Expected model to be a torch.nn.Module, a Keras 3 Layer/Model, an Equinox "
                 "Module, a Flax NNX Module or bound linen Module, or a function of JAX arrays "
-                f"built from numstab.locate.jax.layer calls. Received: model={_short(model)}"
+                "built from numstab.locate.jax.layer calls. Received: "
+                f"model={short_repr(model, 80)}"
             )
         framework = "jax"
     elif library.runs_on is None:  # Keras: the backend it was imported with
@@ -109,8 +111,3 @@ def _leaves(inputs: tuple) -> list:
     from numstab.tree import flatten
 
     return [x for x in flatten(list(inputs))[0] if x is not None]
-
-
-def _short(x: Any) -> str:
-    text = repr(x)
-    return text if len(text) <= 80 else text[:77] + "..."
