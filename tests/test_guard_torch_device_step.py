@@ -162,9 +162,9 @@ def test_state_on_another_device_is_undone_with_one_flag_copy(monkeypatch):
     steps = [torch.tensor(float(i)) for i in range(5)]
     backups = [s - 1 for s in steps]
     pairs = list(zip(steps, backups, strict=True))
-    guard_device._undo_elsewhere(torch.tensor(True), pairs)
+    guard_device.undo_elsewhere(torch.tensor(True), pairs)
     assert [s.item() for s in steps] == [0.0, 1.0, 2.0, 3.0, 4.0]  # a good step: kept
-    guard_device._undo_elsewhere(torch.tensor(False), pairs)
+    guard_device.undo_elsewhere(torch.tensor(False), pairs)
     assert [s.item() for s in steps] == [-1.0, 0.0, 1.0, 2.0, 3.0]  # a bad one: restored
     assert len(copies) == 2  # one copy of the flag per call, for the five tensors
 

@@ -40,13 +40,13 @@ first snapshot copies them.)
 
 from __future__ import annotations
 
-import operator
 import warnings
 from typing import Any
 
 import torch
 
 from numstab.frameworks.torch.guard_compiled import undo_plan
+from numstab.frameworks.torch.guard_device import identical, undo_elsewhere
 from numstab.frameworks.torch.host import is_dtensor
 
 
@@ -73,7 +73,7 @@ class ModelBuffers:
                 seen.add(id(t))
                 slots.append((module._buffers, name))
                 held.append(t)
-        if not _identical(held, self.held):  # else: the copies stay
+        if not identical(held, self.held):  # else: the copies stay
             self.slots, self.held = slots, held
             self.tensors = [_local(t) for t in held]
             self.copies = [torch.empty_like(t) for t in self.tensors]
@@ -84,7 +84,7 @@ class ModelBuffers:
     def _current(self) -> list[torch.Tensor]:
         """The tensors the slots hold now (one identity test each); replaced ones taken in."""
         now = [d.get(n) for d, n in self.slots]
-        if _identical(now, self.held):
+        if identical(now, self.held):
             return self.tensors
         keep = [i for i, t in enumerate(now) if t is not None]
         self.slots = [self.slots[i] for i in keep]
@@ -139,13 +139,7 @@ class ModelBuffers:
 
         def plan(flag: torch.Tensor) -> None:
             on_device(flag)
-            flags: dict[torch.device, torch.Tensor] = {}
-            for t, c in elsewhere:
-                f = flags.get(t.device)
-                if f is None:
-                    f = flags[t.device] = flag.to(t.device)
-                c.copy_(torch.where(f, t, c))
-                t.copy_(c)
+            undo_elsewhere(flag, elsewhere, keep=True)
 
         return plan
 
@@ -169,10 +163,6 @@ class _Kept:
     def __exit__(self, *exc: Any) -> None:
         if self.own is not None:
             torch._foreach_copy_(self.owner.tensors, self.own)
-
-
-def _identical(a: list[Any], b: list[Any] | None) -> bool:
-    return b is not None and len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -156,21 +156,21 @@ class Skipper:
     @torch.no_grad()
     def _undo_step(self, apply: torch.Tensor, step_fn: Callable[[], Any]) -> bool:
         layout = self._layout()
-        if self._plan is not None and _identical(layout, self._layout_then):
+        if self._plan is not None and identical(layout, self._layout_then):
             # the state holds what it held after the last step: its entries, backed up by
             # the buffers the plan is bound to (one identity check, not a walk of the state)
             (entries, others), tensors = self._entries_then, self._backed_up
         else:
             entries, others = self._state_entries()
             tensors = self.params + [t for _, _, t in entries]
-            if not _identical(self._backed_up, tensors):
+            if not identical(self._backed_up, tensors):
                 self._backup = [torch.empty_like(t) for t in tensors]  # new tensors: new buffers
                 self._backed_up, self._plan = tensors, None
         if tensors:
             torch._foreach_copy_(self._backup, tensors)
         step_fn()
         after = self._layout()
-        if self._plan is not None and _identical(after, layout):
+        if self._plan is not None and identical(after, layout):
             self._plan(apply)  # the usual step (Adam's): every state tensor updated in place
             self._layout_then, self._entries_then = after, (entries, others)
             return False
@@ -184,7 +184,7 @@ class Skipper:
                 self._restore_exactly(entries, others, tensors)
             return True
         new_tensors = [t for _, _, t in new_entries]
-        if self._plan is not None and _identical(tensors[len(self.params) :], new_tensors):
+        if self._plan is not None and identical(tensors[len(self.params) :], new_tensors):
             self._plan(apply)  # the same tensors, updated in place (other values changed)
             self._layout_then, self._entries_then = after, (new_entries, new_others)
             return False
@@ -234,7 +234,7 @@ class Skipper:
 
         def plan(flag: torch.Tensor) -> None:
             on_device(flag)
-            _undo_elsewhere(flag, elsewhere)
+            undo_elsewhere(flag, elsewhere)
 
         plan = plan if elsewhere else on_device
 
@@ -278,20 +278,25 @@ class Skipper:
                 st.update(kept[1])
 
 
-def _identical(a: list[Any], b: list[Any]) -> bool:
-    """``a[i] is b[i]`` for all i, and as many."""
-    return len(a) == len(b) and all(map(operator.is_, a, b))
+def identical(a: list[Any], b: list[Any] | None) -> bool:
+    """``a[i] is b[i]`` for all i, and as many (False for ``b`` None)."""
+    return b is not None and len(a) == len(b) and all(map(operator.is_, a, b))
 
 
-def _undo_elsewhere(flag: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def undo_elsewhere(
+    flag: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]], keep: bool = False
+) -> None:
     """``t = where(flag, t, backup)`` for tensors on other devices than ``flag``'s, with one
-    copy of ``flag`` per device (from an accelerator: one sync per step, not one per tensor)."""
+    copy of ``flag`` per device (from an accelerator: one sync per step, not one per tensor);
+    ``keep``: the backup takes the result too (``undo_plan``'s ``keep``)."""
     copies: dict[torch.device, torch.Tensor] = {}
     for t, backup in pairs:
         flag_there = copies.get(t.device)
         if flag_there is None:
             flag_there = copies[t.device] = _on(flag, t)
         torch.where(flag_there, t, backup, out=t)
+        if keep:
+            backup.copy_(t)
 
 
 _WARNED_SYNC: list[bool] = []
