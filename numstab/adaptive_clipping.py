@@ -18,6 +18,7 @@ See docs/semantics.md §13 for the formulas and the differences from zclip/optax
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 from numstab import _validate as v
@@ -122,7 +123,6 @@ class ZClip:
         self.mode, self.clip_option = mode, clip_option
         self.clip_factor = number("clip_factor", clip_factor, low=0.0, low_open=True)
         self.skip_update_on_spike = v.check_bool("skip_update_on_spike", skip_update_on_spike)
-        self._fields_spec = _state_spec(self.buffer_size)
 
     @property
     def buffer_size(self) -> int:
@@ -193,16 +193,8 @@ class ZClip:
         ``buffer`` of the static shape ``(max(warmup_steps, 1),)``, floating 0-d ``mean``,
         ``var`` and ``norm`` (another ZClip's buffer, or a vector field, was broadcast
         silently, or raised the framework's error). Reads static shapes and dtypes only."""
-        return v.check_state_fields(state, ZClipState, "ZClip.init", self._state_fields)
-
-    @property
-    def _state_fields(self) -> tuple[tuple[str, str, tuple], ...]:
-        """ZClipState's fields, kind ("f" floating, "i" integer) and shape, for
-        ``check_state_fields``: made once (again if ``warmup_steps`` was changed)."""
-        fields = self._fields_spec
-        if fields[1][2] != (self.buffer_size,):
-            fields = _state_spec(self.buffer_size)
-        return fields
+        fields = _state_spec(self.buffer_size)
+        return v.check_state_fields(state, ZClipState, "ZClip.init", fields)
 
     def _step(self, be: Backend, g: Array, state: ZClipState) -> tuple[Array, ZClipState]:
         with be.float_errors_ignored():
@@ -284,6 +276,7 @@ class ZClip:
         return be.cast(coef, dtype), ZClipState(count, buffer, mean, var, raw)
 
 
+@functools.lru_cache(maxsize=64)
 def _state_spec(n: int) -> tuple[tuple[str, str, tuple], ...]:
     """ZClipState's fields for ``check_state_fields``: an integer 0-d count, a floating
     buffer of length ``n``, floating 0-d mean, var and norm."""
