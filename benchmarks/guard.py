@@ -135,7 +135,7 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
 
     from numstab.backends import load_backend
     from numstab.frameworks.torch.guard_compiled import undo_plan
-    from numstab.frameworks.torch.guard_device import _undo_elsewhere
+    from numstab.frameworks.torch.guard_device import undo_elsewhere
     from numstab.guard import TrainingGuard
     from numstab.guard.monitor import layer_norms
 
@@ -215,7 +215,7 @@ def torch_case(args: argparse.Namespace) -> list[dict]:
         def select():  # after the step: the guard's compiled where; Adam's CPU step counts
             with torch.no_grad():  # (no capturable=True) as the guard does: one flag copy
                 plan(flag)
-                _undo_elsewhere(flag, elsewhere)
+                undo_elsewhere(flag, elsewhere)
 
         return select
 
