@@ -134,6 +134,27 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         if runner.rollbacks != rollbacks:  # restored: the new state is the one to undo to
             self._shadow = self._copy_state()
 
+    # -- resuming --------------------------------------------------------------------------------
+    def load_snapshot(self, model: Any = None, step: int | None = None) -> int:
+        """Restore ``model`` (default: the model of an earlier ``fit``; compiled and built)
+        from the newest (or ``step``) snapshot file of ``snapshot_dir``, e.g. after a crash,
+        before ``fit`` goes on; returns its step. Every variable comes back: the weights, the
+        optimizer's (``iterations``, and so its schedule, and a learning rate a rollback
+        scaled), and the guard's state and counters. Call it between fits."""
+        model = _model_to_load(getattr(self, "_model", None) if model is None else model)
+        if getattr(self, "_model", None) is not model:
+            self.set_model(model)
+        self._set_up()  # the variables, and at the first call the runner (fresh state)
+        step, self.state = self.runner.load_from_disk(step)
+        self._loaded()
+        return step
+
+    def _loaded(self) -> None:
+        """The undo copy (and a subclass's device state) after ``load_snapshot``."""
+        if self._host_undo_copy:
+            self._shadow = self._copy_state()
+            self._prev_totals = self._read_tracker()
+
     # -- helpers ---------------------------------------------------------------------------------
     def _set_up(self) -> None:
         """The variables, the undo copy and (at the first ``fit``) the runner; the model built
@@ -288,21 +309,24 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         }
 
     def from_host(self, tree: dict[str, Any]) -> list[Any]:
-        """The saved values of this model's variables, by path; a snapshot of other variables
-        (saved before a ``compile`` with another optimizer) raises, naming the first one."""
-        values = []
-        for v in self._state_vars:
-            name = getattr(v, "path", v.name)
-            saved = tree.get(name)
-            if saved is None or np.shape(saved) != tuple(v.shape):
-                got = "no value" if saved is None else f"shape {np.shape(saved)}"
+        """The saved values of this model's variables: by path, or by position where some
+        path is missing but the file holds as many values (a new process's model, or one
+        built after another model, has other auto-numbered names, ``dense_2`` for ``dense``;
+        Keras' ``load_weights`` also goes by position). A snapshot of other variables (saved
+        before a ``compile`` with another optimizer, or of another model) raises, naming the
+        first variable that does not fit."""
+        names = [getattr(v, "path", v.name) for v in self._state_vars]
+        by_position = len(tree) == len(names) and not all(name in tree for name in names)
+        saved = list(tree.values()) if by_position else [tree.get(name) for name in names]
+        for name, v, x in zip(names, self._state_vars, saved, strict=True):
+            if x is None or np.shape(x) != tuple(v.shape):
+                got = "no value" if x is None else f"shape {np.shape(x)}"
                 raise InvalidArgumentError(
                     "Expected a snapshot of the variables being trained (a snapshot saved "
-                    "before a compile with other variables does not fit them). Received: "
-                    f"{got} for {name!r}, whose shape is {tuple(v.shape)}"
+                    "before a compile with other variables, or of another model, does not fit "
+                    f"them). Received: {got} for {name!r}, whose shape is {tuple(v.shape)}"
                 )
-            values.append(saved)
-        return values
+        return saved
 
 
 def _lr_places(optimizer: Any, variables: list[Any]) -> frozenset[int]:
@@ -317,6 +341,27 @@ def _lr_places(optimizer: Any, variables: list[Any]) -> frozenset[int]:
             ids.add(id(lr))
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return frozenset(j for j, v in enumerate(variables) if id(v) in ids)
+
+
+def _model_to_load(model: Any) -> Any:
+    """``model`` checked for ``load_snapshot``: a compiled model whose layers are built (its
+    variables exist to take the snapshot's values)."""
+    if not isinstance(model, keras.Model):
+        raise InvalidArgumentError(
+            "Expected model to be a keras.Model (or a callback that fit has used). "
+            f"Received: model={type(model).__name__}"
+        )
+    if getattr(model, "optimizer", None) is None:
+        raise InvalidArgumentError(
+            "Expected a compiled model (model.compile) for load_snapshot: the snapshot holds "
+            "the optimizer's variables"
+        )
+    if not all(layer.built for layer in model._flatten_layers()):
+        raise InvalidArgumentError(
+            "Expected a built model for load_snapshot (a keras.Input, model.build(shape) or "
+            "one call): its variables must exist to take the snapshot's values"
+        )
+    return model
 
 
 def _layers_unbuilt(model: Any) -> bool:

@@ -122,6 +122,12 @@ class DeferredGuardCallback(GuardCallback):
             self._set_device_state(rolled)
             self._keep_as_undo()
 
+    def _loaded(self) -> None:
+        super()._loaded()
+        self._pending = 0  # (between fits: the last fit flushed)
+        self._set_device_state(self.state)
+        self._keep_as_undo()
+
     # -- per backend -----------------------------------------------------------------------------
     def _start_device(self) -> None:
         """Build the device state (or, on a later ``fit``, renew its undo copy)."""
