@@ -258,13 +258,28 @@ def state_on_backend(be: Backend, state: Any, *arrays: Any) -> Any:
     ``be``: a host (NumPy) state, as a bare ``init()`` makes, joins the backend of the arrays
     it meets (on the device of the first of them that is a framework array); any other state
     is returned as it is (a framework's arrays, or wrappers that compute as them: flax NNX's
-    ``OptArray`` in an ``nnx.Optimizer``)."""
-    first = state[0]
-    numpy_state = type(first).__module__ == "numpy" or isinstance(first, float)
-    if be.name == "numpy" or not numpy_state or framework_of(first) != HOST:
+    ``OptArray`` in an ``nnx.Optimizer``). Field by field: a host field beside framework
+    arrays (a counter set from NumPy) joins them (before, torch's "bitwise_and_cpu" error)."""
+    if be.name == "numpy":
         return state
-    like = next((a for a in arrays if a is not None and framework_of(a) != HOST), None)
-    return type(state)(*(to_backend(be, field, like=like, name="state") for field in state))
+    host = [_is_host_field(field) for field in state]
+    if not any(host):
+        return state
+    framework_arrays = (x for x in (*arrays, *state) if x is not None and not _is_host_field(x))
+    like = next((a for a in framework_arrays if framework_of(a) != HOST), None)
+    return type(state)(
+        *(
+            to_backend(be, field, like=like, name="state") if on_host else field
+            for field, on_host in zip(state, host, strict=True)
+        )
+    )
+
+
+def _is_host_field(x: Any) -> bool:
+    """A state field held by NumPy (or a Python number)."""
+    return (type(x).__module__ == "numpy" or isinstance(x, (int, float))) and (
+        framework_of(x) == HOST
+    )
 
 
 def hyperparameter(be: Backend, value: Any, dtype: str, like: Any) -> Any:

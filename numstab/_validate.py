@@ -269,7 +269,27 @@ def check_state_fields(
             f"Expected state.{name} to be {what} array of shape {shape} (a {kind.__name__} "
             f"from {maker}). Received: {received}"
         )
+    if any(isinstance(x, (int, float)) for x in state):
+        return kind(*(_number_field(x, name) for x, (name, *_) in zip(state, fields, strict=True)))
     return state
+
+
+def _number_field(x: Any, name: str) -> Any:
+    """A Python-number state field as the 0-d NumPy array a state holds (float32, int32),
+    so that every backend gets the same dtypes (before, float64 and int64 on NumPy, torch and
+    TensorFlow, float32 and int32 on JAX); a value past those types raises."""
+    if not isinstance(x, (int, float)):
+        return x
+    import numpy as np  # lazily: importing numstab imports no numpy
+
+    is_float = isinstance(x, float)
+    info = np.finfo(np.float32) if is_float else np.iinfo(np.int32)
+    if math.isfinite(x) and not info.min <= x <= info.max:
+        raise InvalidArgumentError(
+            f"Expected state.{name} in {'float32' if is_float else 'int32'}'s range "
+            f"[{info.min}, {info.max}]. Received: state.{name}={x!r}"
+        )
+    return np.asarray(x, np.float32 if is_float else np.int32)
 
 
 def short_repr(x: Any, limit: int = 60) -> str:

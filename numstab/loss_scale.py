@@ -215,7 +215,8 @@ class LossScaler:
         """``loss * scale``, multiplied in float32 and returned in the loss's dtype."""
         if loss is None:
             raise InvalidArgumentError("Expected loss to be an array. Received: loss=None")
-        be = resolve_backend(loss, _state(state).scale, backend=backend)
+        state = _state(state)
+        be = resolve_backend(loss, state.scale, backend=backend)
         state = state_on_backend(be, state, loss)
         loss = to_backend(be, loss, like=state.scale, name="loss")
         dtype = be.dtype_name(loss)
@@ -232,7 +233,8 @@ class LossScaler:
         dtype, and one 0-d boolean over every leaf, taken on the unscaled values."""
         leaves, treedef = flatten(grads)
         present = [g for g in leaves if g is not None]
-        be = resolve_backend(_state(state).scale, *present, backend=backend)
+        state = _state(state)
+        be = resolve_backend(state.scale, *present, backend=backend)
         state = state_on_backend(be, state, *present)
         leaves = [to_backend(be, g, like=state.scale, name="grads") for g in leaves]
         for i, g in enumerate(g for g in leaves if g is not None):
@@ -255,7 +257,8 @@ class LossScaler:
         float32's normal range) the backoff stops at float32's smallest normal number (as
         flax does), since a scale of 0 would make every later step non-finite forever.
         """
-        be = resolve_backend(_state(state).scale, finite, backend=backend)
+        state = _state(state)
+        be = resolve_backend(state.scale, finite, backend=backend)
         state = state_on_backend(be, state, finite)
         finite = _finite_flag(be, finite, like=state.scale)
         if not self.dynamic:
@@ -287,7 +290,8 @@ class LossScaler:
     # -- serialisation -----------------------------------------------------------------------
     def state_dict(self, state: LossScaleState, *, backend: str | None = None) -> dict[str, Any]:
         """Plain Python numbers, every config field and every state field (a host sync)."""
-        be = resolve_backend(_state(state).scale, backend=backend)
+        state = _state(state)
+        be = resolve_backend(state.scale, backend=backend)
         values = {f: be.to_numpy(getattr(state, f)).item() for f in LossScaleState._fields}
         return {"config": dataclasses.asdict(self), "state": values}
 
@@ -364,9 +368,9 @@ _STATE_FIELDS = (("scale", "f", ()), ("growth_tracker", "i", ()), ("hysteresis_l
 
 def _state(state: Any) -> LossScaleState:
     """``state`` if a LossScaleState of 0-d fields (a floating scale, integer counters; Python
-    numbers too), else InvalidArgumentError naming the field: a vector state was broadcast
-    silently (NumPy, JAX, TensorFlow) or raised torch's "scalar tensor expected". Reads
-    static shapes and dtypes only."""
+    numbers become float32 and int32 NumPy arrays), else InvalidArgumentError naming the
+    field: a vector state was broadcast silently (NumPy, JAX, TensorFlow) or raised torch's
+    "scalar tensor expected". Reads static shapes and dtypes only."""
     return v.check_state_fields(state, LossScaleState, "LossScaler.init", _STATE_FIELDS)
 
 
