@@ -36,7 +36,7 @@ def numstab_state_dict(scaler: LossScaler, state_dict: Any) -> dict[str, Any]:
             f"scaler). Received: {state_dict!r}"
         )
     if "numstab" in state_dict:
-        return state_dict["numstab"]
+        return _with_torch_entries(state_dict["numstab"], state_dict)
     try:
         config = dataclasses.asdict(scaler)
         config.update(
@@ -51,6 +51,27 @@ def numstab_state_dict(scaler: LossScaler, state_dict: Any) -> dict[str, Any]:
         }
     except KeyError as exc:
         raise InvalidArgumentError(f"Not a GradScaler state dict: missing {exc}") from exc
+    return {"config": config, "state": values}
+
+
+def _with_torch_entries(data: Any, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """numstab's full state (``data``) with torch's entries of ``state_dict`` over it: they
+    are the ones ``torch.amp.GradScaler`` loads, and a user who edits them (a reset ``scale``,
+    another ``growth_interval``) expects both classes to load the edit (before, numstab kept
+    its nested copy silently)."""
+    if not (isinstance(data, Mapping) and {"config", "state"} <= data.keys()):
+        raise InvalidArgumentError(
+            "Expected state_dict['numstab'] to be a numstab loss-scaler state dict ('config' "
+            f"and 'state', from GradScaler.state_dict). Received: {type(data).__name__}"
+            + (f" with keys {sorted(map(str, data))}" if isinstance(data, Mapping) else "")
+        )
+    config, values = dict(data["config"]), dict(data["state"])
+    for key in ("growth_factor", "backoff_factor", "growth_interval"):
+        if key in state_dict:
+            config[key] = state_dict[key]
+    for key, field in (("scale", "scale"), ("_growth_tracker", "growth_tracker")):
+        if key in state_dict:
+            values[field] = state_dict[key]
     return {"config": config, "state": values}
 
 
