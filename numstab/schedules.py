@@ -25,6 +25,9 @@ from numstab.errors import InvalidArgumentError
 
 Array = Any
 
+#: the largest ``warmup_steps`` / ``total_steps``: float64 holds every int up to it exactly
+MAX_STEPS = 2**53
+
 
 class WarmupCosineSchedule:
     """Linear warmup from ``warmup_start_lr`` to ``base_lr`` over ``warmup_steps``, then a
@@ -58,6 +61,12 @@ class WarmupCosineSchedule:
             raise InvalidArgumentError(
                 f"Expected warmup_steps >= 0. Received: warmup_steps={warmup_steps!r}"
             )
+        for name, steps in (("warmup_steps", self.warmup_steps), ("total_steps", total_steps)):
+            if steps > MAX_STEPS:  # past it, math.pi * count / decay raised OverflowError
+                raise InvalidArgumentError(
+                    f"Expected {name} <= 2**53 (float64 holds every step exactly). "
+                    f"Received: {name}={steps!r}"
+                )
         if self.total_steps <= self.warmup_steps:
             raise InvalidArgumentError(
                 "Expected total_steps > warmup_steps (total_steps includes the warmup; the "
