@@ -286,6 +286,10 @@ def parse_names(flag: str, text: str | None, choices: tuple[str, ...]) -> tuple[
     return tuple(dict.fromkeys(names))
 
 
+#: the largest seed count ``--seeds N`` takes
+MAX_SEEDS = 10_000
+
+
 def parse_seeds(text: str | None) -> tuple[int, ...]:
     """'0,1,2' or '3' (meaning 0..2) -> seeds."""
     if text is None:
@@ -300,6 +304,11 @@ def parse_seeds(text: str | None) -> tuple[int, ...]:
             f"non-negative ints. Received: --seeds={text!r}"
         )
     if "," not in text:
+        if parts[0] > MAX_SEEDS:  # range() of a count past ssize_t raised OverflowError
+            raise InvalidArgumentError(
+                f"Expected --seeds to be a count N <= {MAX_SEEDS} (each seed trains the whole "
+                f"grid once more). Received: --seeds={text!r}"
+            )
         return tuple(range(parts[0])) if parts[0] > 0 else (0,)
     return tuple(dict.fromkeys(parts))
 
