@@ -10,7 +10,9 @@ backward hooks run. A call's own input gradient (this call's vector-Jacobian pro
 on the retained graph) is computed only when its total input gradient is non-finite: own
 non-finite implies total non-finite (NaN and inf survive a sum). Every extremum is read to
 the host in one transfer; the reported layer's parameters and incoming gradient are reduced
-only once it is chosen.
+only once it is chosen. With a loss, floating model inputs that do not require grad are
+passed as copies that do (``_differentiable``), so a gradient that is non-finite only with
+respect to the model's input is found, as on Keras and JAX.
 """
 
 from __future__ import annotations
@@ -169,6 +171,46 @@ def _record_forward(
     return records, output
 
 
+def _differentiable(inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The model's arguments for the instrumented pass: each floating (not complex) tensor
+    that does not require grad, positional or keyword, top level or inside tuples, lists,
+    namedtuples and dicts, becomes ``t.detach().requires_grad_().clone()``, so its gradient
+    (``d loss / d input``) is taken, as Keras on torch does with its layers' inputs. The
+    clone (one copy) keeps the model's in-place edits of its input legal (a leaf that
+    requires grad cannot be edited) and off the caller's tensor; an inference tensor is
+    copied out of inference mode first. One tensor given twice becomes one new tensor;
+    integer (token ids), bool and complex tensors, tensors inside other objects and tensors
+    already requiring grad are passed as given; a nest with nothing to replace is the same
+    object."""
+    fresh: dict[int, torch.Tensor] = {}
+
+    def swap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad or not x.is_floating_point():
+                return x
+            if id(x) not in fresh:
+                base = x.detach()
+                if base.is_inference():  # requires_grad_ is refused outside inference mode
+                    base = base.clone()
+                fresh[id(x)] = base.requires_grad_().clone()
+            return fresh[id(x)]
+        if type(x) in (tuple, list) or _is_namedtuple(x) or type(x) is dict:
+            keys = list(x) if type(x) is dict else range(len(x))
+            values = [swap(x[k]) for k in keys]
+            if all(v is x[k] for v, k in zip(values, keys, strict=True)):
+                return x
+            if type(x) is dict:
+                return dict(zip(keys, values, strict=True))
+            return type(x)(*values) if _is_namedtuple(x) else type(x)(values)
+        return x
+
+    return swap(inputs), swap(kwargs)
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
 def _eager(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
     """The eager module behind ``model`` and its ``named_modules`` names: a
     ``torch.compile`` wrapper (``OptimizedModule``) is located as the module it compiles,
@@ -197,7 +239,10 @@ def locate(
     clock = itertools.count()
     model, names = _eager(model)
     grad = loss_fn is not None and torch.is_grad_enabled()
-    records, output = _record_forward(model, inputs, kwargs or {}, names, grad, ext, clock)
+    kwargs = kwargs or {}
+    if grad:  # the model's input gradient exists, as on Keras and JAX (§15.3)
+        inputs, kwargs = _differentiable(inputs, kwargs)
+    records, output = _record_forward(model, inputs, kwargs, names, grad, ext, clock)
     backward = None
     if loss_fn is not None:
         backward = _Backward(model, names, records, output, loss_fn, targets, clock, ext)
