@@ -75,7 +75,9 @@ def test_torch_grad_scaler_refuses_an_infinite_scale_before_changing_anything():
     scaler = GradScaler(device="cpu", init_scale=2.0**10)
     before = scaler.state_dict()
     torch_style = {k: v for k, v in before.items() if k != "numstab"}  # torch's GradScaler's
+    # numstab's own copy, which is used where torch's "scale" entry is not there to win over it
     own = {**before, "numstab": {**before["numstab"], "state": {**before["numstab"]["state"]}}}
+    del own["scale"]
     own["numstab"]["state"]["scale"] = math.inf
     for bad in ({**torch_style, "scale": math.inf}, own):
         with pytest.raises(InvalidArgumentError, match="scale=inf"):
@@ -97,6 +99,7 @@ def test_torch_grad_scaler_refuses_a_scale_float32_cannot_hold(values):
     before = scaler.state_dict()
     torch_style = {k: v for k, v in before.items() if k != "numstab"}
     own = {**before, "numstab": {**before["numstab"], "state": {**before["numstab"]["state"]}}}
+    del own["scale"]  # (torch's entry wins over numstab's copy: §10.1)
     own["numstab"]["state"].update(values)
     for bad in ({**torch_style, **values}, own):
         with pytest.raises(InvalidArgumentError, match="scale to be a positive finite number"):
