@@ -120,11 +120,12 @@ def fused_linear_cross_entropy(
     out_of_range = (y < 0) | (y >= vocab)
     if matchable is not None:
         out_of_range = out_of_range & ~_equal(y, matchable)
-    if not be.is_tracing(out_of_range) and be.any(out_of_range):  # concrete labels only
+    traced = be.is_tracing(out_of_range)  # unread: out-of-range rows become NaN (§11)
+    if not traced and be.any(out_of_range):  # concrete labels only
         raise_out_of_range(be, labels, vocab, ignore_index)
 
     chunk_size = chunk_size or default_chunk_size(rows, vocab, be.fused_chunk_budget(h))
-    plan = _Plan(be, eps, z_loss, matchable, reduction, cdt, vocab, rows, chunk_size)
+    plan = _Plan(be, eps, z_loss, matchable, reduction, cdt, vocab, rows, chunk_size, traced)
     with be.float_errors_ignored():
         out = be.custom_gradient(plan.forward, plan.backward, (h, weight, bias, y))
     if reduction == "none":
@@ -178,20 +179,22 @@ def _check_inputs(be: Backend, hidden, weight, labels, bias) -> tuple[int, int, 
 
 
 class _Plan:
-    """The chunked forward and backward of one call (static settings only, no arrays)."""
+    """The chunked forward and backward of one call (static settings only, no arrays).
+    ``traced``: the labels could not be read, so out-of-range rows are found on the device
+    (NaN rows); read labels were checked, and then no op makes a NaN on clean input (§14)."""
 
-    def __init__(self, be, eps, z_loss, ignore_index, reduction, cdt, vocab, rows, chunk):
+    def __init__(self, be, eps, z_loss, ignore_index, reduction, cdt, vocab, rows, chunk, traced):
         self.be, self.eps, self.z_loss, self.ignore_index = be, eps, z_loss, ignore_index
         self.reduction, self.cdt, self.vocab, self.rows, self.chunk = (
             reduction, cdt, vocab, rows, chunk)  # fmt: skip
+        self.traced = traced
 
     # -- the two halves handed to Backend.custom_gradient ---------------------------------
     def forward(self, args: tuple, needs: tuple) -> tuple[Array, Any]:
         h, w, b, y = args
         be = self.be
         needs = (needs[0], needs[1], needs[2] and b is not None)
-        y_safe, ignored, out_of_range = self._label_masks(y)
-        counted = be.cast(~(ignored | out_of_range), self.cdt)
+        y_safe, ignored, out_of_range, counted = self._label_masks(y)
         self.needs = needs  # static flags, kept here: residuals must be arrays (JAX)
         if self.reduction == "none":  # per-row cotangents: the backward recomputes
             rows, _ = self._pass(h, w, b, y_safe, ignored, out_of_range, None, (False,) * 3)
@@ -214,20 +217,27 @@ class _Plan:
             )
         h, w, b, y = residuals
         needs = self.needs
-        y_safe, ignored, out_of_range = self._label_masks(y)
-        counted = be.cast(~(ignored | out_of_range), self.cdt)
+        y_safe, ignored, out_of_range, counted = self._label_masks(y)
         row_scale = counted * be.cast(cotangent, self.cdt)
         _, grads = self._pass(h, w, b, y_safe, ignored, out_of_range, row_scale, needs)
         return grads
 
     # -- the chunk loop ---------------------------------------------------------------------
-    def _label_masks(self, y: Array) -> tuple[Array, Array, Array]:
-        out_of_range = (y < 0) | (y >= self.vocab)
+    def _label_masks(self, y: Array) -> tuple[Array, Array, Array | None, Array]:
+        """(labels with 0 on skipped rows, ignored, out of range or None when the labels were
+        read and checked, counted rows as 1.0/0.0 in the compute dtype)."""
+        be = self.be
+        out_of_range = ((y < 0) | (y >= self.vocab)) if self.traced else None
         if self.ignore_index is None:  # outside the labels' dtype: none ignored (y < y)
-            return self.be.where(out_of_range, 0, y), y < y, out_of_range
-        ignored = _equal(y, self.ignore_index)
-        out_of_range = out_of_range & ~ignored
-        return self.be.where(ignored | out_of_range, 0, y), ignored, out_of_range
+            ignored, skipped = y < y, out_of_range
+        else:
+            ignored = _equal(y, self.ignore_index)
+            if out_of_range is not None:
+                out_of_range = out_of_range & ~ignored
+            skipped = ignored if out_of_range is None else ignored | out_of_range
+        if skipped is None:  # every label read and in range
+            return y, ignored, None, be.cast(~ignored, self.cdt)
+        return be.where(skipped, 0, y), ignored, out_of_range, be.cast(~skipped, self.cdt)
 
     def _pass(self, h, w, b, y, ignored, out_of_range, row_scale, needs):
         """Loss rows (concatenated for "none", else their sum) and (dh, dw, db, None)."""
@@ -254,7 +264,8 @@ class _Plan:
             if want_rows:
                 if target_ok is not None:
                     rows = be.where(target_ok, rows, float("inf"))
-                rows = be.where(out_of_range_part, NAN, rows)
+                if out_of_range_part is not None:  # traced labels only: no NaN made eagerly
+                    rows = be.where(out_of_range_part, NAN, rows)
                 rows = be.where(ignored_part, 0.0, rows)
                 if none:
                     row_out = rows
@@ -405,7 +416,8 @@ def _vocab_mask(be: Backend, b32, w, eps: float, vocab: int, cdt: str, want_dh: 
     valid = be.cast(~masked, cdt)
     count = be.sum(valid)
     full = count > vocab - 0.5  # K_valid = V: the same constants as without a mask
-    fill = be.where(count < 0.5, NAN, count * 0.0)  # all masked: NaN, as cross_entropy
+    # all masked: 0/0 = NaN, as cross_entropy; else 0, with no NaN constant made (§14)
+    fill = 0.0 / count
     bias = be.where(masked, 0.5 * lowest, b32)
     if not eps:
         return _Mask(bias, valid, fill, None, None, None)
