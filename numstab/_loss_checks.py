@@ -82,7 +82,7 @@ def _fits(dtype: str, value: int) -> bool:
     return low <= value <= high
 
 
-def to_labels(be: Backend, labels: Any, like: Any = None) -> Array:
+def to_labels(be: Backend, labels: Any, like: Any = None, ignore_index: int | None = None) -> Array:
     """``labels`` as an array of ``be`` (``to_backend``). Host integer ids go through
     ``class_ids``' rule first, on the host: JAX without x64 converts int64 to int32 by
     wrapping around."""
@@ -90,16 +90,21 @@ def to_labels(be: Backend, labels: Any, like: Any = None) -> Array:
     if be.index_dtype == "int32" and framework_of(labels) == HOST:
         kind = getattr(getattr(labels, "dtype", None), "kind", None)
         if kind in ("i", "u") and labels.dtype.name != "int32":
-            labels = class_ids(load_backend("numpy"), labels, "int32")
+            labels = class_ids(load_backend("numpy"), labels, "int32", ignore_index)
     return to_backend(be, labels, like=like, name="labels")
 
 
-def class_ids(be: Backend, labels: Array, index_dtype: str | None = None) -> Array:
+def class_ids(
+    be: Backend, labels: Array, index_dtype: str | None = None, ignore_index: int | None = None
+) -> Array:
     """Integer ``labels`` as ``index_dtype`` (the backend's by default). Where that is int32
     (JAX), a wider label (int64, uint32, uint64) saturates to int32's bounds instead of
     wrapping around: a corrupt id 2**32 + 7 stays out of range (it became the valid class 7).
-    Where it is int64 only uint64 is wider; ids >= 2**63 wrap to negative ones, out of range
-    too (torch has no comparison or clip for uint64)."""
+    Where a bound is ``ignore_index``, ids past it saturate one step inside it (2**40 became
+    ``ignore_index=2**31 - 1``: a silently ignored row), still out of range of any vocabulary
+    a row can hold; an id equal to it stays itself. Where the index dtype is int64 only
+    uint64 is wider; ids >= 2**63 wrap to negative ones, out of range too (torch has no
+    comparison or clip for uint64)."""
     index_dtype = index_dtype or be.index_dtype
     dtype = be.dtype_name(labels)
     if dtype == index_dtype:
@@ -107,7 +112,12 @@ def class_ids(be: Backend, labels: Array, index_dtype: str | None = None) -> Arr
     low, high = _int_bounds(dtype)
     index_low, index_high = _int_bounds(index_dtype)
     if index_dtype == "int32" and (low < index_low or high > index_high):
-        labels = be.clip(labels, max(low, index_low), min(high, index_high))
+        clipped = be.clip(labels, max(low, index_low), min(high, index_high))
+        if high > index_high == ignore_index:  # a real ignore_index there stays itself
+            clipped = be.where(labels > index_high, index_high - 1, clipped)
+        if low < index_low == ignore_index:
+            clipped = be.where(labels < index_low, index_low + 1, clipped)
+        labels = clipped
     return be.cast(labels, index_dtype)
 
 

@@ -108,14 +108,14 @@ def fused_linear_cross_entropy(
     be = resolve_backend(hidden, weight, labels, bias, backend=backend)
     hidden = _to_backend(be, required("hidden", hidden), name="hidden")
     weight = _to_backend(be, required("weight", weight), like=hidden, name="weight")
-    labels = to_labels(be, labels, like=hidden)
+    labels = to_labels(be, labels, like=hidden, ignore_index=ignore_index)
     bias = _to_backend(be, bias, like=hidden, name="bias")
     hidden, weight, bias = be.autocast_operands(hidden, weight, bias)  # torch.autocast
     rows, width, vocab, batch_shape = _check_inputs(be, hidden, weight, labels, bias)
     cdt = v.compute_dtype(be.dtype_name(hidden))
 
     h = be.reshape(hidden, (rows, width))
-    y = be.reshape(class_ids(be, labels), (rows,))
+    y = be.reshape(class_ids(be, labels, None, ignore_index), (rows,))
     matchable = matchable_ignore_index(be, ignore_index)  # None: no label can equal it
     out_of_range = (y < 0) | (y >= vocab)
     if matchable is not None:

@@ -174,7 +174,7 @@ def cross_entropy(
     ignore_index = v.check_int("ignore_index", ignore_index)
     be = resolve_backend(logits, labels, weight, backend=backend)
     logits = _to_backend(be, required("logits", logits), name="logits")
-    labels = to_labels(be, labels, like=logits)
+    labels = to_labels(be, labels, like=logits, ignore_index=ignore_index)
     weight = _to_backend(be, weight, like=logits, name="weight")
 
     shape = be.shape(logits)
@@ -189,7 +189,7 @@ def cross_entropy(
         x2 = x if len(shape) == 2 else be.reshape(x, (-1, num_classes))
         if v.is_integer(label_dtype):
             check_label_shape(label_shape, batch_shape, shape, "labels of shape")
-            y = labels if label_dtype == be.index_dtype else class_ids(be, labels)
+            y = class_ids(be, labels, None, ignore_index)  # (labels when of the index dtype)
             y = y if len(label_shape) == 1 else be.reshape(y, (-1,))
             loss = _hard_label_loss(
                 be, x2, y, labels, eps, ignore_index, weight, z_loss, cdt, reduction
