@@ -27,7 +27,17 @@ under "16-mixed".
   in a manual ``training_step`` or an overridden ``configure_gradient_clipping``) at its
   first call, before it clips.
 - "16-mixed": Lightning's GradScaler skips non-finite steps itself (and the guard never sees
-  them: the scaler does not call ``step``); the guard skips the spikes.
+  them: the scaler does not call ``step``, or, for a fused optimizer, calls it with
+  ``found_inf`` set, which the guarded step reads: one host read); the guard skips the
+  spikes. The losses recorded for a step the scaler skipped are dropped (``hold_losses``).
+  A fused optimizer (``_step_supports_amp_scaling``) unscales inside its step, so Lightning
+  does not unscale first: the norms measured are divided by the scale (``measure_grads``),
+  and ``max_grad_norm`` clips by the unscaled norm.
+- A closure optimizer (LBFGS): the guard decides on the first evaluation of Lightning's
+  closure (its loss and gradients); a good step's LBFGS gets that evaluation first and
+  makes its later ones itself (``StepGuard.wrap``); a skipped step makes none.
+  ``max_grad_norm`` with LBFGS raises ``InvalidArgumentError`` when training starts (only
+  the first evaluation would be clipped).
 - Lightning steps its LR schedulers after every optimizer step it asked for, also a skipped
   one (as after its own GradScaler's skips).
 - Manual optimization: the first non-finite step is located by replaying its
@@ -59,6 +69,11 @@ import torch
 
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.step_guard import GuardedCallback
+from numstab.frameworks.torch.step_guard_parts import (
+    _scaled,
+    scale_of,
+    scaler_overflowed,
+)
 
 
 class NumstabCallback(GuardedCallback, pl.Callback):
@@ -89,8 +104,21 @@ class NumstabCallback(GuardedCallback, pl.Callback):
         optimizer = trainer.optimizers[0]
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if configs else None
+        if self.step_guard.max_grad_norm is not None and isinstance(optimizer, torch.optim.LBFGS):
+            raise InvalidArgumentError(
+                f"Expected an optimizer that evaluates its closure once with NumstabCallback("
+                f"max_grad_norm={self.step_guard.max_grad_norm}): LBFGS evaluates it several "
+                f"times a step, and the callback would clip the first evaluation's gradients "
+                f"only. Drop max_grad_norm. Received: optimizer {type(optimizer).__name__}"
+            )
         if self.step_guard.attach(pl_module, optimizer, scheduler, hook_loss=False):
-            self.step_guard.wrap(optimizer)
+            precision = trainer.precision_plugin
+            self.step_guard.wrap(
+                optimizer,
+                overflowed=lambda: (
+                    getattr(precision, "scaler", None) is not None and scaler_overflowed(optimizer)
+                ),
+            )
 
     def on_train_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int) -> None:
         step = pl_module.training_step
@@ -103,16 +131,20 @@ class NumstabCallback(GuardedCallback, pl.Callback):
         # ("16-mixed"), and divided by accumulate_grad_batches (its current value, which
         # GradientAccumulationScheduler changes) under automatic optimization; manual
         # optimization divides nothing (and allows no accumulate_grad_batches)
-        loss = loss.detach() / _scale(getattr(trainer.precision_plugin, "scaler", None))
+        loss = loss.detach() / scale_of(getattr(trainer.precision_plugin, "scaler", None))
         if pl_module.automatic_optimization:
             loss = loss * trainer.accumulate_grad_batches
         self.step_guard.record_loss(loss)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # before Lightning clips (gradient_clip_val): the guard decides on the gradients
-        # the backward pass made, not on clipped ones whose norm is never above the threshold
-        if not self.step_guard._locating:
-            self.step_guard.torch_guard.measure_grads()
+        # the backward pass made, not on clipped ones whose norm is never above the threshold;
+        # after the backward pass: the losses recorded are this step's (hold_losses)
+        sg = self.step_guard
+        if not sg._locating:
+            sg.hold_losses()
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            sg.measure_grads(scale_of(scaler) if _scaled(scaler, optimizer) else None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int):
         sg = self.step_guard
@@ -223,14 +255,3 @@ def _replaced(patches: list[tuple[Any, str, Any]]) -> Any:
 def _drop_module_clipping_check(module: pl.LightningModule) -> None:
     if getattr(vars(module).get("clip_gradients"), "numstab_check", False):
         del module.clip_gradients
-
-
-def _scale(scaler: Any) -> Any:
-    """The scale the loss was multiplied by: a tensor where the scaler keeps one (no host
-    read: torch's ``GradScaler``, numstab's), else ``get_scale()``; 1 without a scaler."""
-    if scaler is None or not scaler.is_enabled():
-        return 1.0
-    scale = getattr(scaler, "_scale", None)  # torch.amp.GradScaler
-    if scale is None:
-        scale = getattr(getattr(scaler, "_state", None), "scale", None)  # numstab's
-    return scale if isinstance(scale, torch.Tensor) else scaler.get_scale()

@@ -45,7 +45,6 @@ afresh of the resumed model and optimizer.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -58,8 +57,19 @@ import torch
 from numstab import _validate as v
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.backend import is_dtensor
+from numstab.frameworks.torch.step_guard_parts import (
+    _kept_state,
+    _loss_of,
+    _Replay,
+    _scaled,
+    clip_with_norm,
+    closure_step,
+    scale_of,
+)
 from numstab.guard.guard import TrainingGuard
 from numstab.guard.runner import resume_from_plain
+
+__all__ = ["GuardedCallback", "StepGuard", "clip_with_norm"]
 
 log = logging.getLogger("numstab")
 
@@ -93,6 +103,7 @@ class StepGuard:
         self.first_nonfinite_report: Any = None
         self.messages: list[str] = []
         self._losses: list[torch.Tensor] = []
+        self._held: list[torch.Tensor] = []  # the coming step's losses (hold_losses)
         self._parts = False  # the recorded losses are parts of the step's loss: summed
         self.part_scale = 1  # a part's factor (the Trainer's across ranks: its process count)
         self.replay: functools.partial | None = None  # the last batch's forward, as called
@@ -113,7 +124,10 @@ class StepGuard:
         callback given to a second Trainer, or a second ``fit()``, for which Lightning makes
         a new optimizer) replaces the first: its hooks and step wrapper are removed and a new
         torch guard starts, since windows and snapshots belong to one model and optimizer.
-        Before, the guard went on reading the first model's gradients: no step was skipped."""
+        Before, the guard went on reading the first model's gradients: no step was skipped.
+        The new run's first non-finite step is located afresh (``first_nonfinite_report``
+        and a failed locate are the first run's: before, the first run's report stayed, was
+        logged into every later run's entries, and the later runs were never located)."""
         if self.torch_guard is not None:
             if self.model is model and self.torch_guard.optimizer is optimizer:
                 self._apply_resume()
@@ -127,6 +141,7 @@ class StepGuard:
                 "parameter"
             )
         self.model = model
+        self.first_nonfinite_report, self._locate_failed, self.replay = None, False, None
         # these loops branch on every step's outcome (the Trainer's overflow flag, the
         # GradScaler): the decision is read each step, whatever host_every says
         guard = dataclasses.replace(self.guard, host_every=1)
@@ -185,9 +200,19 @@ class StepGuard:
         optimizer: Any,
         scaler: Callable[[], Any] = lambda: None,
         on_skip: Callable[[], Any] = lambda: None,
+        overflowed: Callable[[], bool] = lambda: False,
     ) -> None:
         """Make ``optimizer.step`` the guarded step (``scaler()``: the GradScaler, if any;
-        ``on_skip()`` runs after a skipped step)."""
+        ``on_skip()`` runs after a skipped step; ``overflowed()``: the loop's GradScaler,
+        which calls this step, found the gradients non-finite: its skip, which the guard
+        does not see, as where the scaler does not call the step at all).
+
+        A ``closure`` (Lightning's: forward and backward) is called once here, the guard
+        decides on that loss and those gradients, and a good step's real ``step`` gets a
+        closure returning that result first and calling ``closure`` again after
+        (``closure_step``: LBFGS evaluates it several times a step; the losses of those later
+        evaluations are not the guard's). Before, the real step got no closure: LBFGS raised
+        ``TypeError``."""
         real_step = optimizer.step
 
         @functools.wraps(real_step)  # keeps torch's LR-scheduler marks on the step method
@@ -198,8 +223,18 @@ class StepGuard:
             if closure is not None:  # Lightning: forward and backward run inside step()
                 with torch.enable_grad():
                     result = closure()
-            if not self.step(lambda: real_step(**kwargs), scaler()):
+            if overflowed():
+                self.drop_step()
+                return real_step(**kwargs)  # the fused kernel skips itself (found_inf)
+            step = (
+                functools.partial(real_step, **kwargs)
+                if closure is None
+                else closure_step(real_step, result, closure, kwargs)
+            )
+            if not self.step(step, scaler()):
                 on_skip()
+            if closure is not None:
+                self.drop_step()  # what later evaluations of the closure recorded
             return result
 
         optimizer.step = guarded_step
@@ -216,6 +251,7 @@ class StepGuard:
             self._unwrap()
             self._unwrap = None
         self._losses.clear()
+        self._held = []
 
     def record_loss(self, loss: torch.Tensor, *, part: bool = False) -> None:
         """The (micro-batch) loss of the current step; none while locating (a replay).
@@ -225,10 +261,40 @@ class StepGuard:
             self._losses.append(loss.detach().float().reshape(()))
             self._parts = part
 
+    def hold_losses(self) -> None:
+        """The losses recorded so far are the coming step's (Lightning's
+        ``on_before_optimizer_step``, after the backward pass). A step the loop then never
+        runs (a GradScaler's skip of non-finite gradients: it does not call ``step``) leaves
+        them held, and the next ``hold_losses`` drops them. Before, they stayed recorded: the
+        next good step averaged the NaN loss in and was skipped as ``nonfinite_loss``."""
+        self._held, self._losses = self._losses, []
+
+    def drop_step(self) -> None:
+        """Forget what was recorded for a step the guard does not see: the losses and the
+        gradient norms measured (``measure_grads``)."""
+        self._held, self._losses = [], []
+        if self.torch_guard is not None:
+            self.torch_guard._measured = None
+
+    def measure_grads(self, scale: Any = None) -> None:
+        """The step's gradient norms now (``TorchGuard.measure_grads``), divided by ``scale``
+        where a GradScaler's scale still multiplies the gradients (an optimizer that unscales
+        inside its step: fused Adam/AdamW/SGD under "16-mixed", which Lightning does not
+        unscale first): the guard decides, logs and clips on the unscaled norm, and the
+        clipping factor (a ratio of norms) is applied to the scaled gradients, which the fused
+        step then unscales. ``scale``: a tensor (no host read); a power of two divides
+        exactly. Before, the scaled norm (x1024): spike windows and ``max_grad_norm`` off."""
+        tg = self.torch_guard
+        tg.measure_grads()
+        norms, total = tg._measured
+        if scale is not None and total is not None:
+            scale = torch.as_tensor(scale, dtype=torch.float32)
+            tg._measured = (norms / scale.to(norms.device), total / scale.to(total.device))
+
     def _step_loss(self) -> torch.Tensor | float:
         """The recorded losses' sum where they are parts of the step's, else their mean (0.0
-        without any); cleared."""
-        losses, self._losses = self._losses, []
+        without any); cleared (the held ones too)."""
+        losses, self._losses, self._held = self._held + self._losses, [], []
         reduce = torch.sum if self._parts else torch.mean
         return reduce(torch.stack(losses)) if losses else 0.0
 
@@ -238,6 +304,8 @@ class StepGuard:
         loss = self._step_loss()
         tg = self.torch_guard
         tg.scaler = scaler  # its overflows (the Trainer's fp16) do not count toward rollbacks
+        if self.max_grad_norm is None and tg._measured is None and _scaled(scaler, tg.optimizer):
+            self.measure_grads(scale_of(scaler))  # a loop whose real step unscales them
         guarded = real_step if self.max_grad_norm is None else self._clipping(real_step, scaler)
         applied = tg.step(loss, guarded)
         if applied:
@@ -264,7 +332,7 @@ class StepGuard:
         about to decide on: measured here once (``step_grad_norm``; kept if the loop measured
         already), on gradients unscaled first where a GradScaler still holds them scaled."""
         tg = self.torch_guard
-        if scaler is not None and scaler.is_enabled() and _still_scaled(scaler, tg.optimizer):
+        if _scaled(scaler, tg.optimizer):
             scaler.unscale_(tg.optimizer)
         total = tg.step_grad_norm()
 
@@ -333,76 +401,6 @@ class StepGuard:
         self.first_nonfinite_report = report
         self.messages.append(f"numstab: first non-finite layer: {report}")
         log.warning(self.messages[-1])
-
-
-@contextlib.contextmanager
-def _kept_state(model: torch.nn.Module) -> Any:
-    """What a replayed forward changes, put back: the RNG states (CPU, and the CUDA devices
-    of the model's parameters: dropout) and the buffers (BatchNorm's running statistics)."""
-    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    with torch.random.fork_rng(devices=cuda):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-
-
-def clip_with_norm(
-    grads: list[torch.Tensor], max_norm: float, total: torch.Tensor, host_norm: float | None = None
-) -> None:
-    """``grads *= min(1, max_norm / (total + 1e-6))`` in place: ``clip_grad_norm_`` with the
-    norm ``total`` taken already, computed as torch does (on ``total``'s device and dtype).
-    ``host_norm``: ``total`` as the guard read it with its decision (no new read); where it is
-    surely below ``max_norm`` the factor is exactly 1, whose multiply (torch makes it) would
-    change no bit: no pass over the gradients then. One ``torch._foreach_mul_`` per device."""
-    if host_norm is not None and (host_norm + 1e-6) * (1.0 + 2.0**-20) < max_norm:
-        return
-    factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    for device, group in by_device.items():
-        torch._foreach_mul_(group, factor.to(device))
-
-
-def _still_scaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``scaler`` (torch's GradScaler or numstab's) has not unscaled ``optimizer``'s
-    gradients since its last update: the ``Trainer``'s own grad-norm read unscales them
-    (accelerate's ``clip_grad_norm_``), a plain loop may not have."""
-    states = getattr(scaler, "_per_optimizer_states", None)  # torch.amp.GradScaler
-    if states is None:
-        states = getattr(scaler, "_opt_states", {})  # numstab's GradScaler
-    state = states.get(id(optimizer))
-    stage = state.get("stage") if isinstance(state, dict) else getattr(state, "stage", None)
-    return stage is None or stage.name == "READY"
-
-
-class _Replay(torch.nn.Module):
-    """``forward(*batch)`` (the last batch's forward, or Lightning's ``training_step``, as
-    the loop called it) as a module with the model's own layer names: it shares the model's
-    sub-modules (``_modules``)."""
-
-    def __init__(self, model: torch.nn.Module, forward: Callable[..., Any]) -> None:
-        super().__init__()
-        self._modules = model._modules
-        self._forward = forward
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward(*args, **kwargs)
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if loss is None:
-        loss = output if isinstance(output, torch.Tensor) else None
-    if loss is None:
-        raise ValueError("the model's output holds no loss")
-    return loss.float().sum()
 
 
 class GuardedCallback:
