@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import os
-from typing import NamedTuple
+from collections.abc import Callable, Generator
+from typing import Any, NamedTuple, TypeVar
 
 from numstab._env import EnvVar
 from numstab.backends import canonical_name
@@ -33,6 +36,7 @@ _context_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 _global_backend: str | None = None
 _config_values: dict[str, str | None] = {}  # config file path -> its backend key
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class BackendChoice(NamedTuple):
@@ -67,18 +71,148 @@ class use_backend(contextlib.ContextDecorator):  # lower case: a function before
 
     The object is reusable and re-entrant, as ``torch.no_grad()``: each ``with`` pushes its
     own token and restores what was selected before (a generator context manager raised a
-    raw AttributeError on its second ``with``). The name is checked at ``__enter__``."""
+    raw AttributeError on its second ``with``). The name is checked at ``__enter__``.
+
+    The tokens are kept per context (``_entered``), not on the object, so one object may be
+    entered at once by several threads and asyncio tasks, and a decorated function may run in
+    several at once. As a decorator it also covers ``async def`` functions, generators and
+    async generators: the backend is selected around each step of their body, and the
+    caller's own selection applies between steps."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._tokens: list[contextvars.Token] = []
 
     def __enter__(self) -> str:
-        self._tokens.append(_context_backend.set(normalised_backend(self.name)))
-        return _context_backend.get()
+        name = normalised_backend(self.name)
+        token = _context_backend.set(name)
+        _entered.set((*_entered.get(), (self, token)))
+        return name
 
     def __exit__(self, *exc: object) -> None:
-        _context_backend.reset(self._tokens.pop())
+        stack = _entered.get()
+        for i in range(len(stack) - 1, -1, -1):  # the innermost entry of this object
+            if stack[i][0] is self:
+                with contextlib.suppress(ValueError):  # a token of another context
+                    _context_backend.reset(stack[i][1])
+                    _entered.set(stack[:i] + stack[i + 1 :])
+                    return
+                break
+        raise RuntimeError(
+            f"use_backend({self.name!r}) was exited in a thread or asyncio task that did not "
+            "enter it."
+        )
+
+    def __call__(self, func: _F) -> _F:
+        """Decorate ``func`` so that its body runs under this backend; for coroutine,
+        generator and async generator functions, around each step of the body."""
+        if inspect.isasyncgenfunction(func):
+            wrapper: Callable[..., Any] = _async_generator_wrapper(self, func)
+        elif inspect.iscoroutinefunction(func):
+            wrapper = _coroutine_wrapper(self, func)
+        elif inspect.isgeneratorfunction(func):
+            wrapper = _generator_wrapper(self, func)
+        else:
+            return super().__call__(func)
+        return functools.wraps(func)(wrapper)  # type: ignore[return-value]
+
+
+# (use_backend object, token) for each ``with`` open in this context, innermost last
+_entered: contextvars.ContextVar[tuple[tuple[use_backend, contextvars.Token], ...]] = (
+    contextvars.ContextVar("numstab_use_backend_entered", default=())
+)
+
+
+class _Scope:
+    """The backend selection of one decorated generator or coroutine body, kept apart from its
+    caller's across the body's steps: the body starts under the decorated name, and its own
+    ``use_backend`` blocks last across its ``yield``/``await`` without leaking to the caller."""
+
+    __slots__ = ("name", "stack")
+
+    def __init__(self, cm: use_backend) -> None:
+        """Checks the name: call it when the body starts, before the body is created."""
+        self.name: str | None = normalised_backend(cm.name)
+        self.stack: tuple[tuple[use_backend, contextvars.Token], ...] = ()
+
+    def run(self, step: Callable[..., Any], *args: Any) -> Any:
+        """``step(*args)`` under this body's selection; the caller's is restored after."""
+        outer_name, outer_stack = _context_backend.set(self.name), _entered.set(self.stack)
+        try:
+            return step(*args)
+        finally:
+            self.name, self.stack = _context_backend.get(), _entered.get()
+            _context_backend.reset(outer_name)
+            _entered.reset(outer_stack)
+
+
+def _stepped(scope: _Scope, it: Any) -> Generator[Any, Any, Any]:
+    """``yield from it`` with each step (send, throw, close) of ``it``, a generator or an
+    awaitable's iterator, run in ``scope``; returns what ``it`` returns."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            out = scope.run(it.send, value) if error is None else scope.run(it.throw, error)
+        except StopIteration as stop:
+            return stop.value
+        try:
+            value, error = (yield out), None
+        except GeneratorExit:
+            scope.run(it.close)
+            raise
+        except BaseException as exc:  # thrown in by the caller: pass it on
+            value, error = None, exc
+
+
+class _Stepped:
+    """An awaitable running another awaitable's steps in ``scope``."""
+
+    __slots__ = ("awaitable", "scope")
+
+    def __init__(self, scope: _Scope, awaitable: Any) -> None:
+        self.scope, self.awaitable = scope, awaitable
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        return _stepped(self.scope, self.awaitable.__await__())
+
+
+def _generator_wrapper(cm: use_backend, func: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        scope = _Scope(cm)
+        return (yield from _stepped(scope, func(*args, **kwargs)))
+
+    return wrapper
+
+
+def _coroutine_wrapper(cm: use_backend, func: Callable[..., Any]) -> Callable[..., Any]:
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        scope = _Scope(cm)
+        return await _Stepped(scope, func(*args, **kwargs))
+
+    return wrapper
+
+
+def _async_generator_wrapper(cm: use_backend, func: Callable[..., Any]) -> Callable[..., Any]:
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        scope = _Scope(cm)
+        agen = func(*args, **kwargs)
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            step = agen.asend(value) if error is None else agen.athrow(error)
+            try:
+                out = await _Stepped(scope, step)
+            except StopAsyncIteration:
+                return
+            try:
+                value, error = (yield out), None
+            except GeneratorExit:
+                await _Stepped(scope, agen.aclose())
+                raise
+            except BaseException as exc:  # thrown in by the caller: pass it on
+                value, error = None, exc
+
+    return wrapper
 
 
 _DEFAULT_CONFIG_PATH = os.path.expanduser(DEFAULT_CONFIG)
@@ -106,7 +240,7 @@ def _read_config_file(path: str) -> str | None:
             value = tomllib.load(fh).get("backend")
     except FileNotFoundError:
         return None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: invalid TOML, or not UTF-8
         raise InvalidArgumentError(f"Cannot read numstab config file {path}: {exc}") from exc
     if value is not None and not isinstance(value, str):
         raise InvalidArgumentError(
@@ -136,11 +270,11 @@ def backend_choice(explicit: str | None = None) -> BackendChoice:
     if _global_backend is not None:
         return BackendChoice(_global_backend, "set_backend()")
     env = _BACKEND_ENV.get()
-    if env:
+    if env and not env.isspace():  # empty or blank: unset
         return _choice_from(env, f"{ENV_VAR} environment variable")
     path = _config_path()
     value = _config_file_backend(path)
-    if value:
+    if value and not value.isspace():
         return _choice_from(value, f"config file {path}")
     return BackendChoice(AUTO, "default")
 
