@@ -66,7 +66,8 @@ _INT_BOUNDS = {f"int{n}": (-(2 ** (n - 1)), 2 ** (n - 1) - 1) for n in (8, 16, 3
 _INT_BOUNDS.update({f"uint{n}": (0, 2**n - 1) for n in (8, 16, 32, 64)})
 
 
-def _int_bounds(dtype: str) -> tuple[int, int]:
+def int_bounds(dtype: str) -> tuple[int, int]:
+    """(min, max) of the integer dtype named ``dtype``."""
     bounds = _INT_BOUNDS.get(dtype)
     if bounds is None:  # an integer dtype of another name (none known): NumPy's bounds
         import numpy as np
@@ -78,7 +79,7 @@ def _int_bounds(dtype: str) -> tuple[int, int]:
 
 def _fits(dtype: str, value: int) -> bool:
     """Whether the integer dtype ``dtype`` holds ``value``."""
-    low, high = _int_bounds(dtype)
+    low, high = int_bounds(dtype)
     return low <= value <= high
 
 
@@ -109,8 +110,8 @@ def class_ids(
     dtype = be.dtype_name(labels)
     if dtype == index_dtype:
         return labels
-    low, high = _int_bounds(dtype)
-    index_low, index_high = _int_bounds(index_dtype)
+    low, high = int_bounds(dtype)
+    index_low, index_high = int_bounds(index_dtype)
     if index_dtype == "int32" and (low < index_low or high > index_high):
         clipped = be.clip(labels, max(low, index_low), min(high, index_high))
         if high > index_high == ignore_index:  # a real ignore_index there stays itself

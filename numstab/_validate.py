@@ -68,8 +68,8 @@ def check_number(
         )
     try:
         value = float(value)
-    except OverflowError:
-        value = math.inf
+    except OverflowError:  # an int past float64: its sign kept for the message
+        value = math.inf if value > 0 else -math.inf
     too_low = value <= low if low_open else value < low
     too_high = value >= high if high_open else value > high
     # comparisons, not math.isfinite: torch.compile passes a float it made dynamic (a second

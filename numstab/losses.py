@@ -19,6 +19,7 @@ from numstab._loss_checks import (
     check_label_shape,
     class_count,
     class_ids,
+    int_bounds,
     matchable_ignore_index,
     raise_out_of_range,
     required,
@@ -105,6 +106,12 @@ def smooth_labels(
         if num_classes < 1:
             raise InvalidArgumentError(
                 f"Expected num_classes >= 1. Received: num_classes={num_classes}"
+            )
+        most = int_bounds(be.index_dtype)[1]  # past it NumPy, torch, TF and JAX raised their own
+        if num_classes > most:
+            raise InvalidArgumentError(
+                f"Expected num_classes <= {most} (class ids are {be.index_dtype} on the "
+                f"{be.name} backend). Received: num_classes={num_classes}"
             )
         ids = class_ids(be, labels)
         out_of_range = (ids < 0) | (ids >= num_classes)
