@@ -2,7 +2,8 @@
 
 Leaves: the arrays of the loaded frameworks (torch, TensorFlow, JAX, NumPy; a Keras 3
 variable stands for its backend tensor) and ``None``. Containers: dict (any Mapping subclass
-whose constructor takes pairs, and defaultdict), list, tuple, namedtuple, dataclass instances,
+whose constructor takes pairs, and defaultdict), list, tuple, namedtuple, dataclass instances
+(their ``init=True`` fields; rebuilt as a copy, ``__init__`` not run again),
 iterators (a generator such as torch's ``model.parameters()``, rebuilt as a list), a library's
 container that a loaded framework's ``tree.node_children`` hook opens (a transformers
 ``Cache``: its key and value tensors; read, never rebuilt), and — when
@@ -19,7 +20,9 @@ Paths are spelled like ``jax.tree_util.keystr``: ``['opt_state'][0].mu['w']``.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
+import functools
 import sys
 import types
 import weakref
@@ -76,13 +79,33 @@ def _children(
         registered = _module_children(node)
         if registered is not None:
             return registered
+        # its init=True fields, as jax's register_dataclass takes data fields (init=False ones:
+        # derived state, no leaves, kept as they are by _dataclass_rebuild)
         names = [f.name for f in dataclasses.fields(node) if f.init]
-        return [(f".{n}", getattr(node, n)) for n in names], lambda vs: dataclasses.replace(
-            node, **dict(zip(names, vs, strict=True))
+        return [(f".{n}", getattr(node, n)) for n in names], functools.partial(
+            _dataclass_rebuild, node, names
         )
     if isinstance(node, Iterator):  # a generator (torch's model.parameters()): its items
         return [(f"[{i}]", c) for i, c in enumerate(_items(node))], _as_list
     return _module_children(node)
+
+
+def _dataclass_rebuild(node: Any, names: list[str], values: list) -> Any:
+    """A shallow copy of the dataclass ``node`` (``copy.copy``: ``__init__`` and
+    ``__post_init__`` do not run again) with the fields ``names`` set to ``values``
+    (``object.__setattr__``: frozen dataclasses too). Its ``init=False`` fields and what its
+    ``InitVar``s made stay as they were; ``dataclasses.replace`` ran ``__init__`` again, which
+    reset them, and raised ``ValueError`` for an ``InitVar``."""
+    try:
+        out = copy.copy(node)
+        for name, value in zip(names, values, strict=True):
+            object.__setattr__(out, name, value)
+    except (TypeError, AttributeError) as e:  # a __copy__ / __reduce__ that refuses
+        raise InvalidArgumentError(
+            f"Expected a tree that numstab can rebuild. Received: a dataclass "
+            f"{type(node).__qualname__} that cannot be copied with new fields ({e})"
+        ) from e
+    return out
 
 
 def _special_children(node: Any, kind: int, dense: bool):

@@ -72,17 +72,23 @@ def finite_summary(tree: Any) -> FiniteSummary:
         )
     # host leaves are summed on the host (as find_nonfinite reads them): JAX without x64
     # made a float64 1e300 float32 inf
-    leaves = [_host_sum(x) if framework_of(x) == HOST else x for x in leaves]
+    host = [i for i, x in enumerate(leaves) if framework_of(x) == HOST]
+    wide = bool(host) and _jax_keeps_float64()
+    for i in host:
+        leaves[i] = _host_sum(leaves[i], wide)
     from numstab import frameworks
 
     return FiniteSummary(frameworks.module("jax", "numerics").leaf_sums(leaves))
 
 
-def _host_sum(x: Any) -> Any:
+def _host_sum(x: Any, wide: bool) -> Any:
     """A host leaf (numbers only, else InvalidArgumentError) as NumPy reads it, a floating or
     complex non-empty one replaced by its sum taken on the host in float64 (real part plus
-    imaginary part), as a float32 ``[sum]`` with a finite sum clamped to float32's range:
-    NaN or inf exactly where the leaf's float64 sum is, as for a float64 leaf on the device."""
+    imaginary part), as a ``[sum]`` of the dtype the device gives that leaf's sum: float64
+    for a float64 (or complex128, or wider) leaf when ``wide`` (JAX keeps float64: with
+    ``jax_enable_x64``), as the same leaf passed to ``jax.jit`` gives; else float32, a finite
+    sum clamped to float32's range: NaN or inf exactly where the leaf's float64 sum is, as
+    for a float64 leaf on the device."""
     import numpy as np
 
     x = host_array(x, "tree leaves")
@@ -94,6 +100,17 @@ def _host_sum(x: Any) -> Any:
         total = np.sum(np.real(x).astype(np.float64))
         if np.iscomplexobj(x):
             total = total + np.sum(np.imag(x).astype(np.float64))
+        if x.dtype.kind in "fc" and np.real(x).dtype.itemsize >= 8 and wide:
+            return np.asarray([total], np.float64)
         high = float(np.finfo(np.float32).max)
         value = total if not np.isfinite(total) else min(max(total, -high), high)
         return np.asarray([value], np.float32)
+
+
+def _jax_keeps_float64() -> bool:
+    """True when JAX makes a Python float float64 (``jax_enable_x64``, also inside a
+    ``jax.enable_x64`` block), False when float32 (no float64 without x64)."""
+    from numstab.backends import load_backend
+
+    be = load_backend("jax")
+    return be.dtype_name(be.asarray(0.0)) == "float64"

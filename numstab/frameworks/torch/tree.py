@@ -16,7 +16,8 @@ from numstab.errors import InvalidArgumentError
 
 def named_leaves(tree: Any) -> list[tuple[str, Any]] | None:
     """A module's ``named_parameters`` then floating ``named_buffers``; a state dict (a
-    non-empty mapping of str to tensors) as its items, a transformers ``Cache`` among them
+    non-empty mapping of str to tensors, a ``None`` among them skipped: a dict of grads by
+    name with a frozen parameter's) as its items, a transformers ``Cache`` among them
     as its tensors under the key (a Hugging Face ``ModelOutput``: ``"logits"``,
     ``"cache.layers[0].keys"``, as ``"logits"`` without the cache); None for anything else, a
     Keras layer on Keras' torch backend included (a ``torch.nn.Module`` too: the Keras hook
@@ -26,15 +27,15 @@ def named_leaves(tree: Any) -> list[tuple[str, Any]] | None:
         return list(tree.named_parameters()) + buffers
     if not isinstance(tree, Mapping) or len(tree) == 0:
         return None
-    if all(isinstance(k, str) and isinstance(x, torch.Tensor) for k, x in tree.items()):
-        return list(tree.items())
-    if all(
-        isinstance(k, str) and (isinstance(x, torch.Tensor) or _is_cache(x))
-        for k, x in tree.items()
-    ):
+    items = [(k, x) for k, x in tree.items() if x is not None]
+    if not all(isinstance(k, str) for k in tree):
+        return None
+    if all(isinstance(x, torch.Tensor) for _, x in items):
+        return items  # an all-None mapping: no leaves either way
+    if all(isinstance(x, torch.Tensor) or _is_cache(x) for _, x in items):
         from numstab.tree import leaves_with_paths
 
-        return [pair for k, x in tree.items() for pair in leaves_with_paths(x, k)]
+        return [pair for k, x in items for pair in leaves_with_paths(x, k)]
     return None
 
 
