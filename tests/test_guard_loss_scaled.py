@@ -10,6 +10,7 @@ import math
 import pytest
 
 from numstab.guard import TrainingGuard
+from tests.accelerate_stub import Accelerated
 
 torch = pytest.importorskip("torch")
 
@@ -25,7 +26,7 @@ def _torch_run(host_every: int, with_scaler_arg: bool, wrapped: bool = False):
     if wrapped:  # the Trainer's way: StepGuard around an optimizer whose step is the scaler's
         from numstab.frameworks.torch.step_guard import StepGuard
 
-        accelerated = _Accelerated(opt, scaler)
+        accelerated = Accelerated(opt, scaler)
         sg = StepGuard(guard, locate=False)
         sg.attach(model, opt, hook_loss=False)
         sg.wrap(accelerated, scaler=lambda: scaler)
@@ -48,17 +49,6 @@ def _torch_run(host_every: int, with_scaler_arg: bool, wrapped: bool = False):
     tg.flush()
     events = [e["event"] for e in tg.events]
     return events, opt.param_groups[0]["lr"], model
-
-
-class _Accelerated:
-    """accelerate's AcceleratedOptimizer, as far as the Trainer's step goes."""
-
-    def __init__(self, optimizer, scaler):
-        self.optimizer, self.scaler = optimizer, scaler
-
-    def step(self):
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
 
 
 @pytest.mark.parametrize("host_every", [1, 4])

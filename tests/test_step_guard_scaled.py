@@ -10,17 +10,7 @@ torch = pytest.importorskip("torch")
 
 from numstab.frameworks.torch.step_guard import StepGuard  # noqa: E402
 from numstab.guard.guard import TrainingGuard  # noqa: E402
-
-
-class _Accelerated:
-    """accelerate's AcceleratedOptimizer, as far as a step goes: the scaler unscales inside."""
-
-    def __init__(self, optimizer, scaler):
-        self.optimizer, self.scaler = optimizer, scaler
-
-    def step(self):
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+from tests.accelerate_stub import Accelerated  # noqa: E402
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -31,7 +21,7 @@ def test_norm_of_gradients_the_real_step_unscales(fused):
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     sg = StepGuard(TrainingGuard(), locate=False)
     sg.attach(model, opt, hook_loss=False)
-    accelerated = _Accelerated(opt, scaler)
+    accelerated = Accelerated(opt, scaler)
     sg.wrap(accelerated, scaler=lambda: scaler)
     g = torch.Generator().manual_seed(1)
     expected = []
