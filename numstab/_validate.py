@@ -121,9 +121,11 @@ def _number_kind(value: Any) -> str | None:
 
 
 def _dtype_kind(dtype: Any) -> str | None:
-    """``_number_kind`` of an array of this dtype."""
+    """``_number_kind`` of an array of this dtype. ml_dtypes' (bfloat16, float8: NumPy's and
+    JAX's) have kind "V": named instead (a bf16 ``inject_hyperparams`` value was refused as
+    not a real number)."""
     kind = getattr(dtype, "kind", None)
-    if kind is not None:
+    if kind is not None and kind != "V":
         return {"i": "i", "u": "i", "f": "f"}.get(kind)
     name = str(getattr(dtype, "name", dtype)).removeprefix("torch.")
     if name.startswith(("float", "bfloat", "half")):
