@@ -14,7 +14,8 @@ sub-module's parameters include its sub-modules'.
 - Flax NNX: ``nnx.split`` gives the parameters' pytree (``State``) and ``fn`` merges it back;
   names are NNX attribute paths joined by dots (``layers.0``, ``block.attn``). A module that
   changes its state while it runs (Dropout's RNG count, BatchNorm's statistics: training
-  mode) is refused.
+  mode) is refused; a value that a lifted transformation (``nnx.remat``, ``nnx.jit``) only
+  wrote back, as a new tracer forwarding the old one, is no change (``_unchanged``).
 
 The model's arrays are arguments of the compiled pass and the rest its cache key (Equinox:
 the non-array leaves and the tree structure; NNX: the ``GraphDef``), so a model of the same
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -219,12 +221,83 @@ class FlaxNNX(Library):
         before = jax.tree_util.tree_leaves(self.nnx.state(module))
         out = call()
         after = jax.tree_util.tree_leaves(self.nnx.state(module))
-        if len(after) != len(before) or any(a is not b for a, b in zip(after, before, strict=True)):
+        if len(after) != len(before) or not all(map(_unchanged, after, before)):
             raise StateChanged(
                 f"{type(module).__name__} changed its state while running (Dropout's RNG "
                 "count, BatchNorm's statistics)"
             )
         return out
+
+
+def _unchanged(after: Any, before: Any) -> bool:
+    """Whether a state leaf is the one it was before the call: the same object, or a value
+    that a lifted transformation (``nnx.remat``, ``nnx.jit``) only passed through. Those write
+    every Variable back on exit, each a new tracer: it counts as unchanged when the traced
+    program forwards it from ``before`` (its staged equation's inner jaxpr returns an input
+    as is; in the backward pass, their primal values are compared). Any other new value, or
+    a JAX whose tracers cannot be read so, is a change."""
+    for _ in range(64):  # nested transformations: one step each
+        if after is before:
+            return True
+        try:
+            if hasattr(after, "primal") and hasattr(before, "primal"):
+                after, before = after.primal, before.primal  # the backward pass: linearized
+            else:
+                after = _forwarded_from(after)
+        except Exception:  # JAX internals differ: a change, as before
+            return False
+        if after is None:
+            return False
+    return False
+
+
+def _forwarded_from(value: Any) -> Any:
+    """The input tracer that the staged equation making ``value`` returns as is, or None."""
+    import jax
+
+    if not isinstance(value, jax.core.Tracer) or getattr(value, "parent", None) is None:
+        return None
+    eqn = value.parent
+    k = _passed_through(eqn, [id(v) for v in eqn.outvars].index(id(value.val)))
+    return None if k is None else eqn.in_tracers[k]
+
+
+def _passed_through(eqn: Any, out: int) -> int | None:
+    """The index of the input that output ``out`` of a call-like equation (``jit``,
+    ``checkpoint``) is, through any calls nested in its jaxpr; None if it is computed, or if
+    its type differs (``scan`` stacking a constant)."""
+    k = _inner_source(eqn, out)
+    if k is None or eqn.outvars[out].aval != getattr(eqn.invars[k], "aval", None):
+        return None
+    return k
+
+
+def _inner_source(eqn: Any, out: int) -> int | None:
+    jaxpr = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr's open jaxpr
+    if jaxpr is None or len(jaxpr.outvars) != len(eqn.outvars):
+        return None
+    var = jaxpr.outvars[out]
+    made_by = _PRODUCERS.get(jaxpr)
+    if made_by is None:
+        made_by = {id(v): (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
+        _PRODUCERS[jaxpr] = made_by
+    for _ in range(len(jaxpr.eqns) + 1):
+        for k, invar in enumerate(jaxpr.invars):
+            if invar is var:
+                return k
+        if id(var) not in made_by:
+            return None
+        inner, i = made_by[id(var)]
+        k = _passed_through(inner, i)
+        if k is None:
+            return None
+        var = inner.invars[k]
+    return None
+
+
+#: an inner jaxpr -> {id(var): (the equation making it, its output index)}
+_PRODUCERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class StateChanged(Exception):
