@@ -278,18 +278,34 @@ def _norm_across(grads: Any, norm_type: float, axis_name: Hashable) -> jax.Array
 
 def find_loss_scale_state(opt_state: Any) -> LossScaleState:
     """The ``LossScaleState`` inside ``opt_state``: a :class:`LossScaledState`, or any optax
-    state holding exactly one (``optax.chain``, ``MultiSteps``, ``inject_hyperparams``)."""
+    state holding exactly one (``optax.chain``, ``MultiSteps``, ``inject_hyperparams``).
+
+    Its fields are arrays: under ``flax.nnx.Optimizer``, which wraps every leaf of the state
+    in an ``nnx.OptArray``, the arrays those hold (no copy, no host sync)."""
     if isinstance(opt_state, LossScaledState):
-        return opt_state.loss_scale
+        return _arrays(opt_state.loss_scale)
     if isinstance(opt_state, LossScaleState):
-        return opt_state
+        return _arrays(opt_state)
     found = loss_scaled_states(opt_state)
     if len(found) != 1:
         raise InvalidArgumentError(
             f"Expected an optimizer state holding exactly one LossScaledState (from "
             f"numstab.integrations.optax.loss_scaled). Received: one holding {len(found)}"
         )
-    return found[0].loss_scale
+    return _arrays(found[0].loss_scale)
+
+
+def _arrays(state: LossScaleState) -> LossScaleState:
+    """``state`` with each field that is a Flax NNX ``Variable`` (``nnx.Optimizer``'s
+    ``OptArray``) replaced by the array it holds; other fields as they are."""
+    import sys
+
+    if "flax.nnx" not in sys.modules:  # no Variable can exist: flax is never imported here
+        return state
+    variable = sys.modules["flax.nnx"].Variable
+    if not any(isinstance(x, variable) for x in state):
+        return state
+    return LossScaleState(*(x[...] if isinstance(x, variable) else x for x in state))
 
 
 def loss_scaled_states(opt_state: Any) -> list[LossScaledState]:
