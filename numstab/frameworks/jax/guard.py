@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from numstab import _validate as v
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.jax import guard_files
@@ -65,6 +64,14 @@ from numstab.frameworks.jax.guard_state import (
     unpacked,
 )
 from numstab.frameworks.jax.guard_state import packed as packed_state
+from numstab.frameworks.jax.guard_tree import (
+    apply_updates,
+    check_norms_named,
+    gradient_leaves,
+    layer_names,
+    select,
+)
+from numstab.frameworks.jax.guard_tree import where as _where
 from numstab.frameworks.jax.optax import LossScaledState, loss_scaled_states
 from numstab.frameworks.jax.tree_checks import check_values, checked_update
 from numstab.guard import policy
@@ -99,9 +106,7 @@ class OptaxGuard:
         """
         _check_trees(params=params, opt_state=opt_state, extra=extra)
         pack = choose_packing("packed", packed, params)  # (rejected before anything changes)
-        names = [
-            jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)
-        ]
+        names = layer_names(params)  # of the leaves that have gradients: floating ones
         state = policy.init_state(self.guard, self._jax)
         self.runner = GuardRunner(self.guard, self, self._jax, names)
         self._current, self._has_extra = (params, opt_state, extra), extra is not None
@@ -111,10 +116,11 @@ class OptaxGuard:
 
     # -- traced --------------------------------------------------------------------------------
     def check(
-        self, gstate: GuardStateLike, loss: jax.Array, grads: Any
+        self, gstate: GuardStateLike, loss: jax.Array, grads: Any, params: Any = None
     ) -> tuple[PackedDecision, GuardStateLike]:
-        """The decision on this step and the next guard state (pure; jit-friendly)."""
-        return check(self.guard, gstate, loss, grads)
+        """The decision on this step and the next guard state (pure; jit-friendly);
+        ``params``: a None gradient at floating leaves counts as norm 0 for each."""
+        return check(self.guard, gstate, loss, grads, params)
 
     def step(
         self,
@@ -124,14 +130,18 @@ class OptaxGuard:
         gstate: GuardStateLike,
         loss: jax.Array,
         grads: Any,
+        /,
+        **extra_args: Any,
     ) -> tuple[Any, Any, GuardStateLike, PackedDecision]:
-        """``check``, then the optimizer step, kept only if it is good (a select)."""
-        return guarded_step(self.guard, tx, params, opt_state, gstate, loss, grads)
+        """``check``, then the optimizer step, kept only if it is good (a select);
+        ``extra_args`` go to ``tx.update`` (``guarded_step``)."""
+        return guarded_step(self.guard, tx, params, opt_state, gstate, loss, grads, **extra_args)
 
     @staticmethod
     def select(decision: PackedDecision | policy.Decision, new: Any, old: Any) -> Any:
         """``new`` where the step is applied, ``old`` where it is skipped (traced): for state
-        the forward pass writes (BatchNorm statistics), so a skipped NaN batch leaves it."""
+        the forward pass writes (BatchNorm statistics), so a skipped NaN batch leaves it.
+        NNX: ``old`` as ``nnx.as_pure(nnx.state(...))`` (``guard_tree.select``)."""
         return select(decision, new, old)
 
     # -- host ------------------------------------------------------------------------------------
@@ -178,6 +188,7 @@ class OptaxGuard:
             self._steps_seen += 1
             return self._out(gstate)
         host, layers = host_decision(jax.device_get(decision), ())  # one transfer
+        check_norms_named(None if layers is None else len(layers), runner.history.names)
         if host["snapshot"]:  # the trees' one use (a rollback returns the snapshot's)
             self._check_given(params, opt_state, extra)
         acts = host["rollback"] or host["snapshot"]  # the only uses of the state
@@ -206,6 +217,7 @@ class OptaxGuard:
             return self._out(gstate)
         stacked = jax.device_get(stack_trees(pending))  # one dispatch, then one transfer
         decisions, layers = host_decisions(stacked, len(pending))
+        check_norms_named(None if layers is None else len(layers[0]), runner.history.names)
         if self._unchecked or any(d["snapshot"] for d in decisions):
             self._check_given(params, opt_state, extra)  # before anything changes
         self._pending, self._current = [], (params, opt_state, extra)
@@ -309,17 +321,6 @@ def _kept(state: policy.GuardState) -> policy.GuardState:
     return copy_tree(state)
 
 
-def select(decision: PackedDecision | policy.Decision, new: Any, old: Any) -> Any:
-    """``new`` where the step is applied, ``old`` where it is skipped, leaf by leaf (traced):
-    state that the forward pass writes (BatchNorm statistics) keeps its old value when the
-    guard skips the step (before, a skipped NaN batch still wrote NaN statistics)."""
-    return jax.tree.map(lambda n, o: _where(decision.apply, n, o), new, old)
-
-
-def _where(apply: jax.Array, new: Any, old: Any) -> Any:
-    return jnp.where(apply, new, old).astype(jnp.result_type(new))
-
-
 def _check_trees(**trees: Any) -> None:
     """Every leaf of each tree is a value ``jax.jit`` takes (``check_values``: what the
     snapshots copy under jit; not any object with a ``dtype``, as a linen Module's field)."""
@@ -345,11 +346,11 @@ def stack_trees(decisions: list[Any]) -> Any:
 
 
 def check(
-    guard: TrainingGuard, gstate: GuardStateLike, loss: jax.Array, grads: Any
+    guard: TrainingGuard, gstate: GuardStateLike, loss: jax.Array, grads: Any, params: Any = None
 ) -> tuple[PackedDecision, GuardStateLike]:
     """Per-leaf and global gradient norms, then the decision of ``numstab.guard.policy``
-    (packed); the next state in the form of ``gstate``."""
-    decision, state = _check(guard, gstate, loss, grads)
+    (packed); the next state in the form of ``gstate``. ``params``: as ``_check``'s."""
+    decision, state = _check(guard, gstate, loss, grads, params=params)
     return PackedDecision.pack(decision), like(gstate, state)
 
 
@@ -360,19 +361,13 @@ def _check(
     grads: Any,
     scale: jax.Array | None = None,
     scaler_overflow: jax.Array | None = None,
+    params: Any = None,
 ) -> tuple[policy.Decision, policy.GuardState]:
     """``check``; ``scale``: the loss scale the gradients carry (the norms are those of the
     unscaled gradients, in float32: scaled ones overflowed the sum of squares far sooner);
-    ``scaler_overflow``: the scaler found them non-finite (``policy.decide``)."""
-    leaves = jax.tree.leaves(grads)
-    for i, leaf in enumerate(leaves):
-        dtype = getattr(leaf, "dtype", None)
-        name = dtype.name if dtype is not None else type(leaf).__name__
-        if not (v.is_floating(name) or v.is_complex(name)):  # complex: |z|
-            raise InvalidArgumentError(
-                f"Expected floating-point gradients ({v.FLOAT_DTYPES} or complex). Received: "
-                f"leaf {i} with dtype={name}"
-            )
+    ``scaler_overflow``: the scaler found them non-finite (``policy.decide``); ``params``: a
+    None gradient at floating leaves counts as norm 0 for each (``gradient_leaves``)."""
+    leaves = gradient_leaves(grads, params)  # floating or complex (|z|), else refused
     be = load_backend("jax")
     state = unpacked(gstate)
     policy.check_state(guard, be, state, "gstate")
@@ -395,11 +390,16 @@ def guarded_step(
     gstate: GuardStateLike,
     loss: jax.Array,
     grads: Any,
+    /,
+    **extra_args: Any,
 ) -> tuple[Any, Any, GuardStateLike, PackedDecision]:
     """``check``, then ``tx.update`` (updates times ``gstate.lr_factor``) and
     ``optax.apply_updates``, kept only when the step is good; otherwise params and opt_state
     are returned as they were. Returns (params, opt_state, gstate, decision), gstate in the
-    form it came in.
+    form it came in. ``extra_args`` (keyword only: ``value=loss`` for
+    ``optax.contrib.reduce_on_plateau``, a line search's ``value``/``grad``/``value_fn``) go
+    to ``tx.update`` as ``checked_update`` passes them. A None update (Equinox's None
+    gradient of an integer array) leaves its leaf as it is (``guard_tree.apply_updates``).
 
     With a ``loss_scaled`` transformation (a ``LossScaledState`` in ``opt_state``) the
     gradients are scaled: their norms are taken unscaled, an overflow is the scaler's (not
@@ -410,16 +410,16 @@ def guarded_step(
     ``tx``, the trees and the gradients' structure are checked as it is traced (no cost in
     the compiled step): ``InvalidArgumentError`` where optax or JAX raised their own."""
     _check_trees(params=params, opt_state=opt_state)
-    updates, new_opt = checked_update(tx, grads, opt_state, params)
+    updates, new_opt = checked_update(tx, grads, opt_state, params, **extra_args)
     scaled = loss_scaled_states(opt_state)
     scale, overflow = None, None
     if scaled:  # the scaler's own verdict: its new state's last_finite
         scale = scaled[0].loss_scale.scale if len(scaled) == 1 else None
         overflow = ~jnp.all(jnp.stack([n.last_finite for n in loss_scaled_states(new_opt)]))
-    decision, state = _check(guard, gstate, loss, grads, scale, overflow)
+    decision, state = _check(guard, gstate, loss, grads, scale, overflow, params)
     factor = state.lr_factor
     updates = jax.tree.map(lambda u: u * factor.astype(u.dtype), updates)
-    new_params = optax.apply_updates(params, updates)
+    new_params = apply_updates(params, updates)
 
     def pick(new: Any, old: Any) -> Any:  # old exactly where the step is bad
         return _where(decision.apply, new, old)

@@ -105,14 +105,25 @@ def _short(tree: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def checked_update(tx: Any, grads: Any, opt_state: Any, params: Any) -> tuple:
-    """``tx.update(grads, opt_state, params)`` with ``InvalidArgumentError`` where optax or JAX
-    raised their own (AttributeError, a pytree structure ValueError): a ``tx`` that is no
-    optax transformation, ``grads`` not shaped as ``params`` (``check_matches``: an NNX
-    module or linen ``variables`` as params), and, when the update raises, an ``opt_state``
-    that ``tx.init(params)`` does not make (``check_state_made_by``); the optimizer's other
-    errors pass through. Checked as it is traced: nothing in a compiled step."""
+def checked_update(tx: Any, grads: Any, opt_state: Any, params: Any, /, **extra_args: Any) -> tuple:
+    """``tx.update(grads, opt_state, params, **extra_args)`` with ``InvalidArgumentError``
+    where optax or JAX raised their own (AttributeError, a pytree structure ValueError): a
+    ``tx`` that is no optax transformation, ``grads`` not shaped as ``params``
+    (``check_matches``: an NNX module or linen ``variables`` as params), and, when the update
+    raises, an ``opt_state`` that ``tx.init(params)`` does not make (``check_state_made_by``);
+    the optimizer's other errors pass through. Checked as it is traced: nothing in a compiled
+    step. ``extra_args``: optax's extra arguments (``value=`` of ``reduce_on_plateau``, a line
+    search's), given to a plain ``GradientTransformation`` through
+    ``optax.with_extra_args_support`` (which ignores them, as ``optax.chain`` does); the names
+    ``tx.update`` binds itself (``updates``, ``state``, ``params``) are refused."""
     import optax
+
+    taken = sorted(set(extra_args) & {"updates", "state", "params"})
+    if taken:
+        raise InvalidArgumentError(
+            f"Expected extra arguments other than tx.update's own (updates, state, params: "
+            f"the guard passes those). Received: extra argument(s) {taken}"
+        )
 
     if not isinstance(tx, optax.GradientTransformation):
         raise InvalidArgumentError(
@@ -120,8 +131,10 @@ def checked_update(tx: Any, grads: Any, opt_state: Any, params: Any) -> tuple:
             f"Received: tx of type {type(tx).__name__}"
         )
     check_matches(grads, params)
+    if extra_args:
+        tx = optax.with_extra_args_support(tx)
     try:
-        return tx.update(grads, opt_state, params)
+        return tx.update(grads, opt_state, params, **extra_args)
     except InvalidArgumentError:
         raise
     except Exception as error:
