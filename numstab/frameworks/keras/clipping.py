@@ -228,7 +228,9 @@ class AGCOptimizer(_ClipOptimizer):
         layout: str = "io",
         axis: int | Sequence[int] | None = None,
         name: str | None = None,
+        **kwargs: Any,
     ) -> None:
+        wrapping.refuse_kwargs(AGCOptimizer, kwargs)
         policy = AGC(clip_factor, eps, layout=layout, axis=axis)
         super().__init__(inner_optimizer, name)
         self.policy = policy

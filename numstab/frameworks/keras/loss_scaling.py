@@ -92,7 +92,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         max_norm: float | None = None,
         norm_type: float = 2.0,
         name: str | None = None,
+        **kwargs: Any,
     ) -> None:
+        wrapping.refuse_kwargs(LossScaleOptimizer, kwargs)
         if keras.backend.backend() != "tensorflow":
             raise NumstabError(
                 "numstab.integrations.keras.LossScaleOptimizer needs the TensorFlow backend "

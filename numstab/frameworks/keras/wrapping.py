@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 
 from numstab.errors import InvalidArgumentError
+
+
+def refuse_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
+    """``InvalidArgumentError`` naming the first keyword ``cls.__init__`` does not take (a
+    Keras optimizer argument given to a numstab wrapper: before, Python's ``TypeError``)."""
+    if not kwargs:
+        return
+    name = sorted(kwargs)[0]
+    own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
+    why = ""
+    if name in ("gradient_accumulation_steps", "loss_scale_factor"):
+        why = " (not supported: the wrapper would see per-micro-batch or scaled gradients)"
+    raise InvalidArgumentError(
+        f"Expected arguments of {cls.__name__} ({', '.join(own)}){why}. "
+        f"Received: {name}={kwargs[name]!r}"
+    )
 
 
 def built_variables(optimizer: Any, trainable_variables: Sequence[Any] | None) -> list:
