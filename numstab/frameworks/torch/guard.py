@@ -235,14 +235,29 @@ class TorchGuard(RunnerResults):
         rollback (as it comes down, a fresh scaler overflows on several steps in a row)."""
         return self.scaler is not None and bool(self.scaler.is_enabled())
 
-    def measure_grads(self) -> None:
+    def measure_grads(self, scale: Any = None) -> None:
         """Take this step's gradient norms now, on the device, for the next ``step`` to
         decide on: for loops that clip between the backward pass and ``optimizer.step()``
         (Lightning's ``on_before_optimizer_step`` comes before its clipping), so that the
-        guard sees the gradients the backward pass made, not the clipped ones."""
+        guard sees the gradients the backward pass made, not the clipped ones. ``scale``: a
+        GradScaler's scale the gradients still carry (a fused optimizer unscales inside its
+        step): the norms are divided by it, a tensor (no host read; exact for a power of 2)."""
         grads = self.grads()
         with torch.no_grad():
-            self._measured = layer_norms(self._torch, grads) if grads else (None, None)
+            norms, total = layer_norms(self._torch, grads) if grads else (None, None)
+            if scale is not None and total is not None:
+                scale = torch.as_tensor(scale, dtype=torch.float32)
+                norms, total = norms / scale.to(norms.device), total / scale.to(total.device)
+        self._measured = (norms, total)
+
+    def forget_measured(self) -> None:
+        """Drop the norms ``measure_grads`` took (a step the loop's scaler skipped)."""
+        self._measured = None
+
+    @property
+    def measured(self) -> bool:
+        """Whether ``measure_grads`` took this step's norms already."""
+        return self._measured is not None
 
     def step_grad_norm(self) -> torch.Tensor | None:
         """This step's global gradient norm (a device tensor; None without parameters to

@@ -31,8 +31,8 @@ under "16-mixed".
   ``found_inf`` set, which the guarded step reads: one host read); the guard skips the
   spikes. The losses recorded for a step the scaler skipped are dropped (``hold_losses``).
   A fused optimizer (``_step_supports_amp_scaling``) unscales inside its step, so Lightning
-  does not unscale first: the norms measured are divided by the scale (``measure_grads``),
-  and ``max_grad_norm`` clips by the unscaled norm.
+  does not unscale first: the norms measured are divided by the scale
+  (``TorchGuard.measure_grads``), and ``max_grad_norm`` clips by the unscaled norm.
 - A closure optimizer (LBFGS): the guard decides on the first evaluation of Lightning's
   closure (its loss and gradients); a good step's LBFGS gets that evaluation first and
   makes its later ones itself (``StepGuard.wrap``); a skipped step makes none.
@@ -144,7 +144,7 @@ class NumstabCallback(GuardedCallback, pl.Callback):
         if not sg._locating:
             sg.hold_losses()
             scaler = getattr(trainer.precision_plugin, "scaler", None)
-            sg.measure_grads(scale_of(scaler) if _scaled(scaler, optimizer) else None)
+            sg.torch_guard.measure_grads(scale_of(scaler) if _scaled(scaler, optimizer) else None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int):
         sg = self.step_guard

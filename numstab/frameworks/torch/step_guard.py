@@ -271,25 +271,10 @@ class StepGuard:
 
     def drop_step(self) -> None:
         """Forget what was recorded for a step the guard does not see: the losses and the
-        gradient norms measured (``measure_grads``)."""
+        gradient norms measured (``TorchGuard.measure_grads``)."""
         self._held, self._losses = [], []
         if self.torch_guard is not None:
-            self.torch_guard._measured = None
-
-    def measure_grads(self, scale: Any = None) -> None:
-        """The step's gradient norms now (``TorchGuard.measure_grads``), divided by ``scale``
-        where a GradScaler's scale still multiplies the gradients (an optimizer that unscales
-        inside its step: fused Adam/AdamW/SGD under "16-mixed", which Lightning does not
-        unscale first): the guard decides, logs and clips on the unscaled norm, and the
-        clipping factor (a ratio of norms) is applied to the scaled gradients, which the fused
-        step then unscales. ``scale``: a tensor (no host read); a power of two divides
-        exactly. Before, the scaled norm (x1024): spike windows and ``max_grad_norm`` off."""
-        tg = self.torch_guard
-        tg.measure_grads()
-        norms, total = tg._measured
-        if scale is not None and total is not None:
-            scale = torch.as_tensor(scale, dtype=torch.float32)
-            tg._measured = (norms / scale.to(norms.device), total / scale.to(total.device))
+            self.torch_guard.forget_measured()
 
     def _step_loss(self) -> torch.Tensor | float:
         """The recorded losses' sum where they are parts of the step's, else their mean (0.0
@@ -304,8 +289,8 @@ class StepGuard:
         loss = self._step_loss()
         tg = self.torch_guard
         tg.scaler = scaler  # its overflows (the Trainer's fp16) do not count toward rollbacks
-        if self.max_grad_norm is None and tg._measured is None and _scaled(scaler, tg.optimizer):
-            self.measure_grads(scale_of(scaler))  # a loop whose real step unscales them
+        if self.max_grad_norm is None and not tg.measured and _scaled(scaler, tg.optimizer):
+            tg.measure_grads(scale_of(scaler))  # a loop whose real step unscales them
         guarded = real_step if self.max_grad_norm is None else self._clipping(real_step, scaler)
         applied = tg.step(loss, guarded)
         if applied:
