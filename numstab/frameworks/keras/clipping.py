@@ -29,7 +29,6 @@ local gradients).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -165,7 +164,7 @@ class ZClipOptimizer(_ClipOptimizer):
         name: str | None = None,
         **zclip_kwargs: Any,
     ) -> None:
-        _check_kwargs(ZClip, zclip_kwargs)
+        wrapping.check_kwargs(ZClip, zclip_kwargs)
         policy = ZClip(**zclip_kwargs)
         super().__init__(inner_optimizer, name)
         self.policy = policy
@@ -200,7 +199,7 @@ class ZClipOptimizer(_ClipOptimizer):
         return unflatten(treedef, scale_leaves(be, leaves, coef, toward_zero=True))
 
     def _policy_config(self) -> dict[str, Any]:
-        return {name: getattr(self.policy, name) for name in _arguments(ZClip)}
+        return {name: getattr(self.policy, name) for name in wrapping.arguments(ZClip)}
 
 
 @keras.saving.register_keras_serializable(package="numstab")
@@ -230,7 +229,7 @@ class AGCOptimizer(_ClipOptimizer):
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        wrapping.refuse_kwargs(AGCOptimizer, kwargs)
+        wrapping.check_kwargs(AGCOptimizer, kwargs)
         policy = AGC(clip_factor, eps, layout=layout, axis=axis)
         super().__init__(inner_optimizer, name)
         self.policy = policy
@@ -276,19 +275,6 @@ def _check_inner(inner: Any) -> None:
                 f"{'scaled' if attr == 'loss_scale_factor' else 'per-micro-batch'} gradients). "
                 f"Received: inner_optimizer.{attr}={getattr(inner, attr)!r}"
             )
-
-
-def _arguments(cls: type) -> list[str]:
-    return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-
-
-def _check_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
-    unknown = sorted(set(kwargs) - set(_arguments(cls)))
-    if unknown:
-        raise InvalidArgumentError(
-            f"Expected arguments of {cls.__name__} ({', '.join(_arguments(cls))}). "
-            f"Received: {unknown[0]}={kwargs[unknown[0]]!r}"
-        )
 
 
 def _check_single_replica() -> None:

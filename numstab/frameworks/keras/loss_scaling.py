@@ -94,7 +94,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        wrapping.refuse_kwargs(LossScaleOptimizer, kwargs)
+        wrapping.check_kwargs(LossScaleOptimizer, kwargs)
         if keras.backend.backend() != "tensorflow":
             raise NumstabError(
                 "numstab.integrations.keras.LossScaleOptimizer needs the TensorFlow backend "

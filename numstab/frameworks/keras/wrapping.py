@@ -11,18 +11,25 @@ import keras
 from numstab.errors import InvalidArgumentError
 
 
-def refuse_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
-    """``InvalidArgumentError`` naming the first keyword ``cls.__init__`` does not take (a
-    Keras optimizer argument given to a numstab wrapper: before, Python's ``TypeError``)."""
-    if not kwargs:
+def arguments(cls: type) -> list[str]:
+    """The named arguments of ``cls.__init__`` (not ``self``, not a ``**kwargs``)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD]
+
+
+def check_kwargs(cls: type, kwargs: dict[str, Any]) -> None:
+    """``InvalidArgumentError`` naming the first keyword of ``kwargs`` that ``cls.__init__``
+    does not name (a ZClip setting misspelt; a Keras optimizer argument given to a numstab
+    wrapper, where Python's ``TypeError`` came before), with ``cls``' arguments."""
+    unknown = sorted(set(kwargs) - set(arguments(cls)))
+    if not unknown:
         return
-    name = sorted(kwargs)[0]
-    own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
+    name = unknown[0]
     why = ""
     if name in ("gradient_accumulation_steps", "loss_scale_factor"):
         why = " (not supported: the wrapper would see per-micro-batch or scaled gradients)"
     raise InvalidArgumentError(
-        f"Expected arguments of {cls.__name__} ({', '.join(own)}){why}. "
+        f"Expected arguments of {cls.__name__} ({', '.join(arguments(cls))}){why}. "
         f"Received: {name}={kwargs[name]!r}"
     )
 
