@@ -175,13 +175,7 @@ def _host_number(name: str, x: Any) -> Any:
 
     python_int = isinstance(x, numbers.Integral) and not hasattr(x, "dtype")
     if python_int:
-        try:
-            x = float(x)
-        except OverflowError:
-            raise InvalidArgumentError(
-                f"Expected {name} to be a number within float64's range. Received: {name}="
-                f"an int of {x.bit_length()} bits"
-            ) from None
+        x = v.float64_of(name, x)
     x = host_array(x, name)
     if python_int or x.dtype.kind in "iu":
         with np.errstate(over="ignore"):  # past float32's range: inf

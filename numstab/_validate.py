@@ -294,6 +294,18 @@ def _number_field(x: Any, name: str) -> Any:
     return np.asarray(x, np.float32 if is_float else np.int32)
 
 
+def float64_of(name: str, x: Any) -> float:
+    """``float(x)``; a number past float64's range (an int of 1025 bits or more) raises
+    ``InvalidArgumentError`` naming ``name`` instead of Python's ``OverflowError``."""
+    try:
+        return float(x)
+    except OverflowError:
+        size = f"an int of {x.bit_length()} bits" if isinstance(x, int) else type(x).__name__
+        raise InvalidArgumentError(
+            f"Expected {name} to be a number within float64's range. Received: {name}={size}"
+        ) from None
+
+
 def short_repr(x: Any, limit: int = 60) -> str:
     """``repr(x)``, cut to ``limit`` characters (ending in ``...``) for an error message."""
     text = repr(x)

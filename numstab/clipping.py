@@ -283,14 +283,7 @@ def _given_norm(be: Backend, norm: Any, like: Any = None, host: str | None = Non
     if is_host and norm < 0:
         raise InvalidArgumentError(f"Expected norm >= 0. Received: norm={norm!r}")
     if is_host and host is not None:
-        try:
-            value = float(norm)
-        except OverflowError:  # an int past float64 (scalar_array refuses it alike)
-            raise InvalidArgumentError(
-                f"Expected norm to be a number within float64's range. Received: "
-                f"norm={repr(norm)[:24]}... ({type(norm).__name__})"
-            ) from None
-        return be.asarray(value, dtype=host, like=like)
+        return be.asarray(v.float64_of("norm", norm), dtype=host, like=like)
     norm = scalar_array(be, "norm", norm, like)
     return norm if v.is_floating(be.dtype_name(norm)) else be.cast(norm, "float32")
 
