@@ -17,6 +17,7 @@ from numstab._dispatch import (
     HOST,
     framework_of,
     host_array,
+    hyperparameter,
     resolve_backend,
     scalar_array,
     to_backend,
@@ -237,7 +238,7 @@ def _global_norm(
 @dense_only
 def clip_by_global_norm(
     tree: Tree,
-    max_norm: float,
+    max_norm: float | Array,
     *,
     norm_type: float = 2.0,
     norm: Array | None = None,
@@ -249,9 +250,10 @@ def clip_by_global_norm(
     gradients). A non-finite norm leaves every leaf untouched and is returned as is, so the
     caller (loss scaler, training guard) can skip the step. ``norm``: a norm computed
     elsewhere (e.g. combined across devices or ranks) to use instead of this tree's own: a
-    number or a one-element array (returned 0-d; an integer one as float32).
+    number or a one-element array (returned 0-d; an integer one as float32). ``max_norm``: a
+    number or a 0-d array, read and checked; a traced one (under jit) is used unchecked.
     """
-    max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+    max_norm = _checked_max_norm(max_norm)
     norm_type = _check_norm_type(norm_type)
     fused = not generic_forced()  # read once for the four kernels below
     found = _float_leaves(tree, backend, norm, fused=fused, complex_ok=True)
@@ -266,12 +268,21 @@ def clip_by_global_norm(
     return unflatten(treedef, _scale_present(be, leaves, present, factor, True, fused)), norm
 
 
-def clip_coefficient(norm: Array, max_norm: float, *, backend: str | None = None) -> Array:
+def clip_coefficient(norm: Array, max_norm: float | Array, *, backend: str | None = None) -> Array:
     """``max_norm / max(norm, max_norm)``, and 1 when ``norm`` is not finite: the factor
     clip_by_global_norm multiplies by (for in-place or cross-device clipping)."""
-    max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+    max_norm = _checked_max_norm(max_norm)
     be = resolve_backend(norm, backend=backend)
     return _coefficient(be, _given_norm(be, norm, host="float32"), max_norm)  # as every backend
+
+
+def _checked_max_norm(max_norm: Any) -> Any:
+    """A positive ``max_norm`` as a float (a 0-d array read, ``inject_hyperparams``), or the
+    traced 0-d array it is under ``jit`` / ``tf.function``, unchecked. A number is checked
+    without looking for a dtype: Dynamo cannot ask a SymFloat ``hasattr``."""
+    if isinstance(max_norm, numbers.Real):
+        return v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+    return v.check_number_or_traced("max_norm", max_norm, low=0.0, low_open=True)
 
 
 def _given_norm(be: Backend, norm: Any, like: Any = None, host: str | None = None) -> Array:
@@ -288,7 +299,9 @@ def _given_norm(be: Backend, norm: Any, like: Any = None, host: str | None = Non
     return norm if v.is_floating(be.dtype_name(norm)) else be.cast(norm, "float32")
 
 
-def _coefficient(be: Backend, norm: Array, max_norm: float, fused: bool | None = None) -> Array:
+def _coefficient(
+    be: Backend, norm: Array, max_norm: float | Array, fused: bool | None = None
+) -> Array:
     """``max_norm / max(norm, max_norm)`` where ``norm < inf``, else exactly 1, in the 0-d
     floating ``norm``'s dtype.
 
@@ -300,9 +313,12 @@ def _coefficient(be: Backend, norm: Array, max_norm: float, fused: bool | None =
     A ``max_norm`` below the dtype's smallest normal may round to 0: there the factor also
     needs ``norm > max_norm``, so that 0 / 0 never reaches a zero norm (which keeps 1) and
     every other finite norm scales to 0. ``Backend.clip_factor`` computes it (torch's native
-    version in 4 kernels, bit for bit the same).
+    version in 4 kernels, bit for bit the same). A traced ``max_norm`` (unchecked: zero,
+    negative or NaN clip nothing) divides the norm instead.
     """
     dtype = be.dtype_name(norm)
+    if not isinstance(max_norm, numbers.Real):  # traced: 1 / max(norm / max_norm, 1)
+        return _coefficient(be, norm / hyperparameter(be, max_norm, dtype, norm), 1.0, fused)
     value = in_range(max_norm, dtype)
     tiny = value < SMALLEST_NORMAL.get(dtype, 0.0)  # float128: no Python float is below it
     return native_op(be, "clip_factor", fused)(norm, value, dtype, tiny)

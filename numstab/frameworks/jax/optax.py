@@ -226,21 +226,11 @@ def _unscaled_and_clipped(updates, scaler, loss_scale, max_norm, norm_type, axis
     norm = None
     if max_norm is not None:
         norm = None if axis_name is None else _norm_across(grads, norm_type, axis_name)
-        grads, norm = _clip(grads, max_norm, norm_type, norm)
+        grads, norm = clip_by_global_norm(
+            grads, max_norm, norm_type=norm_type, norm=norm, backend="jax"
+        )
         finite = finite & jnp.isfinite(norm)
     return grads, finite, norm
-
-
-def _clip(grads: Any, max_norm: Any, norm_type: float, norm: Any) -> tuple[Any, jax.Array]:
-    """``clip_by_global_norm``; a traced ``max_norm`` (``inject_hyperparams`` under jit; the
-    function takes a Python bound) by the bound 1 on ``norm / max_norm``: the factor
-    ``1 / max(norm / max_norm, 1)``, exactly 1 where ``norm <= max_norm``."""
-    if isinstance(max_norm, float):
-        return clip_by_global_norm(grads, max_norm, norm_type=norm_type, norm=norm, backend="jax")
-    if norm is None:
-        norm = global_norm(grads, norm_type, backend="jax")
-    bound = jnp.asarray(max_norm, norm.dtype)
-    return clip_by_global_norm(grads, 1.0, norm_type=norm_type, norm=norm / bound)[0], norm
 
 
 def _same_varying_axes(*branches: Callable[[None], Any]) -> list[Callable[[None], Any]]:
