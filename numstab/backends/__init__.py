@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from numstab import frameworks
+from numstab.backends._on_import import load_after_import
 from numstab.errors import BackendUnavailableError, UnknownBackendError
 from numstab.frameworks import FRAMEWORKS
 
@@ -61,12 +62,21 @@ def preload_imported_frameworks() -> None:
     """Load the backends of frameworks the user has already imported.
 
     Cheap (their framework is in memory) and it keeps the import out of the first numstab
-    call, which may be traced by torch.compile(fullgraph=True), where imports cannot run.
+    call, which may be traced by torch.compile(fullgraph=True), where imports cannot run. For
+    the same reason torch's backend loads right after ``import torch`` when that comes later
+    (``_on_import``).
     """
     for name, framework in FRAMEWORKS.items():
         if name != "numpy" and all(sys.modules.get(d) is not None for d in framework.distributions):
-            with contextlib.suppress(BackendUnavailableError):
-                load_backend(name)
+            _preload(name)
+    # torch imported later: its backend loads right after it (torch.compile cannot import)
+    load_after_import("torch", lambda: _preload("torch"))
+
+
+def _preload(name: str) -> None:
+    """Load backend ``name`` if its framework can be imported (else at first use, raising)."""
+    with contextlib.suppress(BackendUnavailableError):
+        load_backend(name)
 
 
 def available_backends() -> dict[str, str]:

@@ -1,0 +1,72 @@
+"""Load numstab's torch backend right after ``import torch`` when numstab was imported first.
+
+``torch.compile`` cannot trace an import: Dynamo skips ``importlib.import_module`` (a graph
+break, an error under ``fullgraph=True``). numstab loads a backend on first use, so a first
+numstab call inside a compiled function failed whenever ``import numstab`` ran before ``import
+torch``, which is isort's order. ``import numstab`` loads the backends of frameworks already
+imported (``preload_imported_frameworks``); for torch imported later, ``load_after_import``
+puts a finder on ``sys.meta_path`` that, for the one name ``torch``, lets the other finders
+find it and wraps that loader's ``exec_module`` so that ``then`` runs once torch's module has
+run. Every other import passes it by (a string comparison). It leaves ``sys.meta_path`` at
+torch's import and restores the loader, so it acts once. JAX and TensorFlow need none of this:
+their tracers run Python imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for ``name``, hands back the spec the other finders give, its
+    loader made to call ``then`` after executing the module."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        with contextlib.suppress(ValueError):  # another thread's import removed it first
+            sys.meta_path.remove(self)
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        if spec is not None and spec.loader is not None:
+            _call_after_exec(spec.loader, self.then)
+        return spec
+
+
+def _call_after_exec(loader: Any, then: Callable[[], None]) -> None:
+    """Shadow ``loader.exec_module`` with one that runs it, removes itself and calls ``then``
+    (whose failure never fails the import: the backend then loads at first use, as before).
+    A loader that takes no instance attribute is left as it is."""
+    run = getattr(loader, "exec_module", None)
+    if run is None:
+        return
+
+    def exec_module(module: Any) -> None:
+        with contextlib.suppress(AttributeError):
+            del loader.exec_module
+        run(module)
+        with contextlib.suppress(Exception):
+            then()
+
+    with contextlib.suppress(AttributeError, TypeError):
+        loader.exec_module = exec_module
+
+
+def load_after_import(name: str, then: Callable[[], None]) -> None:
+    """Call ``then`` right after the module ``name`` is imported, unless it is already (or a
+    finder for it is already waiting)."""
+    if sys.modules.get(name) is None and not any(
+        isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _AfterImport(name, then))
