@@ -140,11 +140,13 @@ class ZClip:
 
         import numpy as np  # lazily: importing numstab imports no numpy
 
-        count, buffer, zeros = (
-            be.asarray(np.zeros(shape, dtype=dtype), like=like)
-            for shape, dtype in (((), "int32"), ((self.buffer_size,), "float32"), ((), "float32"))
+        # one array per field: a field shared by two (mean, var, norm) cannot be donated to a
+        # jitted step (JAX: "donate the same buffer twice"; a sharded state crashed)
+        shapes = ((), (self.buffer_size,), (), (), ())
+        dtypes = ("int32", "float32", "float32", "float32", "float32")
+        return ZClipState(
+            *(be.asarray(np.zeros(s, d), like=like) for s, d in zip(shapes, dtypes, strict=True))
         )
-        return ZClipState(count, buffer, zeros, zeros, zeros)
 
     @dense_only
     def update(
