@@ -150,13 +150,21 @@ class ZClip:
 
     @dense_only
     def update(
-        self, grads: Tree, state: ZClipState, *, backend: str | None = None
+        self,
+        grads: Tree,
+        state: ZClipState,
+        *,
+        norm: Array | None = None,
+        backend: str | None = None,
     ) -> tuple[Tree, ZClipState]:
-        """(clipped gradients, next state). ``None`` leaves stay None; dtypes are kept."""
+        """(clipped gradients, next state). ``None`` leaves stay None; dtypes are kept.
+        ``norm``: the global 2-norm computed elsewhere (of gradients sharded over devices or
+        ranks, as ``clip_by_global_norm``'s ``norm=``), used instead of this tree's own."""
         state = self._checked(state)
         found = _float_leaves(grads, backend, state.mean, name="grads", complex_ok=True)
         be, leaves, treedef = found.be, found.leaves, found.treedef
-        norm = _tree_norm(found, 2.0)
+        if norm is None:
+            norm = _tree_norm(found, 2.0)
         coef, state = self._coefficient(norm, state, be.name)  # state checked above
         return unflatten(treedef, scale_leaves(be, leaves, coef, toward_zero=True)), state
 

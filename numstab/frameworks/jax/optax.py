@@ -211,9 +211,26 @@ def _checked(inner: Any, scaler: Any, max_norm: Any, norm_type: Any, axis_name: 
     norm_type = 2.0 if norm_type is None else v.check_static("norm_type", norm_type)
     if norm_type != math.inf:
         norm_type = v.check_number("norm_type", norm_type, low=0.0, low_open=True)
+    _check_axis_name(axis_name)
+    return optax.with_extra_args_support(inner), scaler, max_norm, norm_type
+
+
+def _check_axis_name(axis_name: Any) -> None:
     if axis_name is not None and not isinstance(axis_name, Hashable):
         raise InvalidArgumentError(f"Expected a hashable axis_name. Received: {axis_name!r}")
-    return optax.with_extra_args_support(inner), scaler, max_norm, norm_type
+
+
+def _across(collective: Callable[..., Any], x: Any, axis_name: Hashable) -> Any:
+    """``collective(x, axis_name)`` (``lax.psum``, ``pmin``, ``pmax``), with a typed error
+    where no enclosing ``shard_map`` / ``pmap`` / ``vmap`` binds the axis (JAX's NameError)."""
+    try:
+        return collective(x, axis_name)
+    except NameError as exc:
+        raise InvalidArgumentError(
+            f"Expected axis_name to name an axis of an enclosing shard_map, pmap or vmap (call "
+            f"update inside it, or pass axis_name=None). Received: axis_name={axis_name!r}, "
+            f"which no enclosing transformation binds"
+        ) from exc
 
 
 def _unscaled_and_clipped(updates, scaler, loss_scale, max_norm, norm_type, axis_name):
@@ -222,7 +239,7 @@ def _unscaled_and_clipped(updates, scaler, loss_scale, max_norm, norm_type, axis
     grads, finite = scaler.unscale(updates, loss_scale, backend="jax")
     finite = jnp.asarray(finite)
     if axis_name is not None:
-        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+        finite = _across(jax.lax.pmin, finite.astype(jnp.int32), axis_name) > 0
     norm = None
     if max_norm is not None:
         norm = None if axis_name is None else _norm_across(grads, norm_type, axis_name)
@@ -258,12 +275,12 @@ def _norm_across(grads: Any, norm_type: float, axis_name: Hashable) -> jax.Array
     over ``axis_name`` (clip_by_global_norm then applies the same factor everywhere)."""
     local = global_norm(grads, norm_type, backend="jax")
     if norm_type == math.inf:
-        return jax.lax.pmax(local, axis_name)
+        return _across(jax.lax.pmax, local, axis_name)
     if norm_type == 2.0:
-        return jnp.sqrt(jax.lax.psum(local * local, axis_name))
+        return jnp.sqrt(_across(jax.lax.psum, local * local, axis_name))
     if norm_type == 1.0:
-        return jax.lax.psum(local, axis_name)
-    return jax.lax.psum(local**norm_type, axis_name) ** (1.0 / norm_type)
+        return _across(jax.lax.psum, local, axis_name)
+    return _across(jax.lax.psum, local**norm_type, axis_name) ** (1.0 / norm_type)
 
 
 def find_loss_scale_state(opt_state: Any) -> LossScaleState:
@@ -332,10 +349,17 @@ def zclip(
     clip_option: str = "adaptive_scaling",
     clip_factor: float = 1.0,
     skip_update_on_spike: bool = False,
+    *,
+    axis_name: Hashable | None = None,
 ) -> optax.GradientTransformation:
     """``numstab.adaptive_clipping.ZClip`` (same arguments and defaults) as a
     GradientTransformation; its state is a ``ZClipState`` (``state.norm``: the last raw
     global norm). Chain it before the optimizer: ``optax.chain(zclip(), optax.adamw(lr))``.
+
+    ``axis_name``: as ``loss_scaled``'s, a mapped axis (``shard_map``) over which each device
+    holds a disjoint slice of the gradients: the norm is that of the whole tree (``lax.psum``
+    of the slices' squared norms), so every device clips by the same factor and keeps the
+    same statistics. Without it, inside ``shard_map`` each device would use its own slice's.
 
     ``optax.inject_hyperparams(zclip)(...)``: ``alpha``, ``z_thresh``, ``max_grad_norm``,
     ``eps`` and ``clip_factor`` are injected (``state.hyperparams`` changes them).
@@ -355,6 +379,7 @@ def zclip(
     }
     traced = v.host_scalar(warmup_steps) is v.TRACED
     policy = None if traced else ZClip(warmup_steps=warmup_steps, **settings)
+    _check_axis_name(axis_name)
 
     def init_fn(params: Any) -> Any:
         return (policy or ZClip(warmup_steps=warmup_steps, **settings)).init(params, backend="jax")
@@ -363,7 +388,8 @@ def zclip(
         _check_zclip_state(state, policy)
         # traced (inject_hyperparams under jit): the buffer holds max(warmup_steps, 1) norms
         own = policy or ZClip(warmup_steps=jnp.shape(state.buffer)[0], **settings)
-        return own.update(updates, state, backend="jax")
+        norm = None if axis_name is None else _norm_across(updates, 2.0, axis_name)
+        return own.update(updates, state, norm=norm, backend="jax")
 
     return optax.GradientTransformation(init_fn, update_fn)
 
