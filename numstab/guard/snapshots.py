@@ -6,10 +6,12 @@ non-finite floats, and the arrays' dtypes). It is read with ``np.load(allow_pick
 nothing is ever unpickled, and a file holding object arrays is refused. bfloat16 arrays are
 stored as their uint16 bits and restored with ``ml_dtypes``.
 
-Atomicity: the file is written to ``.tmp-<random>.npz`` in the same directory, flushed and
-fsynced, then ``os.replace``-d onto its final name (atomic on POSIX and Windows), and the
-directory is fsynced. A crash at any point leaves either the previous snapshots only, or the
-new complete one; stray ``.tmp-*`` files are ignored (and removed by the next write).
+Atomicity: the file is written to ``.tmp-<host>-<pid>-<random>.npz`` in the same directory,
+flushed and fsynced, then ``os.replace``-d onto its final name (atomic on POSIX and Windows),
+and the directory is fsynced. A crash at any point leaves either the previous snapshots only,
+or the new complete one; stray ``.tmp-*`` files are ignored, and the next write removes the
+stale ones only (``_stale``): never another live process's file being written (another rank
+of a job sharing the folder).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import json
 import math
 import os
 import re
+import socket
 import tempfile
+import time
 import zipfile
 from typing import Any, NamedTuple
 
@@ -29,6 +33,9 @@ from numstab.errors import InvalidArgumentError
 
 META_KEY = "__meta__"
 _NAME = re.compile(r"^snapshot-(\d+)\.npz$")
+# a temporary file: ``.tmp-<host>-<pid>-<random>.npz`` (``.tmp-<random>.npz`` before)
+_TMP = re.compile(r"^\.tmp-(?:([A-Za-z0-9._]+)-(\d+)-)?[a-z0-9_]+\.npz$")
+STALE_AFTER_S = 3600.0  # a temporary file untouched this long is a crashed write's
 
 
 class Snapshot(NamedTuple):
@@ -154,7 +161,8 @@ def write_npz_atomic(path: str | os.PathLike, arrays: dict[str, Any]) -> None:
 
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
+    prefix = f".tmp-{_host()}-{os.getpid()}-"
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".npz", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
@@ -166,6 +174,43 @@ def write_npz_atomic(path: str | os.PathLike, arrays: dict[str, Any]) -> None:
             os.unlink(tmp)
         raise
     _fsync_directory(directory)
+
+
+def _host() -> str:
+    """This machine's name as it goes into a temporary file's name (``[A-Za-z0-9._]``)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (POSIX: signal 0). On Windows False:
+    ``os.kill`` would end it there, and the OS refuses to delete a file a process still has
+    open, so removing a live writer's file fails harmlessly."""
+    if os.name == "nt":
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's live process
+        return True
+    return True
+
+
+def _stale(path: str) -> bool:
+    """Whether the temporary file at ``path`` is a crashed write's, never a write in flight:
+    written by a process of this machine that no longer runs, or untouched for
+    ``STALE_AFTER_S`` (another machine's, sharing the folder; a name without host and pid,
+    of an older version; a pid reused since). Another name, or a file gone: False."""
+    m = _TMP.match(os.path.basename(path))
+    if m is None:
+        return False
+    host, pid = m.group(1), m.group(2)
+    if host == _host() and pid is not None and not _alive(int(pid)):
+        return True
+    try:
+        return time.time() - os.stat(path).st_mtime > STALE_AFTER_S
+    except OSError:
+        return False
 
 
 def _fsync_directory(directory: str) -> None:
@@ -200,15 +245,20 @@ def _name(step: int) -> str:
 
 class SnapshotDirectory:
     """``snapshot-<step>.npz`` files in ``directory`` (the step zero-padded to 9 digits), the
-    newest ``keep`` kept; writing a step removes the files of later steps (``save``)."""
+    newest ``keep`` kept; writing a step removes the files of later steps (``save``).
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 2) -> None:
+    ``writer=False``: a reader of files another process writes (a rank other than 0 of a
+    data-parallel group whose ranks hold the same state): ``save`` writes and removes
+    nothing, and returns the path the writer gives the step; ``steps``/``load`` read."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 2, *, writer: bool = True) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise InvalidArgumentError(
                 f"Expected snapshot_dir to be a path. Received: snapshot_dir={directory!r}"
             )
         self.directory = os.fspath(directory)
         self.keep = keep
+        self.writer = writer
         os.makedirs(self.directory, exist_ok=True)
 
     def path(self, step: int) -> str:
@@ -226,8 +276,12 @@ class SnapshotDirectory:
         step and all but the newest ``keep`` of the others. A later step's file is of a
         trajectory the writer does not continue (an earlier run's, in a folder it did not
         resume from; or the steps after an older file it resumed from): kept, it stayed the
-        newest file, the one a resume loads, and the pruning removed the file just written."""
+        newest file, the one a resume loads, and the pruning removed the file just written.
+        Stale temporary files (crashed writes, ``_stale``) go too; another process's file
+        being written stays. Not a ``writer``: nothing is written nor removed."""
         path = self.path(step)
+        if not self.writer:
+            return path
         write_npz_atomic(path, encode_tree(tree))
         steps = self.steps()
         earlier = [s for s in steps if s <= step]
@@ -235,7 +289,7 @@ class SnapshotDirectory:
             with contextlib.suppress(OSError):
                 os.unlink(self.path(old))
         for name in os.listdir(self.directory):  # leftovers of crashed writes
-            if name.startswith(".tmp-") and name.endswith(".npz"):
+            if _stale(os.path.join(self.directory, name)):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.directory, name))
         return path

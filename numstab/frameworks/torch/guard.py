@@ -25,7 +25,9 @@ as after DDP's all-reduce: their mean) or, with ``sharded=True`` (each rank hold
 part of the parameters, FSDP-style, as plain local tensors), ``sqrt`` of the summed squares.
 Every rank then runs the same policy on the same numbers. Per-layer norms stay per rank,
 except FSDP2's DTensor gradients: their norms are made global first (``layer_norms``), so
-their global norm is taken as replicated whatever ``sharded`` says.
+their global norm is taken as replicated whatever ``sharded`` says. Snapshot files in a
+shared ``snapshot_dir``: rank 0's alone (replicated), or each rank's in ``rank-<r>`` (sharded,
+DTensors); ``guard_files.rank_directory``.
 
 With ``TrainingGuard(host_every=k)``, k > 1, the steady step stays on the device
 (``guard_device.py``): ``torch._foreach_norm``, then the global norm and ``policy.decide``
@@ -144,6 +146,9 @@ class TorchGuard(RunnerResults):
         # user's scheduler.step() after step t is in it
         names = [n for n, _ in named]
         self.runner = GuardRunner(guard, self, self._host, names, defer_snapshots=True)
+        per_rank = sharded or any(is_dtensor(p) for p in self._all)  # each rank's own state
+        group = reduction_group(process_group)
+        self.runner.disk = guard_files.rank_directory(self.runner.disk, group, per_rank)
         self._buffers = ModelBuffers(model)  # put back on a skipped step
         self.runner.snapshot(0, self.state)
         self._device: DeviceSteps | None = None
@@ -331,8 +336,15 @@ class TorchGuard(RunnerResults):
     # -- results ---------------------------------------------------------------------------------
     def load_snapshot(self, step: int | None = None) -> int:
         """Restore model, optimizer and scheduler from the newest (or ``step``) snapshot file
-        of ``snapshot_dir``, e.g. after a crash; returns its step."""
-        step, self.state = self.runner.load_from_disk(step)
+        of ``snapshot_dir``, e.g. after a crash; returns its step. Distributed: every rank
+        must call it; all restore the same step or all raise (``load_on_every_rank``)."""
+        group = reduction_group(self.process_group)
+        if group is None or self.runner.disk is None:
+            step, self.state = self.runner.load_from_disk(step)
+        else:  # every rank, from the same step (or every rank raises)
+            disk, device = self.runner.disk, self._norm_device or "cpu"
+            load = self.runner.load_from_disk
+            step, self.state = guard_files.load_on_every_rank(disk, load, step, group, device)
         if self._device is not None:
             self._device.reset(self.state, step)
         return step

@@ -10,17 +10,26 @@ torch's ``load_state_dict`` casts every floating state tensor to its parameter's
 float32 master copy of a bfloat16 parameter stays float32, Adam's bfloat16 moments stay
 bfloat16. A file without the entry (written before) cannot tell a bfloat16 state from a
 float32 one: its optimizer state is cast as torch casts it, as before (``CAST``).
+
+Data-parallel ranks (a ``torch.distributed`` group of more than one rank) given the same
+``snapshot_dir``: ``rank_directory`` says who writes what, ``load_on_every_rank`` resumes
+every rank from the same step.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from numstab import _validate as v
 from numstab.errors import InvalidArgumentError
 from numstab.guard.runner import check_fits, check_payload
+from numstab.guard.snapshots import SnapshotDirectory
 
 BFLOAT16 = "bfloat16"  # the payload's entry: the paths of its bfloat16 tensors
 CAST = "cast_like_torch"  # set on a loaded payload whose file does not say which those were
@@ -105,3 +114,83 @@ def _tensors(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_tensors(x) for x in tree)
     return tree
+
+
+# -- data-parallel ranks sharing snapshot_dir -----------------------------------------------------
+
+
+def rank_directory(
+    disk: SnapshotDirectory | None, group: Any, per_rank: bool
+) -> SnapshotDirectory | None:
+    """Where this rank of ``group`` writes its snapshots; ``disk`` itself for one process.
+
+    - Replicated state (DDP; ``per_rank`` False): every rank holds the same files' worth,
+      so rank 0 alone writes and prunes ``disk``'s folder; the others read it
+      (``writer=False``) and keep their snapshots in memory. Before, every rank wrote
+      there and each write removed the other ranks' temporary files being written (their
+      ``os.replace`` raised FileNotFoundError, and the other ranks hung in the next
+      collective), and a rank took another's step-0 file for an earlier run's.
+    - Per-rank state (``sharded=True``, FSDP2's DTensors): rank r writes its own files in
+      the subfolder ``rank-<r>``, each rank's earlier-run test and pruning seeing only its own.
+    """
+    if disk is None or group is None:
+        return disk
+    rank = dist.get_rank(group)
+    if per_rank:
+        return SnapshotDirectory(os.path.join(disk.directory, f"rank-{rank}"), disk.keep)
+    return SnapshotDirectory(disk.directory, disk.keep, writer=rank == 0)
+
+
+def load_on_every_rank(
+    disk: SnapshotDirectory,
+    load: Callable[[int], tuple[int, Any]],
+    step: int | None,
+    group: Any,
+    device: Any,
+) -> tuple[int, Any]:
+    """``load(s)`` on every rank of ``group`` at one step ``s``, agreed in collectives, so
+    that every rank restores the same step or every rank raises (none hangs in the next
+    step's collective, none trains on alone). Every rank must call it.
+
+    1. One all-reduce first, so that what a rank wrote before (rank 0's first snapshot at
+       construction) is complete on disk when the others list the folder.
+    2. ``s`` = the MIN over ranks of ``step``, by default of each rank's newest file (-1:
+       none): the newest step every rank holds when a crash lost one rank's last write.
+       A ``step`` that differs across ranks, or a rank without files, raises on every rank.
+    3. Each rank loads ``s``; the MIN of the success flags: a rank that failed raises its
+       error, the others an InvalidArgumentError saying so.
+    """
+    if step is not None:
+        v.check_int("step", step)
+    flags = lambda values: torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(flags([0]), group=group)
+    steps = disk.steps()
+    wanted = step if step is not None else (steps[-1] if steps else -1)
+    agreed = flags([wanted, -wanted])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    low, high = int(agreed[0]), -int(agreed[1])
+    if low != high and step is not None:
+        raise InvalidArgumentError(
+            f"Expected the same step on every rank. Received: step={step!r} on this rank, "
+            f"steps from {low} to {high} across ranks"
+        )
+    if low < 0:
+        raise InvalidArgumentError(
+            f"Expected a snapshot file on every rank. Found none on at least one rank "
+            f"(this rank's {disk.directory} holds steps {steps})"
+        )
+    error: Exception | None = None
+    try:
+        result = load(low)
+    except Exception as exc:  # re-raised below, once every rank knows
+        error = exc
+    ok = flags([error is None])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if error is not None:
+        raise error
+    if not int(ok[0]):
+        raise InvalidArgumentError(
+            f"Expected every rank to load the snapshot of step {low}. Another rank could "
+            f"not (its error says why); this rank's {disk.directory} holds steps {steps}"
+        )
+    return result
