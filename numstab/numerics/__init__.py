@@ -65,12 +65,25 @@ def _arm_module(framework: str):
     return module(framework, "numerics")
 
 
+#: a maskable record (a parameter gradient) that no loss scaler has settled yet
+_FRESH = object()
+#: a clean rank's "first offending slot" when ranks agree (slots are small ints)
+_NO_SLOT = 2**62
+
+
 class Recorder:
     """The sentinel's bookkeeping: one slot per (layer or watched name, phase), summaries kept
     on the device until ``read``, which brings them all to the host in one go.
 
     Summaries are read early, every ``FLUSH_EVERY`` records, to bound memory; that is one host
     sync per ``FLUSH_EVERY`` records, never one per op.
+
+    Loss scaling (§14.6): a ``maskable`` record (a parameter gradient) stays *fresh* until a
+    loss scaler ``settle``s its slot with a ``handled`` summary, a device value that reads
+    non-finite when the scaler found this step non-finite and skipped it (the overflow was
+    handled). A record that reads bad counts unless its ``handled`` reads non-finite; a fresh
+    one counts at ``check()`` / exit (no scaler saw it). An early read keeps fresh bad records
+    on hold (their flags, one per slot) until they are settled or the final read.
     """
 
     FLUSH_EVERY = 2048
@@ -79,7 +92,10 @@ class Recorder:
         self.settings = settings
         self._slots: dict[Any, int] = {}
         self.meta: list[dict[str, Any]] = []
-        self._pending: dict[str, list[tuple[int, Any]]] = {}
+        self._pending: dict[str, list] = {}  # (slot, summary) or [slot, summary, mark]
+        self._fresh: dict[str, dict[int, list]] = {}  # framework -> slot -> fresh records
+        self._held: dict[str, dict[int, list[bool]]] = {}  # read bad while fresh
+        self._settled: dict[str, list] = {}  # (slot, flags, handled) of held records
         self._count = 0
         self.bad: dict[int, list[bool]] = {}  # slot -> [has_nan, has_inf] seen so far
         self._lock = threading.Lock()
@@ -94,31 +110,86 @@ class Recorder:
             self.meta.append(meta)
         return index
 
-    def add(self, framework: str, slot: int, summary: Any) -> None:
-        records = self._pending.get(framework)
-        if records is None:
-            records = self._pending.setdefault(framework, [])
-        records.append((slot, summary))  # atomic under the GIL: hooks may run in threads
+    def add(self, framework: str, slot: int, summary: Any, maskable: bool = False) -> None:
+        if maskable:
+            with self._lock:  # hooks may run in threads: the record and its index together
+                record = [slot, summary, _FRESH]
+                self._pending.setdefault(framework, []).append(record)
+                self._fresh.setdefault(framework, {}).setdefault(slot, []).append(record)
+        else:
+            records = self._pending.get(framework)
+            if records is None:
+                records = self._pending.setdefault(framework, [])
+            records.append((slot, summary))  # atomic under the GIL: hooks may run in threads
         self._count += 1
         if self._count >= self.FLUSH_EVERY:
-            self.read()
+            self.read(final=False)
 
-    def read(self) -> None:
-        """Bring every pending summary to the host (one transfer per dtype and framework)."""
+    def settle(self, framework: str, slots: Any, handled: Any) -> None:
+        """Mark the fresh records of ``slots`` (and those on hold) with ``handled``: a summary
+        (as ``add`` takes) that reads non-finite when the loss scaler skipped the step."""
+        with self._lock:
+            fresh = self._fresh.get(framework, {})
+            held = self._held.get(framework, {})
+            for slot in slots:
+                for record in fresh.pop(slot, ()):
+                    record[2] = handled
+                flags = held.pop(slot, None)
+                if flags is not None:
+                    self._settled.setdefault(framework, []).append((slot, flags, handled))
+
+    def read(self, final: bool = True) -> None:
+        """Bring every pending summary to the host (one transfer per dtype and framework).
+        ``final``: fresh records count as they read (no scaler will settle them now)."""
         with self._lock:
             pending, self._pending, self._count = self._pending, {}, 0
-        for framework, records in pending.items():
-            flags = _arm_module(framework).read_summaries([s for _, s in records])
-            for (slot, _), (has_nan, has_inf) in zip(records, flags, strict=True):
-                if self.settings.bad(has_nan, has_inf):
-                    seen = self.bad.setdefault(slot, [False, False])
-                    seen[0] |= has_nan
-                    seen[1] |= has_inf
+            settled, self._settled, self._fresh = self._settled, {}, {}
+        for framework in pending.keys() | settled.keys():
+            self._read(framework, pending.get(framework, []), settled.get(framework, []), final)
+        if final:
+            for held in self._held.values():
+                for slot, flags in held.items():
+                    self._mark(slot, *flags)
+            self._held = {}
 
-    def error(self) -> NonFiniteError | None:
+    def _read(self, framework: str, records: list, settled: list, final: bool) -> None:
+        marks = [r[2] for r in records if len(r) == 3 and r[2] is not _FRESH]
+        handled = {id(h): h for h in marks + [h for _, _, h in settled]}
+        summaries = [r[1] for r in records] + list(handled.values())
+        flags = _arm_module(framework).read_summaries(summaries)
+        skipped = {key: any(f) for key, f in zip(handled, flags[len(records) :], strict=True)}
+        for record, (has_nan, has_inf) in zip(records, flags[: len(records)], strict=True):
+            if not self.settings.bad(has_nan, has_inf):
+                continue
+            mark = record[2] if len(record) == 3 else None
+            if mark is _FRESH and not final:
+                held = self._held.setdefault(framework, {}).setdefault(record[0], [False, False])
+                held[0] |= has_nan
+                held[1] |= has_inf
+            elif mark is None or mark is _FRESH or not skipped[id(mark)]:
+                self._mark(record[0], has_nan, has_inf)
+        for slot, (has_nan, has_inf), mark in settled:
+            if not skipped[id(mark)]:
+                self._mark(slot, has_nan, has_inf)
+
+    def _mark(self, slot: int, has_nan: bool, has_inf: bool) -> None:
+        seen = self.bad.setdefault(slot, [False, False])
+        seen[0] |= has_nan
+        seen[1] |= has_inf
+
+    def error(self, agree: Any = None) -> NonFiniteError | None:
+        """The error for what was read (``None`` if clean). ``agree(value)``: the maximum of
+        an int over the data-parallel processes (a collective): the smallest offending slot
+        of any rank is agreed on as ``-max(-slot)``, so that every rank raises alike."""
         self.read()
-        if not self.bad:
+        first = min(self.bad) if self.bad else None
+        if agree is not None:
+            found = -agree(-(_NO_SLOT if first is None else first))
+            first = None if found == _NO_SLOT else found
+        if first is None:
             return None
+        if not self.bad:
+            return self._remote_error(first)
         slots = sorted(self.bad)  # slots are numbered in first-execution order
         first = self.meta[slots[0]]
         for slot in slots:
@@ -146,8 +217,28 @@ class Recorder:
             paths=names,
         )
 
+    def _remote_error(self, slot: int) -> NonFiniteError:
+        """Another rank's records held NaN or inf, this one's did not: raise alike, naming
+        the slot of that number here (ranks running one model number their slots alike)."""
+        meta = self.meta[slot] if slot < len(self.meta) else {}
+        name = meta["resolve"]() if "resolve" in meta else meta.get("name", f"record {slot}")
+        phase = meta.get("phase")
+        return NonFiniteError(
+            f"check_numerics(mode={self.settings.mode!r}): another rank found NaN or inf, "
+            f"first in {name}" + (f" ({phase} pass)" if phase else "") + "; this rank's "
+            "records were finite. Rerun the step under check_numerics() (mode='op') on that "
+            "rank to find the op.",
+            framework=meta.get("framework"),
+            op=name,
+            phase=phase,
+            where=meta.get("where"),
+            paths=(name,),
+        )
+
     def clear(self) -> None:
-        self._pending, self._count, self.bad = {}, 0, {}
+        with self._lock:
+            self._pending, self._fresh, self._settled, self._count = {}, {}, {}, 0
+        self._held, self.bad = {}, {}
 
 
 class CheckNumerics(contextlib.ContextDecorator):
@@ -157,15 +248,15 @@ class CheckNumerics(contextlib.ContextDecorator):
     ``check()`` is an explicit check point.
     """
 
-    def __init__(self, settings: Settings, backend: str | None) -> None:
-        self.settings = settings
-        self.backend = backend
+    def __init__(self, settings: Settings, backend: str | None, sync_ranks: bool = True) -> None:
+        self.settings, self.backend, self.sync_ranks = settings, backend, sync_ranks
         self._arms: list[Any] = []
         self._recorder: Recorder | None = None
+        self._agree: Any = None
         self._active = False
 
     def _recreate_cm(self) -> CheckNumerics:  # each decorated call gets a fresh context
-        return CheckNumerics(self.settings, self.backend)
+        return CheckNumerics(self.settings, self.backend, self.sync_ranks)
 
     def __enter__(self) -> CheckNumerics:
         if self._active:
@@ -181,6 +272,9 @@ class CheckNumerics(contextlib.ContextDecorator):
         except BaseException:
             self._restore()
             raise
+        # data-parallel ranks read their records together and raise alike (§14.6)
+        agree = [arm.agree for arm in self._arms if hasattr(arm, "agree") and self.sync_ranks]
+        self._agree = agree[0] if agree and self.settings.mode == "sentinel" else None
         self._active = True
         return self
 
@@ -207,7 +301,7 @@ class CheckNumerics(contextlib.ContextDecorator):
                 if converted is not None:
                     raise converted from exc
             return False
-        error = self._recorder.error() if self._recorder is not None else None
+        error = self._recorder.error(self._agree) if self._recorder is not None else None
         if error is not None:
             raise error
         return False
@@ -248,7 +342,7 @@ class CheckNumerics(contextlib.ContextDecorator):
         if any held NaN or inf; the record is cleared either way."""
         if self._recorder is None:
             return
-        error = self._recorder.error()
+        error = self._recorder.error(self._agree)
         self._recorder.clear()
         if error is not None:
             raise error
@@ -322,6 +416,7 @@ def check_numerics(
     backward: bool = True,
     mode: str = "op",
     backend: str | None = None,
+    sync_ranks: bool = True,
 ) -> CheckNumerics:
     """Raise ``NonFiniteError`` where NaN (``nan=True``) or inf (``inf=True``) appear, in the
     forward pass and, with ``backward=True``, in gradients.
@@ -329,7 +424,9 @@ def check_numerics(
     ``backend=None`` follows the configured backend (``use_backend``, ``set_backend``, ...);
     under ``"auto"`` it arms every deep-learning framework already imported, plus NumPy.
     ``mode="op"`` checks every op; ``mode="sentinel"`` keeps per-layer summaries on the
-    device and reads them at ``check()`` / exit.
+    device and reads them at ``check()`` / exit; ``sync_ranks``: with ``torch.distributed``
+    initialised (world > 1) its ``check()`` and exit agree across the ranks (a collective
+    every rank must reach; False for a context on some ranks only).
     """
     settings = Settings(
         nan=check_bool("nan", nan),
@@ -337,7 +434,9 @@ def check_numerics(
         backward=check_bool("backward", backward),
         mode=_check_mode(mode),
     )
-    return CheckNumerics(settings, normalised_backend(backend))
+    return CheckNumerics(
+        settings, normalised_backend(backend), check_bool("sync_ranks", sync_ranks)
+    )
 
 
 def _check_mode(mode: Any) -> str:

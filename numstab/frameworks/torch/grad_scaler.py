@@ -48,11 +48,18 @@ from numstab.frameworks.torch.distributed import (
     reduction_group,
 )
 from numstab.frameworks.torch.grad_scaler_state import (
+    Lazy,
+    host_values,
     loss_scaler_from,
     numstab_state_dict,
     torch_state_dict,
 )
-from numstab.frameworks.torch.unscale import check_and_unscale, check_new_scale
+from numstab.frameworks.torch.unscale import (
+    check_and_unscale,
+    check_new_scale,
+    no_inf_checks_error,
+    settle_sentinels,
+)
 from numstab.loss_scale import LossScaler, LossScaleState
 
 __all__ = ["GradScaler"]
@@ -226,9 +233,11 @@ class GradScaler:
         # The float64 reciprocal rounded to float32 is the correctly rounded 1/scale (53 >=
         # 2*24+2 bits), i.e. LossScaler.unscale's 1.0 / scale, whatever the compiler does.
         inv_scale = state.scale.double().reciprocal().float()
-        opt_state.found_inf = check_and_unscale(
-            optimizer, inv_scale, state.scale.device, False, dense
-        )
+        found = check_and_unscale(optimizer, inv_scale, state.scale.device, False, dense)
+        if found is None:  # no gradient: nothing recorded (step() raises, as torch's asserts)
+            return
+        settle_sentinels(optimizer, found, state.scale, self._scaler.scale_bounds[0])
+        opt_state.found_inf = found
         opt_state.reduced = False
         opt_state.stage = Stage.UNSCALED
         self._opt_states[id(optimizer)] = opt_state
@@ -295,7 +304,7 @@ class GradScaler:
         scaler, state = LossScaler.from_state_dict(data, backend="torch", like=like)
         self._scaler = scaler
         if self._state is None:
-            self._pending = {"config": dataclasses.asdict(scaler), "state": _host(state)}
+            self._pending = {"config": dataclasses.asdict(scaler), "state": host_values(state)}
         else:
             self._state = state
 
@@ -319,7 +328,7 @@ class GradScaler:
                 raise InvalidArgumentError("clip_grad_norm_() is being called after step().")
             if opt_state is None or opt_state.stage is Stage.READY:
                 self._unscale(optimizer, grads)  # grouped once, for both
-                opt_state = self._opt_states[id(optimizer)]
+                opt_state = self._opt_states.get(id(optimizer))  # None: no gradient
         norm = global_norm([g for gs in grads.values() for g in gs], norm_type, backend="torch")
         group = self._group()
         norm, found = reduce_norm(norm, float(norm_type), opt_state, group, self._sharded)
@@ -363,7 +372,7 @@ class GradScaler:
     # -- internals ---------------------------------------------------------------------------
     def _step(
         self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
-    ) -> tuple[Any, bool | _Lazy]:
+    ) -> tuple[Any, bool | Lazy]:
         if not self._enabled:
             return optimizer.step(*args, **kwargs), True
         if "closure" in kwargs:
@@ -372,12 +381,16 @@ class GradScaler:
         opt_state = self._opt_states.get(id(optimizer)) or OptimizerState()
         if opt_state.stage is Stage.STEPPED:
             raise InvalidArgumentError("step() has already been called since the last update().")
+        ready = opt_state.stage is Stage.READY
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # the optimizer unscales and skips inside its kernel: no host sync
-            if opt_state.stage is Stage.READY:
+            if ready:  # a new record, stored below
                 ones = torch.ones((), dtype=torch.float32, device=state.scale.device)
-                opt_state.found_inf = check_and_unscale(optimizer, ones, state.scale.device, True)
-                opt_state.reduced = False
+                found = check_and_unscale(optimizer, ones, state.scale.device, True)
+                if found is None:  # no gradient since scale(): nothing changed
+                    raise no_inf_checks_error(optimizer)
+                settle_sentinels(optimizer, found, state.scale, self._scaler.scale_bounds[0])
+                opt_state.found_inf, opt_state.reduced = found, False
                 grad_scale = state.scale * getattr(optimizer, "grad_scale", 1)
             else:
                 grad_scale = getattr(optimizer, "grad_scale", None)
@@ -391,10 +404,12 @@ class GradScaler:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
             opt_state.stage = Stage.STEPPED
-            return retval, _Lazy(found)
-        if opt_state.stage is Stage.READY:
+            return retval, Lazy(found)
+        if ready:
             self.unscale_(optimizer)
-            opt_state = self._opt_states[id(optimizer)]
+            opt_state = self._opt_states.get(id(optimizer))
+        if opt_state is None:  # no gradient since scale(): torch asserts, nothing changed
+            raise no_inf_checks_error(optimizer)
         applied = not bool(reduced_found_inf(opt_state, self._group()).item())  # the host sync
         retval = optimizer.step(*args, **kwargs) if applied else None
         opt_state.stage = Stage.STEPPED
@@ -430,19 +445,3 @@ class GradScaler:
 
     def _group(self) -> Any:
         return reduction_group(self._process_group)
-
-
-class _Lazy:
-    """A step's "applied" flag read on the host only when converted to bool."""
-
-    __slots__ = ("found",)
-
-    def __init__(self, found: torch.Tensor) -> None:
-        self.found = found
-
-    def __bool__(self) -> bool:
-        return not bool(self.found.item())
-
-
-def _host(state: LossScaleState) -> dict[str, Any]:
-    return {f: getattr(state, f).item() for f in LossScaleState._fields}

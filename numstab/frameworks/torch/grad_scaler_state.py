@@ -1,7 +1,8 @@
 """The GradScaler's configuration from torch-style arguments, and its state dicts: torch's
 format (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
 ``_growth_tracker``) with numstab's full state under ``"numstab"``, and back; a
-``torch.amp.GradScaler`` state dict loads too."""
+``torch.amp.GradScaler`` state dict loads too. Also the state's host values and a step's
+lazily read "applied" flag."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from numstab.errors import InvalidArgumentError
-from numstab.loss_scale import LossScaler
+from numstab.loss_scale import LossScaler, LossScaleState
 
 
 def torch_state_dict(scaler: LossScaler, data: dict[str, Any]) -> dict[str, Any]:
@@ -91,3 +94,20 @@ def loss_scaler_from(scaler: LossScaler | None, settings: dict[str, Any]) -> Los
             f"scaler={scaler!r} and {', '.join(sorted(settings))}"
         )
     return scaler
+
+
+class Lazy:
+    """A step's "applied" flag read on the host only when converted to bool."""
+
+    __slots__ = ("found",)
+
+    def __init__(self, found: torch.Tensor) -> None:
+        self.found = found
+
+    def __bool__(self) -> bool:
+        return not bool(self.found.item())
+
+
+def host_values(state: LossScaleState) -> dict[str, Any]:
+    """The state's fields as Python numbers (a host read)."""
+    return {f: getattr(state, f).item() for f in LossScaleState._fields}

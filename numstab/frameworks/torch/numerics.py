@@ -31,16 +31,13 @@ from torch.utils.hooks import RemovableHandle
 
 from numstab.errors import NonFiniteError
 from numstab.frameworks.torch.backend import flat_values
+from numstab.frameworks.torch.distributed import reduction_group
 from numstab.numerics import _where
 from numstab.numerics._ops import op_error, op_kind
 
 #: active op-mode contexts, innermost last. Process-wide, not thread-local: on CUDA the
 #: autograd engine runs backward ops on its own device threads (under the same dispatch mode).
 _ACTIVE: list = []
-
-
-def _op_stack() -> list:
-    return _ACTIVE
 
 
 #: 8-bit floats: no ``aminmax``/``isinf`` kernels, read upcast to float32 (exact); the
@@ -72,13 +69,10 @@ def readable(t: torch.Tensor) -> torch.Tensor:
 
 
 def _float_tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        out = (out,)
-    elif isinstance(out, dict):
-        out = tuple(out.values())
-    elif not isinstance(out, (tuple, list)):
-        return []
-    return [t for t in out if checkable(t)]
+    """The checkable tensors of an output: a tensor, or those in a tuple, list or dict."""
+    out = (out,) if isinstance(out, torch.Tensor) else out
+    out = tuple(out.values()) if isinstance(out, dict) else out
+    return [t for t in out if checkable(t)] if isinstance(out, (tuple, list)) else []
 
 
 def _counts(t: torch.Tensor) -> tuple[int, int]:
@@ -170,7 +164,7 @@ class _CheckOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         plan = _PLANS.get(func) or _PLANS.setdefault(func, _Plan(func))
-        stack = _op_stack()
+        stack = _ACTIVE
         node = torch._C._current_autograd_node()
         if (
             plan.skip
@@ -239,20 +233,22 @@ def _sentinel_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         arm._forward_hook(module, args, output)
 
 
-def _add_sentinel(arm: Arm) -> None:
-    _SENTINELS.append(arm)
-    _global_forward_hooks[_HOOK_KEY] = _sentinel_hook
-
-
 def _remove_sentinel(arm: Arm) -> None:
     _SENTINELS.remove(arm)
     if not _SENTINELS:
         _global_forward_hooks.pop(_HOOK_KEY, None)
 
 
-def _compiled_module_type() -> Any:
-    """``OptimizedModule`` (what ``torch.compile(module)`` returns) once dynamo is imported."""
-    return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+def settle(params: Any, handled: Any) -> None:
+    """A loss scaler's verdict on the gradients of ``params`` (one optimizer's), for every
+    sentinel context: ``handled()`` (called only while one is active, no sync) reads NaN
+    when the scaler found them non-finite and skipped the step (§14.6)."""
+    if not _SENTINELS:
+        return
+    value, ids = handled(), {id(p) for p in params}
+    for arm in list(_SENTINELS):
+        slots = arm._grad_slots
+        arm.recorder.settle("torch", {slots[i] for i in ids if i in slots}, value)
 
 
 def _shape(t: torch.Tensor) -> Any:
@@ -274,32 +270,28 @@ class Arm:
         self._modules: weakref.WeakSet = weakref.WeakSet()
         self._last: tuple[int, int] | None = None
         self._slots: dict[Any, int] = {}
+        self._grad_slots: dict[int, int] = {}  # id(parameter) -> its gradient's slot
 
     # -- enter / exit ------------------------------------------------------------------------
     def enter(self) -> None:
-        if self.settings.mode == "op" and not (self.settings.nan or self.settings.inf):
-            # checks off inside: outer contexts defer to this one (the innermost decides)
+        on = self.settings.nan or self.settings.inf
+        if self.settings.mode == "sentinel":
+            if on:
+                _SENTINELS.append(self)
+                _global_forward_hooks[_HOOK_KEY] = _sentinel_hook
+                self._stack.callback(_remove_sentinel, self)
+            return
+        if self.settings.backward or not on:
             previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-            torch.autograd.set_detect_anomaly(False)
+            torch.autograd.set_detect_anomaly(on, check_nan=self.settings.nan or not on)
             self._stack.callback(torch.autograd.set_detect_anomaly, *previous)
-            _op_stack().append(self)
-            self._stack.callback(_op_stack().remove, self)
-            return
-        if not (self.settings.nan or self.settings.inf):
-            return
-        if self.settings.mode == "op":
-            if self.settings.backward:
-                previous = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-                torch.autograd.set_detect_anomaly(True, check_nan=self.settings.nan)
-                self._stack.callback(torch.autograd.set_detect_anomaly, *previous)
+        if on:
             self._stack.enter_context(torch.compiler.set_stance("force_eager"))
             self._mode = _CheckOps(self.settings)
             self._stack.enter_context(self._mode)
-            _op_stack().append(self._mode)
-            self._stack.callback(_op_stack().remove, self._mode)
-        else:
-            _add_sentinel(self)
-            self._stack.callback(_remove_sentinel, self)
+        # checks off inside: this context (not a mode) is innermost and outer ones defer to it
+        _ACTIVE.append(self._mode or self)
+        self._stack.callback(_ACTIVE.remove, self._mode or self)
 
     def exit(self) -> None:
         for handle in self._handles:
@@ -336,7 +328,7 @@ class Arm:
         phase: str,
         t: torch.Tensor,
         param: str | None = None,
-    ) -> None:
+    ) -> int:
         slot = self._slots.get(key)
         if slot is None:
             slot = self._slots[key] = self.recorder.slot(
@@ -346,10 +338,13 @@ class Arm:
                 phase=phase,
                 framework="torch",
             )
-        self.recorder.add("torch", slot, summary(t))
+        # a parameter gradient waits for a loss scaler's verdict (``settle``)
+        self.recorder.add("torch", slot, summary(t), maskable=param is not None)
+        return slot
 
     def _forward_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        compiled = _compiled_module_type()
+        # ``OptimizedModule`` (what ``torch.compile(module)`` returns) once dynamo is imported
+        compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
         inner = compiled is not None and isinstance(module, compiled)
         if inner:  # torch.compile(module): recorded as the module it compiles
             module = module._orig_mod
@@ -379,7 +374,19 @@ class Arm:
     def _param_hook(self, key: Any, module: torch.nn.Module, p: torch.Tensor, name: str) -> None:
         grad = p.grad
         if checkable(grad):
-            self._record(key, module, "backward", grad, name)
+            self._grad_slots[id(p)] = self._record(key, module, "backward", grad, name)
+
+    def agree(self, value: int) -> int:
+        """The maximum of ``value`` over the data-parallel ranks (``torch.distributed``'s
+        default group, world size > 1), one all-reduce on the CPU (NCCL: the current CUDA
+        device); ``value`` itself in one process. Every rank must call it alike."""
+        group = reduction_group()
+        if group is None:
+            return value
+        nccl = torch.distributed.get_backend(group) == "nccl"
+        found = torch.tensor(value, dtype=torch.int64, device="cuda" if nccl else "cpu")
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
+        return int(found)
 
     # -- conversion --------------------------------------------------------------------------
     def convert(self, exc: BaseException) -> NonFiniteError | None:
@@ -388,14 +395,8 @@ class Arm:
         if not isinstance(exc, RuntimeError) or "returned nan values" not in message:
             return None
         op = message.split("'")[1] if message.count("'") >= 2 else None
-        return op_error(
-            "torch",
-            op,
-            produced="NaN",
-            phase="backward",
-            where=_where.from_traceback(exc.__traceback__),
-            detail=message,
-        )
+        where = _where.from_traceback(exc.__traceback__)
+        return op_error("torch", op, produced="NaN", phase="backward", where=where, detail=message)
 
 
 _WIDE = (torch.float32, torch.float64)

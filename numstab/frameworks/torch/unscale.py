@@ -3,6 +3,8 @@ check-and-unscale once per device and dtype; and the check of a user-given scale
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Any
 
 import torch
@@ -22,11 +24,13 @@ def check_and_unscale(
     home: torch.device,
     allow_fp16: bool,
     dense: dict[tuple, list[torch.Tensor]] | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """Validate every gradient, then run torch's fused check-and-unscale once per device
     and dtype; one flag on ``home`` (the scale's device), 0.0 or exactly 1.0 (fused
-    optimizers test ``found_inf == 1``). ``dense``: the optimizer's gradients already grouped
-    by (device, dtype) and found dense (``clipping.dense_grads``), not grouped again."""
+    optimizers test ``found_inf == 1``), or None when no parameter has a gradient (torch
+    records no check then: its ``step`` asserts, ``GradScaler.step`` raises). ``dense``:
+    the optimizer's gradients already grouped by (device, dtype) and found dense
+    (``clipping.dense_grads``), not grouped again."""
     allowed = UNSCALE_DTYPES_FP16 if allow_fp16 else UNSCALE_DTYPES
     groups, sparse = _grouped(optimizer, allowed) if dense is None else (dense, ())
     if dense is not None and not all(dtype in allowed for _, dtype in dense):
@@ -51,9 +55,40 @@ def check_and_unscale(
         for found in found_on.values():
             found = found.to(home, non_blocking=True)
             found_total = found if found_total is None else torch.maximum(found_total, found)
-    if found_total is None:  # no gradients at all: nothing can be non-finite
-        found_total = torch.zeros((), dtype=torch.float32, device=home)
-    return found_total
+    return found_total  # None: no gradient at all, nothing was checked
+
+
+def settle_sentinels(
+    optimizer: torch.optim.Optimizer, found: torch.Tensor | None, scale: torch.Tensor, floor: float
+) -> None:
+    """Tell active ``check_numerics(mode="sentinel")`` contexts (§14.6) whether this
+    optimizer's gradients were found non-finite and its step skipped while the scale could
+    still back off: handled = ``found != 0 and scale > floor``, as NaN (else 0.0) on
+    ``found``'s device, no sync. At the floor a non-finite gradient is reported: the scaler
+    cannot back off further, so the overflow is no longer routine. A no-op when the sentinel
+    module was never imported, no context is active, or nothing was checked (``found`` None).
+    """
+    numerics = sys.modules.get("numstab.frameworks.torch.numerics")
+    if numerics is None or found is None:
+        return
+
+    def handled() -> torch.Tensor:
+        return torch.where((found != 0) & (scale.to(found.device) > floor), math.nan, 0.0)
+
+    numerics.settle((p for group in optimizer.param_groups for p in group["params"]), handled)
+
+
+def no_inf_checks_error(optimizer: torch.optim.Optimizer) -> InvalidArgumentError:
+    """``step`` on an optimizer none of whose parameters has a gradient (``backward`` was
+    not called since ``scale``): torch's ``GradScaler.step`` asserts "No inf checks were
+    recorded for this optimizer."; counting it as a finite step would grow the scale."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return InvalidArgumentError(
+        "No inf checks were recorded for this optimizer: expected at least one of "
+        "optimizer's parameters to have a gradient (call backward() on the scaled loss "
+        f"before step()). Received: optimizer={type(optimizer).__name__} with "
+        f"{len(params)} parameters, none with a .grad"
+    )
 
 
 def _grouped(optimizer: torch.optim.Optimizer, allowed: frozenset) -> tuple[dict, list]:

@@ -1,0 +1,168 @@
+"""``check_numerics(mode="sentinel")`` under DDP (2 gloo processes on CPU): the gradient hooks
+run before DDP's bucket all-reduce, so each rank summarises its local gradients. With rank
+1's loss non-finite, rank 1 raised and rank 0 (whose reduced gradients were non-finite too)
+reported clean; a loop catching ``NonFiniteError`` then desynchronised. ``check()`` now
+agrees across ranks (one all-reduce of the first offending slot): every rank raises alike,
+and the ranks stay in step for the next collective (§14.6).
+
+The test spawns this file twice as a script (``--worker``); each rank writes its record as
+JSON. The test process itself imports no torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+WORLD = 2
+TIMEOUT_S = 60
+NO_GLOO = 3
+
+
+def _steps(rank: int, scaled: bool, sync_ranks: bool = True) -> list:
+    """Three steps (clean, rank 1's loss x inf, clean), each checked and caught: per step
+    (raised, message, applied)."""
+    import torch
+
+    import numstab as ns
+    from numstab.errors import NonFiniteError
+    from numstab.integrations.torch import GradScaler
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = GradScaler(init_scale=8.0) if scaled else None
+    g = torch.Generator().manual_seed(1 + rank)
+    out = []
+    with ns.check_numerics(mode="sentinel", sync_ranks=sync_ranks) as cn:
+        for step in range(3):
+            x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if step == 1 and rank == 1:
+                loss = loss * math.inf
+            applied = None
+            if scaler is None:
+                loss.backward()
+            else:
+                scaler.scale(loss).backward()
+                applied = scaler.step_and_update(opt)
+            try:
+                cn.check()
+                out.append([False, "", applied])
+            except NonFiniteError as error:
+                out.append([True, str(error), applied])
+            if scaler is None and not out[-1][0]:
+                opt.step()
+    return out
+
+
+def _worker(rank: int, port: int, out: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        return NO_GLOO
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S - 10),
+    )
+    try:
+        record = {"plain": _steps(rank, False), "scaled": _steps(rank, True)}
+        record["local"] = _steps(rank, False, sync_ranks=False)
+        dist.barrier()  # every rank got here: none hung at a collective
+    finally:
+        dist.destroy_process_group()
+    Path(out).write_text(json.dumps(record))
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# os._exit skips interpreter teardown (gloo's threads may abort it; see
+# test_distributed_torch.py): the record, not the teardown, is under test.
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    code = _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+import pytest  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sentinel_ddp")
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("NUMSTAB_BACKEND", None)
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(r), str(port), str(tmp / f"{r}.json")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if procs[0].returncode == NO_GLOO:
+        pytest.skip("torch.distributed has no gloo backend")
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
+    return [json.loads((tmp / f"{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_every_rank_raises_alike_without_a_scaler(ranks):
+    raised = [[step[0] for step in r["plain"]] for r in ranks]
+    assert raised == [[False, True, False]] * WORLD, raised
+    assert "another rank found NaN or inf" in ranks[0]["plain"][1][1]
+    assert "backward pass" in ranks[0]["plain"][1][1]
+    assert "another rank" not in ranks[1]["plain"][1][1]
+
+
+def test_a_scaler_skip_is_quiet_on_every_rank(ranks):
+    for r in ranks:
+        assert [step[0] for step in r["scaled"]] == [False, False, False], r["scaled"]
+        assert [step[2] for step in r["scaled"]] == [True, False, True]
+
+
+def test_sync_ranks_false_keeps_each_rank_s_check_local(ranks):
+    """A context some ranks only may use: no collective, each rank reads its own records, as
+    before: rank 0 sees its local gradients finite at step 1, applies the all-reduced NaN
+    ones, and raises only at step 2 (why agreeing is the default)."""
+    raised = [[step[0] for step in r["local"]] for r in ranks]
+    assert raised == [[False, False, True], [False, True, False]], raised
