@@ -214,10 +214,13 @@ def summarise(
     without one) is not finite. An inf that reached neither (a ``-inf`` mask) is no fault:
     the backward pass is examined, and the report names where that inf was born
     (``inf_layer``). Backward (only without a forward fault): the call earliest in the
-    backward pass whose own gradients (w.r.t. its inputs or own parameters) are non-finite.
+    backward pass whose own gradients (w.r.t. its inputs or own parameters) are non-finite;
+    when the gradient it received is non-finite already, the enclosing call whose own code
+    made it (``_backward_fault``).
     ``counts(call, phase) -> (nan, inf)`` and ``param_paths(call) -> names`` give the
-    details of the chosen call only; so may ``fill(call, phase)``, which sets maxima an
-    adapter computes for the chosen call only (its inputs, parameters, incoming gradient).
+    details of the chosen call only; ``fill(call, phase)`` sets maxima an adapter computes
+    only for the calls these rules read (inputs, parameters, incoming gradient; backward:
+    own parameter gradients), each at most once per phase.
     The maxima may already be on the host (Python floats or NumPy, with ``be`` the numpy
     backend and ``framework`` set).
     """
@@ -231,15 +234,10 @@ def summarise(
     if fault is not None:
         h = forward.maxima(fault)
         return _report(fault, h, "forward", base, backward_checked, counts, param_paths)
-    bwd = [
-        c
-        for c, h in zip(calls, host, strict=True)
-        if c.backward is not None and (_bad(h["grad_inputs"]) or _bad(h["grad_params"]))
-    ]
-    if not bwd:
+    made = _backward_fault(be, calls, host, fill)
+    if made is None:
         return LocateReport(found=False, backward_checked=backward_checked, **base)
-    call = min(bwd, key=lambda c: c.backward)
-    h = _filled(be, call, host[calls.index(call)], "backward", fill)
+    call, h = made
     return _report(call, h, "backward", base, backward_checked, counts, param_paths)
 
 
@@ -302,6 +300,47 @@ class _Forward:
             if not bad(self.maxima(parent)["inputs"]):  # (no floating inputs: token ids)
                 return parent
         return first
+
+
+def _backward_fault(
+    be: Backend, calls: list[LayerCall], host: list, fill: Any
+) -> tuple[LayerCall, dict] | None:
+    """The backward fault and its maxima (None when the backward pass is clean): ``first``,
+    the call earliest in the backward pass (smallest ``backward``) whose own input or own
+    parameter gradient is non-finite. When the gradient ``first`` received (w.r.t. its
+    outputs) is finite, its own code made the non-finite value: ``first``. Otherwise no
+    call earlier in the backward pass made it (their own gradients are finite), so the
+    code of a call enclosing ``first`` did, between its sub-layers: the innermost call that
+    started before ``first``, finished after it and received a finite gradient (or none:
+    outputs no gradient reaches), as the forward rule's parent (``_Forward.born``). If none
+    did, the outermost enclosing call (the model itself, ``""``), else ``first``. Only the
+    examined calls are filled (``fill(call, "backward")``), innermost first."""
+    by_id = {id(c): h for c, h in zip(calls, host, strict=True)}
+    bwd = [
+        c
+        for c in calls
+        if c.backward is not None
+        and (_bad(by_id[id(c)]["grad_inputs"]) or _bad(by_id[id(c)]["grad_params"]))
+    ]
+    if not bwd:
+        return None
+    first = min(bwd, key=lambda c: c.backward)
+    filled: dict[int, dict] = {}
+
+    def maxima(call: LayerCall) -> dict:
+        if id(call) not in filled:
+            filled[id(call)] = _filled(be, call, by_id[id(call)], "backward", fill)
+        return filled[id(call)]
+
+    if not _bad(maxima(first)["grad_outputs"]):
+        return first, maxima(first)
+    enclosing = [c for c in calls if c.start < first.start and c.end > first.end]
+    enclosing.sort(key=lambda c: -c.start)  # innermost first
+    for parent in enclosing:
+        if not _bad(maxima(parent)["grad_outputs"]):
+            return parent, maxima(parent)
+    call = enclosing[-1] if enclosing else first
+    return call, maxima(call)
 
 
 def _filled(be: Backend, call: LayerCall, h: dict, phase: str, fill: Any) -> dict:

@@ -255,7 +255,7 @@ def locate(
     by_call = {id(rec.call): rec for rec in records}
 
     def fill(call: LayerCall, phase: str) -> None:
-        """The reported call's inputs, parameters and incoming gradient maxima."""
+        """A call's input, parameter (backward: incoming and own parameter gradient) maxima."""
         rec = by_call[id(call)]
         rec.call.inputs = ext.absmax(rec.in_slots)
         param_slots = ext.slots(_own_params(rec.module))
@@ -264,6 +264,8 @@ def locate(
         ext.read()
         call.params = ext.absmax(param_slots)
         call.grad_outputs = ext.absmax(grad_slots)
+        if backward_phase:
+            call.grad_params = ext.absmax(backward.param_slots.get(id(rec), []))
 
     def counts(call: LayerCall, phase: str) -> tuple[int, int]:
         rec = by_call[id(call)]
@@ -321,6 +323,7 @@ class _Backward:
         self.own: dict[int, list] = {}  # id(record) -> its own input gradients
         self.in_slots: dict[int, list[int]] = {}
         self.param_slots: dict[int, list[int]] = {}
+        self.refused: InvalidArgumentError | None = None
         outs = _tensors(output)
         self.loss_rec = rec = _Call(LayerCall(LOSS, "loss_fn", start=next(clock)), None, outs, [])
         rec.in_slots = ext.slots(outs)
@@ -343,9 +346,15 @@ class _Backward:
             for e in rec.in_edges + rec.out_edges:
                 edges.setdefault(_key(e), e)
         params = [p for p in model.parameters() if p.requires_grad]
-        found = torch.autograd.grad(
-            scalar, list(edges.values()) + params, retain_graph=True, allow_unused=True
-        )
+        try:
+            found = torch.autograd.grad(
+                scalar, list(edges.values()) + params, retain_graph=True, allow_unused=True
+            )
+        except RuntimeError as error:
+            self.refused = _reentrant_refusal(model, error)  # raised if the backward is needed
+            if self.refused is None:
+                raise
+            return
         self.grads = dict(zip(edges, found[: len(edges)], strict=True))
         self.param_grads = {id(p): g for p, g in zip(params, found[len(edges) :], strict=True)}
         last = self.loss_rec.call.start
@@ -365,7 +374,10 @@ class _Backward:
         return [self.param_grads.get(id(p)) for p in _own_params(rec.module)]
 
     def find_first(self) -> None:
-        """Set grad_inputs / grad_params on calls in backward order up to the first bad one."""
+        """Set grad_inputs / grad_params in backward order up to the first bad call; raise
+        ``refused`` (InvalidArgumentError) when the backward pass could not be taken."""
+        if self.refused is not None:
+            raise self.refused
         ext = self.ext
         order = sorted(
             (r for r in self.records if r.call.backward is not None),
@@ -412,6 +424,23 @@ class _Backward:
         named = _named_params(rec.module, self.names)
         grads = {n: self.param_grads.get(id(p)) for n, p in named.items()}
         return {n: g for n, g in grads.items() if g is not None}
+
+
+def _reentrant_refusal(model: Any, error: RuntimeError) -> InvalidArgumentError | None:
+    """The refusal, ``error`` its cause, when ``autograd.grad`` failed on a checkpoint with
+    ``use_reentrant=True`` ("... incompatible with .grad()"; torch < 2.1: "Checkpointing is
+    not compatible with .grad()"), else None (``.backward()`` would write ``.grad`` fields)."""
+    if "heckpoint" not in str(error) or ".grad()" not in str(error):
+        return None
+    refusal = InvalidArgumentError(
+        "Expected a model whose backward pass torch.autograd.grad can take (locate_nonfinite "
+        "leaves .grad untouched): torch.utils.checkpoint.checkpoint(..., use_reentrant=True) "
+        "refuses it. Checkpoint with use_reentrant=False (Hugging Face: gradient_checkpointing_"
+        "enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or pass loss_fn=None "
+        f"(a forward fault is reported all the same). Received: model={type(model).__name__}"
+    )
+    refusal.__cause__ = error
+    return refusal
 
 
 def _key(edge: GradientEdge) -> tuple[int, int]:
