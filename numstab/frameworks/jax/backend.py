@@ -146,7 +146,7 @@ class JaxBackend(NamespaceBackend):
         if rows > chunk:  # on an Explicit mesh, rows replicated: a chunk of rows is not a
             # whole number of rows per device in general (a single chunk stays sharded)
             inputs = tuple(None if x is None else sharding.unsharded_along(x, 0) for x in inputs)
-        if rows // chunk < 2:
+        if rows // chunk < 2 and fused.strided_count(rows, chunk) is None:  # full + short
             return super().scan_chunks(step, carry, inputs, chunk, rows)
         return fused.scan_chunks(step, carry, inputs, chunk, rows)
 

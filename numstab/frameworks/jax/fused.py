@@ -69,10 +69,13 @@ def _transposed_product(a: jax.Array, b: jax.Array, wide: str) -> jax.Array:
     return jnp.matmul(a.T, b, preferred_element_type=wide, out_sharding=spec)
 
 
-def _zeros(shape: tuple, like: jax.ShapeDtypeStruct) -> jax.Array:
+def _zeros(shape: tuple, like: jax.ShapeDtypeStruct, strided: bool = False) -> jax.Array:
     """Zeros of ``like``'s dtype, sharding (Explicit mesh) and manual axes (shard_map): a scan
-    carry must keep its type, and the step's outputs vary where its inputs do."""
+    carry must keep its type, and the step's outputs vary where its inputs do. ``strided``:
+    ``shape`` has the chunk axis second, which the sharding leaves whole."""
     spec = explicit_spec(like)
+    if spec is not None and strided:
+        spec = P(*spec[:1], None, *spec[1:])
     if spec is None:
         zeros = jnp.zeros(shape, like.dtype)
     else:
@@ -81,11 +84,79 @@ def _zeros(shape: tuple, like: jax.ShapeDtypeStruct) -> jax.Array:
 
 
 def scan_chunks(step, carry, inputs, chunk: int, rows: int):
-    """``JaxBackend.scan_chunks`` for two or more full chunks: one ``lax.scan`` over every full
-    chunk, with the carry and the outputs preallocated and updated in place
-    (dynamic_update_slice) and the inputs sliced inside the body: XLA then holds one chunk's
-    buffers, no copy of the inputs and no concatenation of the outputs (an unrolled Python
-    loop under jit kept every chunk's logits alive)."""
+    """``JaxBackend.scan_chunks`` for two or more full chunks: one ``lax.scan`` with the carry
+    and the outputs preallocated and updated in place (dynamic_update_slice) and the inputs
+    sliced inside the body: XLA then holds one chunk's buffers, no copy of the inputs and no
+    concatenation of the outputs (an unrolled Python loop under jit kept every chunk's logits
+    alive).
+
+    Strided when ``strided_count`` finds n chunks that divide the rows: the rows seen as
+    (rows / n, n) and chunk k = rows k, k + n, k + 2n, ... (at most ``chunk`` of them). A
+    row axis sharded in blocks over a mesh (an Auto mesh under jit: data parallelism) stays
+    sharded, every chunk holding rows of every device; contiguous chunks made XLA gather
+    the rows onto every device. Else contiguous chunks, the last one short. The carry's
+    sums run in another order (rounding); the outputs come back in row order."""
+    count = strided_count(rows, chunk)
+    if count is None:
+        return _scan_contiguous(step, carry, inputs, chunk, rows)
+    size = rows // count
+    views = tuple(None if x is None else x.reshape(size, count, *x.shape[1:]) for x in inputs)
+
+    def body(state, i):
+        carry, outputs = state
+        part = tuple(
+            None if x is None else jax.lax.dynamic_index_in_dim(x, i, 1, False) for x in views
+        )
+        carry, out = step(carry, part)
+        outputs = tuple(
+            None if o is None else jax.lax.dynamic_update_index_in_dim(buf, o, i, 1)
+            for buf, o in zip(outputs, out, strict=True)
+        )
+        return (carry, outputs), None
+
+    state = _allocate(step, carry, inputs, size, rows, count)
+    (carry, outputs), _ = jax.lax.scan(body, state, jnp.arange(count))
+    return carry, tuple(None if o is None else o.reshape(rows, *o.shape[2:]) for o in outputs)
+
+
+def strided_count(rows: int, chunk: int) -> int | None:
+    """The number n of strided chunks for ``rows`` rows of at most ``chunk``: a divisor of
+    ``rows`` from ceil(rows / chunk) to twice that (chunks of at least about chunk / 2 rows),
+    the one with the fewest factors 2 (rows / n then keeps most: a mesh of 2^k devices
+    dividing rows / n keeps the row blocks local), then the smallest; None when there is none
+    (a prime number of rows, say)."""
+    low = -(-rows // chunk)
+    found = [n for n in _divisors(rows) if low <= n <= 2 * low]
+    if not found:
+        return None
+    return min(found, key=lambda n: ((n & -n), n))
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` >= 1 (those up to sqrt(n), then their cofactors)."""
+    small = [k for k in range(1, int(n**0.5) + 1) if n % k == 0]
+    return small + [n // k for k in small]
+
+
+def _allocate(step, carry, inputs, size: int, rows: int, count: int | None = None) -> tuple:
+    """The scan's initial state: the carry and output buffers, zeros, from the shapes of
+    ``step`` on a first chunk of ``size`` rows (shapes only, no compute; traced, so no eager
+    slice of a sharded array). Outputs (rows, ...) for contiguous chunks (``count`` None),
+    (size, count, ...) for ``count`` strided ones."""
+    first = tuple(None if x is None else jax.lax.slice_in_dim(x, 0, size) for x in inputs)
+    carry_spec, out_spec = jax.eval_shape(lambda c: step(c, first), carry)
+    carry = tuple(None if s is None else _zeros(s.shape, s) for s in carry_spec)
+    lead = (rows,) if count is None else (size, count)
+    outputs = tuple(
+        None if s is None else _zeros((*lead, *s.shape[1:]), s, strided=count is not None)
+        for s in out_spec
+    )
+    return carry, outputs
+
+
+def _scan_contiguous(step, carry, inputs, chunk: int, rows: int):
+    """``scan_chunks`` over consecutive chunks: the full ones in the scan, a short last one
+    after it."""
     full = rows // chunk
 
     def run(carry, outputs, start, size):
@@ -99,22 +170,14 @@ def scan_chunks(step, carry, inputs, chunk: int, rows: int):
         )
         return carry, outputs
 
-    # shapes only, no compute; traced, so no eager slice of a sharded array
-    carry_spec, out_spec = jax.eval_shape(lambda c: step(c, _first(inputs, chunk)), carry)
-    carry = tuple(None if s is None else _zeros(s.shape, s) for s in carry_spec)
-    outputs = tuple(None if s is None else _zeros((rows, *s.shape[1:]), s) for s in out_spec)
-
     def body(state, i):
         return run(*state, i * chunk, chunk), None
 
-    (carry, outputs), _ = jax.lax.scan(body, (carry, outputs), jnp.arange(full))
+    state = _allocate(step, carry, inputs, chunk, rows)
+    (carry, outputs), _ = jax.lax.scan(body, state, jnp.arange(full))
     if full * chunk < rows:
         carry, outputs = run(carry, outputs, full * chunk, rows - full * chunk)
     return carry, outputs
-
-
-def _first(inputs: tuple, chunk: int) -> tuple:
-    return tuple(None if x is None else jax.lax.slice_in_dim(x, 0, chunk) for x in inputs)
 
 
 # -- the custom gradient ----------------------------------------------------------------------
