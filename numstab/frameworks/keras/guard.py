@@ -40,6 +40,7 @@ With ``TrainingGuard(host_every=k)``, k > 1: ``guard_deferred.py`` (TensorFlow:
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -161,8 +162,9 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         (``_layers_unbuilt``), its optimizer built here where it is not."""
         model = self.model
         opt = model.optimizer
-        if not opt.built:
-            opt.build(model.trainable_variables)
+        if not opt.built:  # (under a strategy its variables are made in its scope only)
+            with _strategy_scope(model):
+                opt.build(model.trainable_variables)
         self._weights = list(model.trainable_variables)
         self._state_vars = list(model.weights) + list(opt.variables)
         self._metric_vars = list(model.metrics_variables)
@@ -254,7 +256,7 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         getattr(self._model, "jax_state_sync", lambda: None)()
 
     def _read_tracker(self) -> list[float]:
-        return [float(ops.convert_to_numpy(t.value)) for t in self._tracker]
+        return [float(host_ops.to_numpy(t)) for t in self._tracker]
 
     def _batch_loss(self, totals: Any, logs: dict | None) -> np.float32:
         if len(totals) == 2 and len(self._prev_totals) == 2:
@@ -287,7 +289,7 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
     # -- the Adapter protocol of GuardRunner -------------------------------------------------------
     def capture(self) -> list[Any]:
         self._to_variables()
-        return [ops.convert_to_numpy(v.value).copy() for v in self._state_vars]
+        return [host_ops.to_numpy(v) for v in self._state_vars]
 
     def restore(self, payload: list[Any]) -> None:
         self._to_variables()  # (the metrics' values stay Keras')
@@ -304,9 +306,10 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         opt.learning_rate = float(ops.convert_to_numpy(opt.learning_rate)) * ratio
 
     def to_host(self, payload: list[Any]) -> dict[str, Any]:
-        return {
-            getattr(v, "path", v.name): x for v, x in zip(self._state_vars, payload, strict=True)
-        }
+        """``{key: value}`` of the variables, keyed by ``_unique_paths``: every variable
+        has a key of its own, where two share a Keras path too."""
+        keys = _unique_paths(self._state_vars)
+        return dict(zip(keys, payload, strict=True))
 
     def from_host(self, tree: dict[str, Any]) -> list[Any]:
         """The saved values of this model's variables: by path, or by position where some
@@ -314,8 +317,9 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
         built after another model, has other auto-numbered names, ``dense_2`` for ``dense``;
         Keras' ``load_weights`` also goes by position). A snapshot of other variables (saved
         before a ``compile`` with another optimizer, or of another model) raises, naming the
-        first variable that does not fit."""
-        names = [getattr(v, "path", v.name) for v in self._state_vars]
+        first variable that does not fit (a file written before for variables sharing a path
+        holds one value fewer: no value for ``path#1``), or a value that fits none."""
+        names = _unique_paths(self._state_vars)
         by_position = len(tree) == len(names) and not all(name in tree for name in names)
         saved = list(tree.values()) if by_position else [tree.get(name) for name in names]
         for name, v, x in zip(names, self._state_vars, saved, strict=True):
@@ -326,7 +330,39 @@ class GuardCallback(RunnerResults, keras.callbacks.Callback):
                     "before a compile with other variables, or of another model, does not fit "
                     f"them). Received: {got} for {name!r}, whose shape is {tuple(v.shape)}"
                 )
+        extra = [key for key in tree if key not in names] if not by_position else []
+        if extra:  # (every variable found: the file holds others too)
+            raise InvalidArgumentError(
+                "Expected a snapshot of the variables being trained, one value each. "
+                f"Received: {len(tree)} values for {len(names)} variables ({extra[0]!r} "
+                "is not one of them)"
+            )
         return saved
+
+
+def _unique_paths(variables: list[Any]) -> list[str]:
+    """The variables' Keras paths (``name`` where there is none), made unique: the k-th
+    repeat (k >= 1) of a path (a layer's two ``add_weight(name="w")``) is ``path#k``, the
+    first k giving a key no other variable has. A model without repeats keeps its paths, so
+    the files written before load as they did; before, a repeat took its first's key in the
+    file, which kept the last value of the two and restored it to both."""
+    paths = [getattr(v, "path", v.name) for v in variables]
+    taken, used, keys = set(paths), set(), []
+    for path in paths:
+        key, k = path, 0
+        while key in used or (k and key in taken):  # (a repeat, or another variable's path)
+            k += 1
+            key = f"{path}#{k}"
+        used.add(key)
+        keys.append(key)
+    return keys
+
+
+def _strategy_scope(model: Any) -> Any:
+    """The scope of the model's ``tf.distribute`` strategy (Keras on TensorFlow; the
+    default strategy's where there is none); elsewhere a no-op context."""
+    strategy = getattr(model, "distribute_strategy", None)
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
 
 
 def _lr_places(optimizer: Any, variables: list[Any]) -> frozenset[int]:

@@ -88,7 +88,9 @@ class DeviceGuardCallback(DeferredGuardCallback):
         pairs = self._undone_pairs(shadow)
 
         def undo() -> tf.Tensor:  # a bad step: put the copy back
-            return tf.group([v.assign(s) for v, s in pairs])
+            # (a tensor: Keras' assign returns its value, which tf.group takes; the copy is a
+            # MirroredVariable where load_snapshot ran inside a strategy's scope)
+            return tf.group([v.assign(s.read_value()) for v, s in pairs])
 
         # then the state becomes the undo copy (after an undo: the copy onto itself). One
         # branch of copies, not a cond with a copy in each: half the graph's nodes, and a

@@ -11,6 +11,8 @@ norms 2.0 ms on TensorFlow (five eager ops per weight). Here: TensorFlow, one gr
 for each (captured variables; a read is a snapshot, as every TF tensor is immutable); JAX,
 one ``jax.jit`` for each; torch, eager ``torch`` ops (a few µs each) with the norms as one
 multi-tensor kernel. The norms are ``layer_norms``': float32, one 2-norm per weight.
+
+    to_numpy(variable)            -> a NumPy copy of one variable's value (a single read)
 """
 
 from __future__ import annotations
@@ -45,6 +47,20 @@ def copier(variables: list[Any]) -> Callable[..., list[Any]]:
         fn = tf.function(reads, autograph=False).get_concrete_function()
         return lambda values=None: list(fn()) if variables else []
     return lambda values=None: [ops.copy(v.value) for v in variables]
+
+
+def to_numpy(variable: Any) -> np.ndarray:
+    """A NumPy copy of ``variable``'s value. On TensorFlow through ``tf.convert_to_tensor``:
+    under a ``tf.distribute`` strategy a sync-on-read variable (the loss tracker's ``total``
+    and ``count``, one copy per replica) converts to its cross-replica value (the sum over
+    replicas for these) that way, while NumPy's conversion of it raises ``ValueError: object
+    __array__ method not producing an array``; a mirrored variable (weights, optimizer
+    variables) gives its value either way. JAX, torch: ``ops.convert_to_numpy``."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return np.array(tf.convert_to_tensor(variable.value))
+    return np.array(ops.convert_to_numpy(variable.value))
 
 
 def update_reader(weights: list[Any], tracker: list[Any]) -> Callable[..., np.ndarray]:
