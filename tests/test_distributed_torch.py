@@ -1,23 +1,17 @@
 """GradScaler and the training guard across 2 gloo processes on CPU (loopback): one rank's
 overflow skips every rank, and one rank's loss spike makes every rank skip the step.
 
-The test spawns this file twice as a script (``--worker``); each rank runs every scenario and
-writes its record as JSON. Rank 0 then runs the same scenarios again after leaving the group,
-as a single process: the reference. The test process itself imports no torch (its imports
-cost seconds of the two CPUs the workers need).
+The test spawns this file twice as a script (``tests/gloo_ranks.py``); each rank runs every
+scenario and writes its record as JSON. Rank 0 then runs the same scenarios again after
+leaving the group, as a single process: the reference. The test process itself imports no
+torch (its imports cost seconds of the two CPUs the workers need).
 """
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
-import json
 import math
-import os
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
 WORLD = 2
 STEPS = 7
@@ -37,8 +31,6 @@ SCENARIOS = [
 GUARD_STEPS = 12
 GUARD_SPIKE = 9  # rank 1's local loss spikes (x 1e4); its gradients and rank 0's do not
 GUARD_SCENARIOS = [("guard_replicated", False), ("guard_sharded", True)]
-
-NO_GLOO = 3  # a worker's exit code when torch has no gloo
 
 
 def _scenario(
@@ -226,88 +218,31 @@ def _run_all(rank: int, world: int) -> dict:
     return records
 
 
-def _worker(rank: int, port: int, out: str) -> int:
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_gloo_available()):
-        return NO_GLOO
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=TIMEOUT_S - 10),
-    )
-    try:
-        records = {"ranks": _run_all(rank, WORLD)}
-        dist.barrier()  # no rank tears down while another still talks to it
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        records["reference"] = _run_all(0, 1)
-    Path(out).write_text(json.dumps(records))
-    return 0
+def _run(rank: int, world: int, folder: str) -> dict:
+    return {"ranks": _run_all(rank, world)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _reference(rank: int, folder: str) -> dict:
+    """Rank 0, out of the group: every scenario as a single process."""
+    return {"reference": _run_all(0, 1)} if rank == 0 else {}
 
 
 # The workers run this file as a script and skip importing pytest (seconds on a busy machine).
-# os._exit skips interpreter teardown: gloo's background threads, destroyed joinable there,
-# abort about one exit in ten on this torch ("terminate called without an active exception")
-# after the worker's record is written. The record, not the teardown, is under test.
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    code = _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from tests.gloo_ranks import worker_main
+
+    worker_main(_run, WORLD, TIMEOUT_S, after=_reference)
 
 import pytest  # noqa: E402
+
+from tests.gloo_ranks import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dist")
-    root = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("NUMSTAB_BACKEND", None)
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(r), str(port), str(tmp / f"{r}.json")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if procs[0].returncode == NO_GLOO:
-        pytest.skip("torch.distributed has no gloo backend")
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
-    out = [json.loads((tmp / f"{r}.json").read_text()) for r in range(WORLD)]
+    out = run_ranks(__file__, WORLD, TIMEOUT_S, tmp_path_factory.mktemp("dist"))
     return [o["ranks"] for o in out], out[0]["reference"]
 
 

@@ -11,19 +11,12 @@ JSON. The test process itself imports no torch.
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
-import json
 import math
-import os
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
 WORLD = 2
 TIMEOUT_S = 60
-NO_GLOO = 3
 
 
 def _steps(rank: int, scaled: bool, sync_ranks: bool = True) -> list:
@@ -65,85 +58,27 @@ def _steps(rank: int, scaled: bool, sync_ranks: bool = True) -> list:
     return out
 
 
-def _worker(rank: int, port: int, out: str) -> int:
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_gloo_available()):
-        return NO_GLOO
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=TIMEOUT_S - 10),
-    )
-    try:
-        record = {"plain": _steps(rank, False), "scaled": _steps(rank, True)}
-        record["local"] = _steps(rank, False, sync_ranks=False)
-        dist.barrier()  # every rank got here: none hung at a collective
-    finally:
-        dist.destroy_process_group()
-    Path(out).write_text(json.dumps(record))
-    return 0
+def _run(rank: int, world: int, folder: str) -> dict:
+    record = {"plain": _steps(rank, False), "scaled": _steps(rank, True)}
+    record["local"] = _steps(rank, False, sync_ranks=False)
+    return record
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# os._exit skips interpreter teardown (gloo's threads may abort it; see
-# test_distributed_torch.py): the record, not the teardown, is under test.
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    code = _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from tests.gloo_ranks import worker_main
+
+    worker_main(_run, WORLD, TIMEOUT_S)
 
 import pytest  # noqa: E402
+
+from tests.gloo_ranks import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sentinel_ddp")
-    root = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("NUMSTAB_BACKEND", None)
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(r), str(port), str(tmp / f"{r}.json")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if procs[0].returncode == NO_GLOO:
-        pytest.skip("torch.distributed has no gloo backend")
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
-    return [json.loads((tmp / f"{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(__file__, WORLD, TIMEOUT_S, tmp_path_factory.mktemp("sentinel_ddp"))
 
 
 def test_every_rank_raises_alike_without_a_scaler(ranks):

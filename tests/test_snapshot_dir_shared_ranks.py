@@ -15,20 +15,15 @@ process imports no torch.
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
-import json
 import os
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 WORLD = 2
 STEPS = 20
 TIMEOUT_S = 150
-NO_GLOO = 3  # a worker's exit code when torch has no gloo
 
 
 def _listing(d: str) -> list[str]:
@@ -123,88 +118,30 @@ def _scenario(rank: int, sharded: bool, d: str) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, tmp: str) -> int:
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_gloo_available()):
-        return NO_GLOO
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        records = {
-            "replicated": _scenario(rank, False, os.path.join(tmp, "replicated")),
-            "sharded": _scenario(rank, True, os.path.join(tmp, "sharded")),
-        }
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    Path(tmp, f"{rank}.json").write_text(json.dumps(records))
-    return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _run(rank: int, world: int, tmp: str) -> dict:
+    return {
+        "replicated": _scenario(rank, False, os.path.join(tmp, "replicated")),
+        "sharded": _scenario(rank, True, os.path.join(tmp, "sharded")),
+    }
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    code = _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as tests/test_distributed_torch.py: skip gloo's teardown
+    from tests.gloo_ranks import worker_main
+
+    worker_main(_run, WORLD, TIMEOUT_S)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from numstab.guard.snapshots import STALE_AFTER_S, SnapshotDirectory  # noqa: E402
+from tests.gloo_ranks import run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     if importlib.util.find_spec("torch") is None:
         pytest.skip("needs torch")
-    tmp = tmp_path_factory.mktemp("shared")
-    root = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-        "GLOO_SOCKET_IFNAME": "lo",
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("NUMSTAB_BACKEND", None)
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(r), str(port), str(tmp)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])  # a hang fails here
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if procs[0].returncode == NO_GLOO:
-        pytest.skip("torch.distributed has no gloo backend")
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
-    return [json.loads((tmp / f"{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(__file__, WORLD, TIMEOUT_S, tmp_path_factory.mktemp("shared"))
 
 
 def _names(*steps: int, under: str = "") -> list[str]:
