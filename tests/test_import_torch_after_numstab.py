@@ -65,3 +65,27 @@ def test_torch_imported_first_installs_no_finder():
         assert not [f for f in sys.meta_path if type(f).__module__.startswith("numstab")]
         """
     )
+
+
+def test_a_find_spec_before_the_import_leaves_the_finder_for_it():
+    """transformers, accelerate and Lightning ask ``find_spec("torch")`` before importing it:
+    the finder must wait for the real import (it left at that question, and the backend was
+    not loaded)."""
+    _run(
+        """
+        import importlib.util
+        import sys
+        import numstab as ns
+
+        for _ in range(2):
+            assert importlib.util.find_spec("torch") is not None
+        assert "torch" not in sys.modules
+        import torch
+
+        assert "numstab.frameworks.torch.backend" in sys.modules
+        assert not [f for f in sys.meta_path if type(f).__module__.startswith("numstab")]
+        grads = [torch.linspace(-3.0, 2.0, 10)]
+        compiled = torch.compile(lambda g: ns.global_norm(g), fullgraph=True, backend="eager")
+        assert torch.equal(compiled(grads), ns.global_norm(grads))
+        """
+    )

@@ -7,9 +7,9 @@ torch``, which is isort's order. ``import numstab`` loads the backends of framew
 imported (``preload_imported_frameworks``); for torch imported later, ``load_after_import``
 puts a finder on ``sys.meta_path`` that, for the one name ``torch``, lets the other finders
 find it and wraps that loader's ``exec_module`` so that ``then`` runs once torch's module has
-run. Every other import passes it by (a string comparison). It leaves ``sys.meta_path`` at
-torch's import and restores the loader, so it acts once. JAX and TensorFlow need none of this:
-their tracers run Python imports.
+run. Every other import passes it by (a string comparison). It leaves ``sys.meta_path`` once
+torch's module has run (not at a mere ``find_spec``) and restores the loader, so it acts
+once. JAX and TensorFlow need none of this: their tracers run Python imports.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from typing import Any
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for ``name``, hands back the spec the other finders give, its
-    loader made to call ``then`` after executing the module."""
+    loader made to call ``then`` after executing the module. A spec found but never loaded
+    (``importlib.util.find_spec("torch")``, as transformers, accelerate and Lightning ask
+    before importing) leaves the finder in place for the real import."""
 
     def __init__(self, name: str, then: Callable[[], None]) -> None:
         self.name, self.then = name, then
@@ -31,23 +33,34 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != self.name:
             return None
-        with contextlib.suppress(ValueError):  # another thread's import removed it first
-            sys.meta_path.remove(self)
+        if sys.modules.get(fullname) is not None:  # imported without this finder's loader
+            self.remove()
+            return None
         spec = None
         for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
+            find = getattr(finder, "find_spec", None) if finder is not self else None
             spec = find(fullname, path, target) if find is not None else None
             if spec is not None:
                 break
         if spec is not None and spec.loader is not None:
-            _call_after_exec(spec.loader, self.then)
+            _call_after_exec(spec.loader, self)
         return spec
 
+    def remove(self) -> None:
+        with contextlib.suppress(ValueError):  # another thread's import removed it first
+            sys.meta_path.remove(self)
 
-def _call_after_exec(loader: Any, then: Callable[[], None]) -> None:
-    """Shadow ``loader.exec_module`` with one that runs it, removes itself and calls ``then``
-    (whose failure never fails the import: the backend then loads at first use, as before).
-    A loader that takes no instance attribute is left as it is."""
+    def loaded(self) -> None:
+        """The module has run: leave ``sys.meta_path`` and call ``then`` (whose failure never
+        fails the import: the backend then loads at first use, as before)."""
+        self.remove()
+        with contextlib.suppress(Exception):
+            self.then()
+
+
+def _call_after_exec(loader: Any, finder: _AfterImport) -> None:
+    """Shadow ``loader.exec_module`` with one that runs it, removes itself and tells
+    ``finder``. A loader that takes no instance attribute is left as it is."""
     run = getattr(loader, "exec_module", None)
     if run is None:
         return
@@ -56,8 +69,7 @@ def _call_after_exec(loader: Any, then: Callable[[], None]) -> None:
         with contextlib.suppress(AttributeError):
             del loader.exec_module
         run(module)
-        with contextlib.suppress(Exception):
-            then()
+        finder.loaded()
 
     with contextlib.suppress(AttributeError, TypeError):
         loader.exec_module = exec_module
