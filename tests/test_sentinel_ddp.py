@@ -58,9 +58,27 @@ def _steps(rank: int, scaled: bool, sync_ranks: bool = True) -> list:
     return out
 
 
+def _one_rank_only(rank: int) -> float:
+    """The default (``sync_ranks=None``): a context that ran no DDP module, on rank 0 only (an
+    evaluation, a debugging session), makes no collective; the ranks' next all-reduce meets
+    as it should (with agreement always on, rank 0 met it with check()'s)."""
+    import torch
+    import torch.distributed as dist
+
+    import numstab as ns
+
+    if rank == 0:
+        with ns.check_numerics(mode="sentinel"):
+            torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()
+    total = torch.ones(3) * (rank + 1)
+    dist.all_reduce(total)
+    return float(total[0])
+
+
 def _run(rank: int, world: int, folder: str) -> dict:
     record = {"plain": _steps(rank, False), "scaled": _steps(rank, True)}
     record["local"] = _steps(rank, False, sync_ranks=False)
+    record["one_rank"] = _one_rank_only(rank)
     return record
 
 
@@ -101,3 +119,7 @@ def test_sync_ranks_false_keeps_each_rank_s_check_local(ranks):
     ones, and raises only at step 2 (why agreeing is the default)."""
     raised = [[step[0] for step in r["local"]] for r in ranks]
     assert raised == [[False, False, True], [False, True, False]], raised
+
+
+def test_a_context_without_a_data_parallel_module_makes_no_collective(ranks):
+    assert [r["one_rank"] for r in ranks] == [3.0, 3.0]

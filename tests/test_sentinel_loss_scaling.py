@@ -224,3 +224,32 @@ def test_op_mode_still_raises_at_the_overflow():
     sc = GradScaler(init_scale=2.0**10)
     with pytest.raises(NonFiniteError), ns.check_numerics():
         sc.scale(_loss(m, x, y, math.inf)).backward()
+
+
+def test_a_nan_of_every_step_is_reported_once_the_scale_is_down_to_1():
+    """A NaN gradient that is no overflow (``sqrt`` at 0, every step) makes the scaler skip and
+    halve each step; once the scale is down to 1 it scales nothing, and the NaN is reported:
+    16 skips from the default 2**16 (it took 142, down to the floor 2**-126)."""
+
+    class Sqrt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.w = nn.Linear(4, 4), nn.Parameter(torch.zeros(4))
+
+        def forward(self, x):
+            return self.lin(x) * torch.sqrt(self.w).sum()  # finite forward, NaN gradient
+
+    m, x = Sqrt(), torch.randn(2, 4)
+    opt, sc = torch.optim.SGD(m.parameters(), 0.1), GradScaler()
+    reported = None
+    with ns.check_numerics(mode="sentinel") as cn:
+        for step in range(40):
+            opt.zero_grad()
+            sc.scale(m(x).square().mean() + m.w.sum()).backward()
+            assert not sc.step_and_update(opt)
+            try:
+                cn.check()
+            except ns.NonFiniteError:
+                reported = step
+                break
+    assert reported == 16 and sc.get_scale() == 0.5, (reported, sc.get_scale())

@@ -90,3 +90,24 @@ def reduce_norm(
         opt_state.reduced = True
         found = opt_state.found_inf
     return norm, found
+
+
+def max_over_ranks(value: int) -> int:
+    """The maximum of ``value`` over the ranks of ``torch.distributed``'s default group (world
+    size > 1), one all-reduce on the CPU (NCCL: the current CUDA device); ``value`` itself in
+    one process. Every rank must call it alike."""
+    group = reduction_group()
+    if group is None:
+        return value
+    nccl = dist.get_backend(group) == "nccl"
+    found = torch.tensor(value, dtype=torch.int64, device="cuda" if nccl else "cpu")
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    return int(found)
+
+
+def is_data_parallel(module: torch.nn.Module) -> bool:
+    """A DDP, FSDP or FSDP2 (``fully_shard``) module: one that every rank of a group runs."""
+    from torch.distributed import fsdp
+
+    kinds = (torch.nn.parallel.DistributedDataParallel, fsdp.FullyShardedDataParallel)
+    return isinstance(module, (*kinds, getattr(fsdp, "FSDPModule", ())))

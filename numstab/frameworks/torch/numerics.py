@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from numstab.errors import NonFiniteError
 from numstab.frameworks.torch.backend import flat_values
-from numstab.frameworks.torch.distributed import reduction_group
+from numstab.frameworks.torch.distributed import is_data_parallel, max_over_ranks
 from numstab.numerics import _where
 from numstab.numerics._ops import op_error, op_kind
 
@@ -376,17 +376,12 @@ class Arm:
         if checkable(grad):
             self._grad_slots[id(p)] = self._record(key, module, "backward", grad, name)
 
-    def agree(self, value: int) -> int:
-        """The maximum of ``value`` over the data-parallel ranks (``torch.distributed``'s
-        default group, world size > 1), one all-reduce on the CPU (NCCL: the current CUDA
-        device); ``value`` itself in one process. Every rank must call it alike."""
-        group = reduction_group()
-        if group is None:
+    def agree(self, value: int, auto: bool = False) -> int:
+        """``value``'s maximum over the data-parallel ranks (``max_over_ranks``); with
+        ``auto``, only where a DDP or FSDP module ran here (every rank runs those alike)."""
+        if auto and not any(map(is_data_parallel, list(self._modules))):
             return value
-        nccl = torch.distributed.get_backend(group) == "nccl"
-        found = torch.tensor(value, dtype=torch.int64, device="cuda" if nccl else "cpu")
-        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
-        return int(found)
+        return max_over_ranks(value)
 
     # -- conversion --------------------------------------------------------------------------
     def convert(self, exc: BaseException) -> NonFiniteError | None:

@@ -62,18 +62,20 @@ def settle_sentinels(
     optimizer: torch.optim.Optimizer, found: torch.Tensor | None, scale: torch.Tensor, floor: float
 ) -> None:
     """Tell active ``check_numerics(mode="sentinel")`` contexts (§14.6) whether this
-    optimizer's gradients were found non-finite and its step skipped while the scale could
-    still back off: handled = ``found != 0 and scale > floor``, as NaN (else 0.0) on
-    ``found``'s device, no sync. At the floor a non-finite gradient is reported: the scaler
-    cannot back off further, so the overflow is no longer routine. A no-op when the sentinel
-    module was never imported, no context is active, or nothing was checked (``found`` None).
-    """
+    optimizer's gradients were found non-finite and its step skipped as a routine overflow:
+    handled = ``found != 0 and scale > max(floor, 1)``, as NaN (else 0.0) on ``found``'s
+    device, no sync. A scale at 1 or below (or at the floor) does not scale the gradients
+    up: what is still non-finite there is no overflow of the scaling, and is reported (a NaN
+    of every step, after the ~16 skips that take torch's default 2**16 down to 1; it took
+    the 142 down to 2**-126). A no-op when the sentinel module was never imported, no
+    context is active, or nothing was checked (``found`` None)."""
     numerics = sys.modules.get("numstab.frameworks.torch.numerics")
     if numerics is None or found is None:
         return
+    bound = max(floor, 1.0)
 
     def handled() -> torch.Tensor:
-        return torch.where((found != 0) & (scale.to(found.device) > floor), math.nan, 0.0)
+        return torch.where((found != 0) & (scale.to(found.device) > bound), math.nan, 0.0)
 
     numerics.settle((p for group in optimizer.param_groups for p in group["params"]), handled)
 
