@@ -53,11 +53,12 @@ SCRIPT = textwrap.dedent(
         assert err <= ulps * EPS, (what, err)
 
 
-    cases = [  # 48 rows: one chunk, 12 strided chunks of 4, 6 of 8 (ignored rows, -inf bias)
+    cases = [  # 48 rows: one chunk, 12 strided chunks of 4, 4 of 12, 3 of 16 (rows per chunk a
+        # multiple of the 4 devices; ignored rows, a -inf bias)
         (None, "mean", {}),
         (5, "mean", {}),
         (12, "sum", dict(label_smoothing=0.1, z_loss=1e-3)),
-        (7, "none", dict(label_smoothing=0.2)),
+        (16, "none", dict(label_smoothing=0.2)),
         (5, "mean", dict(bias=bias, label_smoothing=0.1)),
         (30, "mean", {}),  # one full chunk and a short tail asked for: 3 strided chunks of 16
     ]
@@ -93,7 +94,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_rows_stay_sharded_on_an_auto_mesh():
-    """Rows sharded over an Auto mesh axis, one chunk and several (4, 7, 12 rows asked for),
+    """Rows sharded over an Auto mesh axis, one chunk and several (5, 12, 16, 30 rows asked for),
     "mean", "sum", "none" (row order), smoothing, z-loss, ignored rows and a -inf bias: no
     all-gather in the compiled step, ``dhidden`` sharded ``P("d")``, values and gradients
     as the unfused loss's."""
@@ -113,11 +114,12 @@ def test_rows_stay_sharded_on_an_auto_mesh():
 @pytest.mark.parametrize(
     ("rows", "chunk", "count"),
     [
-        (48, 5, 12),  # 10 chunks would be needed: 12 divide 48, 16 have more factors 2
+        (48, 5, 12),  # 10 chunks would be needed: 12 divide 48 (11 and 12 in range)
         (4096, 1024, 4),  # the default chunk at 8 x 512 rows, vocab 8192: as it was
-        (3000, 158, 25),  # 20 chunks of 150 would split 4 devices' blocks; 25 of 120 do not
+        (3000, 158, 20),  # 19 needed: 20 (of 19 to 23) divides 3000
         (48, 24, 3),  # 3 chunks of 16 rows keep more factors 2 than 2 chunks of 24
         (64, 4, 16),
+        (8184, 128, 66),  # B * (T - 1) rows: 64 needed, 66 of 124 rows (not 93 of 88)
     ],
 )
 def test_strided_count_divides_the_rows(rows, chunk, count):
@@ -133,3 +135,4 @@ def test_strided_count_is_none_without_a_divisor():
     from numstab.frameworks.jax import fused
 
     assert fused.strided_count(97, 10) is None
+    assert fused.strided_count(2046, 128) is None  # 22 chunks of 93: too small (16 needed)

@@ -121,12 +121,13 @@ def scan_chunks(step, carry, inputs, chunk: int, rows: int):
 
 def strided_count(rows: int, chunk: int) -> int | None:
     """The number n of strided chunks for ``rows`` rows of at most ``chunk``: a divisor of
-    ``rows`` from ceil(rows / chunk) to twice that (chunks of at least about chunk / 2 rows),
-    the one with the fewest factors 2 (rows / n then keeps most: a mesh of 2^k devices
-    dividing rows / n keeps the row blocks local), then the smallest; None when there is none
-    (a prime number of rows, say)."""
+    ``rows`` from low = ceil(rows / chunk) to low + max(low // 4, 1) (chunks of at least
+    about 4/5 of ``chunk``: smaller ones cost time, 23% at 2046 rows in 31 chunks of 66 rows
+    for 16 of 128), the one with the fewest factors 2 (rows / n then keeps most: a mesh of
+    2^k devices dividing rows / n keeps the row blocks local), then the smallest; None when
+    there is none (a prime number of rows, say)."""
     low = -(-rows // chunk)
-    found = [n for n in _divisors(rows) if low <= n <= 2 * low]
+    found = [n for n in _divisors(rows) if low <= n <= low + max(low // 4, 1)]
     if not found:
         return None
     return min(found, key=lambda n: ((n & -n), n))
