@@ -108,7 +108,9 @@ def host_scalar(value: Any) -> Any:
         return value
     try:
         return int(value) if kind == "i" else float(value)
-    except (TypeError, RuntimeError):  # a JAX or TF tracer (TypeError), torch.vmap's tensor
+    except (TypeError, RuntimeError, AttributeError):  # a JAX or TF tracer (TypeError),
+        # torch.vmap's tensor (RuntimeError), a tf.Variable read inside tf.function (its
+        # symbolic value has no .numpy(): AttributeError)
         return TRACED
 
 

@@ -89,3 +89,18 @@ def test_a_traced_max_norm_that_cannot_be_checked_clips_nothing(value):
     assert float(norm) == 13.0
     for key in GRADS:
         np.testing.assert_array_equal(np.asarray(out[key]), GRADS[key])
+
+
+def test_a_variable_max_norm_inside_tf_function():
+    """A ``tf.Variable`` / ``keras.Variable`` (a Keras hyperparameter) read inside
+    ``tf.function`` has no readable value: it is traced (it raised Python's AttributeError,
+    ``'SymbolicTensor' object has no attribute 'numpy'``)."""
+    tf = pytest.importorskip("tensorflow")
+    keras = pytest.importorskip("keras")
+    tree = {k: tf.constant(x) for k, x in GRADS.items()}
+    want, _ = ns.clip_by_global_norm(tree, 6.5)
+    for variable in (tf.Variable(6.5), keras.Variable(6.5)):
+        out, norm = tf.function(lambda g, v=variable: ns.clip_by_global_norm(g, v))(tree)
+        assert float(norm) == 13.0
+        for key in GRADS:
+            _within_rounding(out[key].numpy(), want[key].numpy())
