@@ -357,11 +357,14 @@ def surely_finite(fields: list[Field], batch_axis: int) -> bool:
     return True
 
 
-def outlier_features(batch: Any, parts: Batch, spec: Any, batch_axis: int, n: int) -> np.ndarray:
+def outlier_features(
+    batch: Any, parts: Batch, spec: Any, batch_axis: int, n: int, widths: list | None = None
+) -> np.ndarray:
     """The (n, d) float64 host matrix the outlier filter sees (``n``: the batch's samples):
     from ``spec``, the firewall's ``outlier_fields`` (None: every floating batched field, each
     flattened per sample, a complex one as both parts; paths: those fields; a callable:
-    ``_called_features`` of what it returns)."""
+    ``_called_features`` of what it returns). ``widths`` (if given) receives each field's
+    ``(label, features per sample)``."""
     if callable(spec):
         return _called_features(spec(batch), n)
     fields = [f for f in parts.float_fields if f.batched]
@@ -379,12 +382,24 @@ def outlier_features(batch: Any, parts: Batch, spec: Any, batch_axis: int, n: in
         x = f.backend.real_view(f.value) if v.is_complex(f.dtype) else f.value  # both parts
         x = np.moveaxis(f.backend.to_numpy(x), batch_axis, 0)
         columns.append(x.reshape(x.shape[0], -1).astype(np.float64))
+        if widths is not None:
+            widths.append((f.label, columns[-1].shape[1]))
     if not columns:
         raise InvalidArgumentError(
             "Expected at least one floating batched field for the outlier filter. "
             "Received: none (pass outlier_fields= a callable to build features)"
         )
     return np.concatenate(columns, axis=1)
+
+
+def changed_widths(before: list | None, now: list) -> str:
+    """The fields whose features per sample differ between two ``widths`` lists, as
+    ``"['x'] 48 -> 47"`` (a field new or gone: ``-`` for its missing side); "" if unknown."""
+    if not before or not now:
+        return ""
+    old, new = dict(before), dict(now)
+    changed = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+    return ", ".join(f"{k} {old.get(k, '-')} -> {new.get(k, '-')}" for k in changed)
 
 
 def _called_features(x: Any, n: int) -> np.ndarray:

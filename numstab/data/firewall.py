@@ -17,6 +17,7 @@ Outliers follow ``outlier_policy`` (default: ``"raise"`` under ``policy="raise"`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -24,10 +25,11 @@ import numpy as np
 
 from numstab import _validate as v
 from numstab import frameworks
-from numstab.data import _lean, quarantine
+from numstab.data import _filter_state, _lean, quarantine
 from numstab.data._fast import SUSPECT, clean_batch_size
 from numstab.data._fields import (
     Batch,
+    changed_widths,
     check_batch_axis,
     check_replace_value,
     check_replacement,
@@ -53,7 +55,8 @@ class Firewall:
 
     Args:
         policy: ``"drop"``, ``"replace"`` or ``"raise"`` for samples with NaN/inf.
-        outliers: None, ``"zscore"``, ``"mad"``, ``"isolation_forest"`` or an OutlierFilter.
+        outliers: None, ``"zscore"``, ``"mad"`` (each a 0.05% per-sample false-positive
+            budget, whatever d), ``"isolation_forest"`` or an OutlierFilter.
         outlier_policy: ``"drop"`` or ``"raise"``; see the module docstring for the default.
         outlier_fields: the paths (as in BatchReport) whose values form a sample's features,
             or a callable ``batch -> (n, d) array``; default: every floating batched field,
@@ -93,6 +96,8 @@ class Firewall:
         self._epoch_start = 0  # stats.batches_seen when the epoch began
         self._epoch = 0
         self._replaceable: set[str] = set()  # dtypes replace_value is finite in
+        self._tag, self._tag_pid = "", None  # quarantine file-name tag in a torch worker
+        self._widths: list | None = None  # (field, features per sample) of the last batch
 
     def check_replaceable(self, fields: Iterable[tuple[str, str]]) -> None:
         """Under ``"replace"``, ``replace_value`` must be finite in the dtype of each
@@ -104,6 +109,16 @@ class Firewall:
             if dtype not in self._replaceable:
                 check_replacement(label, dtype, self.replace_value)
                 self._replaceable.add(dtype)
+
+    def state_dict(self) -> dict:
+        """The stats, epoch counters and outlier filter's state, for a resumed run to go on
+        numbering epochs, batches and global indices (``_filter_state.firewall_state``)."""
+        return _filter_state.firewall_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict`` (checked first; ``InvalidArgumentError`` leaves the
+        firewall unchanged). The next ``iter`` of ``protect`` starts epoch ``stats.epochs``."""
+        _filter_state.load_firewall_state(self, state)
 
     @property
     def _batch_in_epoch(self) -> int:
@@ -202,6 +217,7 @@ class Firewall:
                 flagged,
                 first_index + flagged,
                 reasons,
+                self._tag,
             )
             self.stats.quarantine_files.append(path)
         self._maybe_raise(report, bad, outlier, first_index, number)
@@ -215,14 +231,23 @@ class Firewall:
         non-finite ones) and its learning step, for ``process`` to call once every check
         passed (``OutlierFilter.screen``). A filter that overrides ``__call__`` is called
         (and learns) here: ``learn`` is then None."""
-        features = outlier_features(batch, parts, self.outlier_fields, self.batch_axis, len(bad))
+        widths: list = []
+        fields, axis = self.outlier_fields, self.batch_axis
+        features = outlier_features(batch, parts, fields, axis, len(bad), widths)
         flags = np.zeros(len(bad), dtype=bool)
         good = ~bad
         learn = None
-        if type(self.outliers).__call__ is OutlierFilter.__call__:
-            flags[good], learn = self.outliers.screen(features[good])
-        else:
-            flags[good] = self.outliers(features[good])
+        try:
+            if type(self.outliers).__call__ is OutlierFilter.__call__:
+                flags[good], learn = self.outliers.screen(features[good])
+            else:
+                flags[good] = self.outliers(features[good])
+        except InvalidArgumentError as exc:
+            changed = changed_widths(self._widths, widths)
+            if not changed:
+                raise
+            raise InvalidArgumentError(f"{exc}. Fields that changed: {changed}") from None
+        self._widths = widths
         return flags, learn
 
     def _action(self, is_bad: bool) -> str:
@@ -306,20 +331,26 @@ class Firewall:
         """A DataLoader ``collate_fn``: ``collate`` (default: torch's ``default_collate``),
         then ``process``. Only in the main process (``num_workers=0``): a worker's copy of
         the stats would be lost, so inside a worker it raises unless ``quarantine_dir`` is
-        set (then the files are the record). All-dropped batches come back empty."""
-        from numstab import frameworks
-
+        set (then the files are the record). A worker's files carry a tag unique to the
+        worker process (``quarantine.worker_tag``); their epoch, batch and ``index`` count
+        that worker copy's batches and samples from 0 (a worker sees every num_workers-th
+        batch, and non-persistent workers start over each epoch): carry an id field for the
+        dataset index. All-dropped batches come back empty."""
         torch_data = frameworks.module("torch", "data")
         collate = torch_data.default_collate if collate is None else collate
 
         def collate_and_guard(samples: list) -> Any:
-            if torch_data.in_worker() and self.quarantine_dir is None:
-                raise InvalidArgumentError(
-                    "Expected the firewall's collate_fn in the main process (num_workers=0), "
-                    "where its stats are kept, or a quarantine_dir to record flagged samples "
-                    "from workers. Received: a DataLoader worker without quarantine_dir. "
-                    "Prefer numstab.data.protect(loader)."
-                )
+            worker = torch_data.worker_id()
+            if worker is not None:
+                if self.quarantine_dir is None:
+                    raise InvalidArgumentError(
+                        "Expected the firewall's collate_fn in the main process (num_workers="
+                        "0), where its stats are kept, or a quarantine_dir to record flagged "
+                        "samples from workers. Received: a DataLoader worker without "
+                        "quarantine_dir. Prefer numstab.data.protect(loader)."
+                    )
+                if self._tag_pid != os.getpid():  # this worker process's first batch
+                    self._tag, self._tag_pid = quarantine.worker_tag(worker), os.getpid()
             saved, self.keep_empty = self.keep_empty, True
             try:
                 return self.process(collate(samples))
@@ -355,7 +386,8 @@ def _check_outlier_fields(spec: Features) -> Features:
 class GuardedIterable:
     """An iterable over the source's batches after the firewall; ``stats`` as in Firewall.
     Each ``iter()`` is a new epoch over the source (a DataLoader reshuffles as usual).
-    ``len()`` is the source's number of batches; fully dropped batches are skipped."""
+    ``len()`` is the source's number of batches; fully dropped batches are skipped (a batch
+    that came empty from the source is handed on as it came: the firewall dropped nothing)."""
 
     def __init__(self, source: Iterable, firewall: Firewall) -> None:
         self.source, self.firewall = source, firewall
@@ -372,7 +404,15 @@ class GuardedIterable:
                 yield out
 
     def __len__(self) -> int:
-        return len(self.source)
+        """``len(source)``. A source without ``len`` (a generator) raises ``TypeError``, as
+        ``len`` does: ``list()`` and other length hints expect exactly that error."""
+        try:
+            return len(self.source)
+        except TypeError:
+            raise TypeError(
+                f"len() of a protected stream is its source's number of batches. Received: a "
+                f"source of type {type(self.source).__name__}, which has no len()"
+            ) from None
 
     def as_tf_dataset(self, output_signature: Any = None) -> Any:
         """This stream as a ``tf.data.Dataset`` (``from_generator``) for Keras' ``fit``;

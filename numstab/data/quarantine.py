@@ -1,7 +1,10 @@
 """Write flagged samples to disk as ``.npz`` (no pickle), atomically (temp file, fsync,
 rename: ``numstab.guard.snapshots.write_npz_atomic``).
 
-One file per batch with flagged samples: ``{prefix}-e{epoch:04d}-b{batch:06d}.npz`` holding
+One file per batch with flagged samples: ``{prefix}-e{epoch:04d}-b{batch:06d}{tag}.npz``
+(``tag`` is empty in the main process; in a torch DataLoader worker it is
+``-w{worker:02d}-p{pid}-{8 hex digits}``, unique per worker process, so workers that number
+their batches alike never write the same file) holding
 
 - ``index``, ``position`` (int64): global stream indices and positions in the batch;
 - ``reason`` (str): ``"nonfinite"`` or ``"outlier"`` per sample;
@@ -14,6 +17,7 @@ Every array is plain (no object dtype): ``np.load(path, allow_pickle=False)`` re
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 import numpy as np
@@ -77,6 +81,7 @@ def write(
     positions: np.ndarray,
     indices: np.ndarray,
     reasons: list[str],
+    tag: str = "",
 ) -> str:
     arrays: dict[str, np.ndarray] = {
         "index": np.asarray(indices, dtype=np.int64),
@@ -95,6 +100,12 @@ def write(
         paths.append(field.label)
     arrays["paths"] = np.asarray(paths, dtype=str)
     os.makedirs(directory, exist_ok=True)
-    target = os.path.join(directory, f"{prefix}-e{epoch:04d}-b{batch_number:06d}.npz")
+    target = os.path.join(directory, f"{prefix}-e{epoch:04d}-b{batch_number:06d}{tag}.npz")
     write_npz_atomic(target, arrays)
     return target
+
+
+def worker_tag(worker: int) -> str:
+    """The file-name tag of a DataLoader worker process: ``-w{worker:02d}-p{pid}-{uuid}``
+    (8 hex digits of a random uuid: a pid may be reused by a later epoch's worker)."""
+    return f"-w{worker:02d}-p{os.getpid()}-{uuid.uuid4().hex[:8]}"

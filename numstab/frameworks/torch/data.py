@@ -13,13 +13,19 @@ from torch.utils.data import default_collate
 
 from numstab.frameworks.torch.host import host_view as _view
 
-__all__ = ["batch_leaf", "default_collate", "flat_leaf", "host_view", "in_worker"]
+__all__ = ["batch_leaf", "default_collate", "flat_leaf", "host_view", "in_worker", "worker_id"]
 
 
 def in_worker() -> bool:
     """True inside a DataLoader worker process (looked up at each call, as torch's own
     helpers do)."""
     return torch_data.get_worker_info() is not None
+
+
+def worker_id() -> int | None:
+    """The DataLoader worker's id (0 to num_workers - 1); None in the main process."""
+    info = torch_data.get_worker_info()
+    return None if info is None else int(getattr(info, "id", 0))
 
 
 _HOST_FLOATS = (torch.float32, torch.float64, torch.float16)
