@@ -2,13 +2,16 @@
 
     trainer = lightning.Trainer(callbacks=[NumstabCallback()], precision="bf16-mixed")
 
-The same behaviour as the Hugging Face callback (``numstab.integrations.transformers``), from
-one implementation (``numstab.frameworks.torch.step_guard``): a step whose loss or
-gradients are non-finite, or that spikes, does not reach the weights or the optimizer's state;
-the run goes on; the first non-finite step is located (``locate_nonfinite`` replays that
-batch's ``training_step``); rollbacks as ``TrainingGuard`` says. Logged with ``self.log``
-every step: ``numstab/grad_norm``, ``numstab/skipped_steps``, and ``numstab/loss_scale``
-under "16-mixed".
+The Hugging Face callback's behaviour (``numstab.integrations.transformers``), from one
+implementation (``numstab.frameworks.torch.step_guard``), except for the LR schedule (a
+skipped step still steps Lightning's ``interval="step"`` schedulers, below): a step whose
+loss or gradients are non-finite, or that spikes, does not reach the weights or the
+optimizer's state; the run goes on; the first non-finite step is located
+(``locate_nonfinite`` replays the ``training_step`` of that step's batches, every
+micro-batch under ``accumulate_grad_batches``, until one names a layer); rollbacks as
+``TrainingGuard`` says. The skip warning names Lightning's ``global_step`` of the step (as
+logged after it). Logged with ``self.log`` every step: ``numstab/grad_norm``,
+``numstab/skipped_steps``, and ``numstab/loss_scale`` under "16-mixed".
 
 - The loss is the one Lightning hands to ``on_before_backward``, divided by the GradScaler's
   scale ("16-mixed") and, under automatic optimization, times ``accumulate_grad_batches``
@@ -38,8 +41,9 @@ under "16-mixed".
   makes its later ones itself (``StepGuard.wrap``); a skipped step makes none.
   ``max_grad_norm`` with LBFGS raises ``InvalidArgumentError`` when training starts (only
   the first evaluation would be clipped).
-- Lightning steps its LR schedulers after every optimizer step it asked for, also a skipped
-  one (as after its own GradScaler's skips).
+- Lightning steps its LR schedulers (``interval="step"``) after every optimizer step it
+  asked for, also a skipped one (as after its own GradScaler's skips), where the Hugging
+  Face callback leaves the schedule alone on a skipped step.
 - Manual optimization: the first non-finite step is located by replaying its
   ``training_step``, which calls ``optimizer.step()`` itself. While it runs, what would
   change the training is switched off: the optimizers' ``step`` (it only calls a closure
@@ -111,6 +115,7 @@ class NumstabCallback(GuardedCallback, pl.Callback):
                 f"times a step, and the callback would clip the first evaluation's gradients "
                 f"only. Drop max_grad_norm. Received: optimizer {type(optimizer).__name__}"
             )
+        self.step_guard.loop_step = lambda: trainer.global_step + 1  # as logged after it
         if self.step_guard.attach(pl_module, optimizer, scheduler, hook_loss=False):
             precision = trainer.precision_plugin
             self.step_guard.wrap(
@@ -124,7 +129,7 @@ class NumstabCallback(GuardedCallback, pl.Callback):
         step = pl_module.training_step
         if not pl_module.automatic_optimization:
             step = _ManualReplay(trainer, pl_module)
-        self.step_guard.replay = functools.partial(step, batch, batch_idx)
+        self.step_guard.keep_replay(functools.partial(step, batch, batch_idx))
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # the loss as Lightning hands it over: multiplied by the GradScaler's scale

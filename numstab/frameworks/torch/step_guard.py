@@ -13,7 +13,9 @@ return it (``output.loss``, as Hugging Face models do when given labels), from a
 With gradient accumulation the step's loss is the mean of its micro-batches' losses, or their
 sum where each is already its part of the step's loss: a forward given ``num_items_in_batch``
 (transformers divides each micro-batch's summed loss by the step's item count then, and logs
-the sum). Without any loss the guard decides on the gradients alone (a loss of 0 is passed).
+the sum). A step without any loss (the ``Trainer`` pops ``labels`` for
+``label_smoothing_factor`` or ``compute_loss_func``) is decided on the gradients alone
+(``step_without_loss``; warned once). Before, a loss of 0 went into the loss window.
 
 fp16 with a ``torch.amp.GradScaler``: non-finite gradients are the scaler's to handle (it
 skips the step and lowers the scale), so the real step still runs and the guard only records
@@ -24,15 +26,16 @@ the scaler's iteration with its scale unchanged (``scaler.update(new_scale=scale
 backward pass made them: for a good step the checked gradients are multiplied by
 ``min(1, M / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s formula, on the device,
 no host read) with the norm the guard decided on (``TorchGuard.measure_grads``, taken once),
-then the real step runs. For loops that clip
-before any callback runs (the ``Trainer``), which must then not clip themselves. Gradients
+then the real step runs. For loops that clip before any callback runs (the ``Trainer``),
+which must then not clip themselves. Gradients
 still scaled by an enabled GradScaler are unscaled first (``unscale_``). Refused for DTensor
 parameters (FSDP2, tensor parallel): the norm there is not the one to clip with here.
 
-On the first non-finite step, ``locate_nonfinite`` runs once on the step's last batch
-(``replay``: the model's forward as the loop called it, or Lightning's ``training_step``) and
-its report (the first bad layer) is kept in ``first_nonfinite_report`` and logged; where it
-fails (a compiled module), the failure is logged once and it is not tried again. The replay
+On a non-finite step, ``locate_nonfinite`` replays the step's micro-batches (``locate_step``:
+every training forward since the last optimizer step, as the loop called it), until one names
+a layer: that report is ``first_nonfinite_report`` (logged), and later steps are not located.
+Where none does, "not reproduced" is logged and the next non-finite step is tried (3 at most).
+Where locating fails (a compiled module), that is logged once and not tried again. The replay
 leaves the training state alone: while it runs, the guarded step only calls its closure
 (no decision, count, step or second locate), a recorded loss is dropped, the RNG states are
 forked and the model's buffers (BatchNorm statistics) put back afterwards.
@@ -58,13 +61,17 @@ from numstab import _validate as v
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.backend import is_dtensor
 from numstab.frameworks.torch.step_guard_parts import (
-    _kept_state,
-    _loss_of,
-    _Replay,
+    MicroBatch,
     _scaled,
+    check_loop_clipping,
     clip_with_norm,
+    clipping_step,
     closure_step,
+    locate_step,
+    output_loss,
     scale_of,
+    skip_message,
+    step_without_loss,
 )
 from numstab.guard.guard import TrainingGuard
 from numstab.guard.runner import resume_from_plain
@@ -106,7 +113,9 @@ class StepGuard:
         self._held: list[torch.Tensor] = []  # the coming step's losses (hold_losses)
         self._parts = False  # the recorded losses are parts of the step's loss: summed
         self.part_scale = 1  # a part's factor (the Trainer's across ranks: its process count)
-        self.replay: functools.partial | None = None  # the last batch's forward, as called
+        self._batches: list[MicroBatch] = []  # the step's training forwards, for locate
+        self._held_batches: list[MicroBatch] = []  # those of the held losses
+        self.loop_step: Callable[[], int] | None = None  # the loop's global_step (messages)
         self._hooks: list[Any] = []
         self._resume: tuple[dict, Any, dict] | None = None  # loaded, for the next attach
 
@@ -142,6 +151,7 @@ class StepGuard:
             )
         self.model = model
         self.first_nonfinite_report, self._locate_failed, self.replay = None, False, None
+        self._unreproduced, self._warned_no_loss = 0, False
         # these loops branch on every step's outcome (the Trainer's overflow flag, the
         # GradScaler): the decision is read each step, whatever host_every says
         guard = dataclasses.replace(self.guard, host_every=1)
@@ -252,6 +262,26 @@ class StepGuard:
             self._unwrap = None
         self._losses.clear()
         self._held = []
+        self.replay = None
+
+    @property
+    def replay(self) -> functools.partial | None:
+        """The replay of the step's last training forward (None before one); setting it keeps
+        one more micro-batch of the step (``keep_replay``), None forgets the step's."""
+        return self._batches[-1].replay if self._batches else None
+
+    @replay.setter
+    def replay(self, value: functools.partial | None) -> None:
+        if value is None:
+            self._batches, self._held_batches = [], []
+        else:
+            self.keep_replay(value)
+
+    def keep_replay(self, replay: functools.partial) -> None:
+        """A training forward of the coming step (a micro-batch), for ``locate_nonfinite``;
+        none while locating."""
+        if not self._locating:
+            self._batches.append(MicroBatch(replay))
 
     def record_loss(self, loss: torch.Tensor, *, part: bool = False) -> None:
         """The (micro-batch) loss of the current step; none while locating (a replay).
@@ -260,6 +290,8 @@ class StepGuard:
         if not self._locating:
             self._losses.append(loss.detach().float().reshape(()))
             self._parts = part
+            if self._batches:  # the micro-batch it is the loss of
+                self._batches[-1].losses.append(self._losses[-1])
 
     def hold_losses(self) -> None:
         """The losses recorded so far are the coming step's (Lightning's
@@ -268,31 +300,34 @@ class StepGuard:
         them held, and the next ``hold_losses`` drops them. Before, they stayed recorded: the
         next good step averaged the NaN loss in and was skipped as ``nonfinite_loss``."""
         self._held, self._losses = self._losses, []
+        self._held_batches, self._batches = self._batches, []
 
     def drop_step(self) -> None:
-        """Forget what was recorded for a step the guard does not see: the losses and the
-        gradient norms measured (``TorchGuard.measure_grads``)."""
+        """Forget what was recorded for a step the guard does not see: the losses, the kept
+        micro-batches and the gradient norms measured (``TorchGuard.measure_grads``)."""
         self._held, self._losses = [], []
+        self.replay = None
         if self.torch_guard is not None:
             self.torch_guard.forget_measured()
 
-    def _step_loss(self) -> torch.Tensor | float:
-        """The recorded losses' sum where they are parts of the step's, else their mean (0.0
+    def _step_loss(self) -> torch.Tensor | None:
+        """The recorded losses' sum where they are parts of the step's, else their mean (None
         without any); cleared (the held ones too)."""
         losses, self._losses, self._held = self._held + self._losses, [], []
         reduce = torch.sum if self._parts else torch.mean
-        return reduce(torch.stack(losses)) if losses else 0.0
+        return reduce(torch.stack(losses)) if losses else None
 
     # -- the step -------------------------------------------------------------------------------
     def step(self, real_step: Callable[[], Any], scaler: Any = None) -> bool:
         """Decide on the step; run ``real_step`` when it is good. Returns whether it ran."""
         loss = self._step_loss()
+        batches, self._held_batches, self._batches = self._held_batches + self._batches, [], []
         tg = self.torch_guard
         tg.scaler = scaler  # its overflows (the Trainer's fp16) do not count toward rollbacks
         if self.max_grad_norm is None and not tg.measured and _scaled(scaler, tg.optimizer):
             tg.measure_grads(scale_of(scaler))  # a loop whose real step unscales them
-        guarded = real_step if self.max_grad_norm is None else self._clipping(real_step, scaler)
-        applied = tg.step(loss, guarded)
+        guarded = clipping_step(tg, real_step, scaler, self.max_grad_norm)
+        applied = self._decide(loss, guarded)
         if applied:
             return True
         self.skipped += 1
@@ -302,31 +337,27 @@ class StepGuard:
                 real_step()  # the scaler sees the inf, skips the step and backs off
             else:
                 scaler.update(new_scale=scaler.get_scale())  # ends its iteration, scale kept
-        # this step's skip event: after a rollback the last event is the rollback
-        event = next((e for e in reversed(tg.events) if e["event"] == "skip"), {})
-        self.messages.append(
-            f"numstab: skipped step {event.get('step')} ({', '.join(event.get('reasons', []))})"
-        )
-        log.warning(self.messages[-1])  # before locate's messages (it logged theirs instead)
+        self._note(skip_message(tg.events, self.loop_step))  # before locate's messages
         if nonfinite and self.locate and self.first_nonfinite_report is None:
-            self._locate()
+            self._locate(batches)
         return False
 
-    def _clipping(self, real_step: Callable[[], Any], scaler: Any) -> Callable[[], Any]:
-        """``real_step`` preceded by clipping to ``max_grad_norm``, with the norm the guard is
-        about to decide on: measured here once (``step_grad_norm``; kept if the loop measured
-        already), on gradients unscaled first where a GradScaler still holds them scaled."""
-        tg = self.torch_guard
-        if _scaled(scaler, tg.optimizer):
-            scaler.unscale_(tg.optimizer)
-        total = tg.step_grad_norm()
+    def _decide(self, loss: torch.Tensor | None, step_fn: Callable[[], Any]) -> bool:
+        """``TorchGuard.step``; without a loss (None) ``step_without_loss`` (warned once)."""
+        if loss is not None:
+            return self.torch_guard.step(loss, step_fn)
+        if not self._warned_no_loss:
+            self._warned_no_loss = True
+            self._note(
+                "numstab: no loss found for this step (the model's output holds none: the "
+                "Trainer pops labels for label_smoothing_factor or compute_loss_func); the "
+                "guard decides on the gradients alone, without its loss rules"
+            )
+        return step_without_loss(self.torch_guard, step_fn)
 
-        def clipped_step() -> Any:
-            if total is not None:
-                clip_with_norm(tg.grads(), self.max_grad_norm, total, tg.step_norm)
-            return real_step()
-
-        return clipped_step
+    def _note(self, message: str) -> None:
+        self.messages.append(message)
+        log.warning(message)
 
     @property
     def grad_norm(self) -> float | None:
@@ -344,7 +375,7 @@ class StepGuard:
 
     def _keep_batch(self, module: Any, args: tuple, kwargs: dict) -> None:
         if self._training_call(module):
-            self.replay = functools.partial(module.forward, *args, **kwargs)
+            self.keep_replay(functools.partial(module.forward, *args, **kwargs))
 
     def _loss_from_output(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         """``output.loss`` of a training forward: with ``num_items_in_batch`` (the Trainer's, to
@@ -352,40 +383,38 @@ class StepGuard:
         Trainer takes it), which the Trainer sums; else a micro-batch mean, which it averages."""
         if not self._training_call(module):
             return  # an evaluation's loss (a NaN of a dirty eval set) is no training step's
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, dict):
-            loss = output.get("loss")
+        loss = output_loss(output)
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             part = kwargs.get("num_items_in_batch") is not None
             self.record_loss(loss.detach() * self.part_scale if part else loss, part=part)
 
-    def _locate(self) -> None:
-        """``locate_nonfinite`` on the last batch; the model is called as the loop called it."""
-        from numstab.locate import locate_nonfinite
-
-        if self.replay is None or self._locate_failed:
+    def _locate(self, batches: list[MicroBatch]) -> None:
+        """``locate_step`` on the step's micro-batches; the model is called as the loop
+        called it. The report is kept only where it names a layer."""
+        if not batches or self._locate_failed or self._unreproduced >= _LOCATE_TRIES:
             return
         self._locating = True  # locating calls the model again: the hooks must not record
-        replay = self.replay  # a partial: the batch goes in as the model's arguments, so
-        # locate sees them (a NaN input is the input's, not the model's own code's)
         try:
-            with _kept_state(self.model):
-                report = locate_nonfinite(
-                    _Replay(self.model, replay.func),
-                    *replay.args,
-                    loss_fn=_loss_of,
-                    **replay.keywords,
-                )
+            report, replayed = locate_step(self.model, batches)
         except Exception as exc:  # locating is a diagnosis: it must never end the run
             self._locate_failed = True  # it would fail the same way on every bad step
-            self.messages.append(f"numstab: locate_nonfinite failed: {exc!r}")
-            log.warning(self.messages[-1])
+            self._note(f"numstab: locate_nonfinite failed: {exc!r}")
             return
         finally:
             self._locating = False
-        self.first_nonfinite_report = report
-        self.messages.append(f"numstab: first non-finite layer: {report}")
-        log.warning(self.messages[-1])
+        if report.found:
+            self.first_nonfinite_report = report
+            self._note(f"numstab: first non-finite layer: {report}")
+            return
+        self._unreproduced += 1
+        again = "tried again at the next one" if self._unreproduced < _LOCATE_TRIES else "not again"
+        self._note(
+            f"numstab: locate_nonfinite: the non-finite step was not reproduced on the step's "
+            f"{replayed} micro-batch(es) ({report}); {again}"
+        )
+
+
+_LOCATE_TRIES = 3  # non-finite steps located without a finding before locating stops
 
 
 class GuardedCallback:
@@ -417,17 +446,5 @@ class GuardedCallback:
         return self.step_guard.first_nonfinite_report
 
     def _check_loop_clipping(self, loop_norm: float | None, setting: str, off: str) -> None:
-        """Refuse ``max_grad_norm`` where the loop clips too (``loop_norm`` > 0, set as
-        ``setting``; ``off`` switches it off): clipped twice, the second time with the norm
-        before the first, or the guard deciding on clipped gradients (the ``Trainer``)."""
-        max_norm = self.step_guard.max_grad_norm
-        if max_norm is None or not (loop_norm or 0) > 0:
-            return
-        raise InvalidArgumentError(
-            f"Expected {off} with NumstabCallback(max_grad_norm={max_norm}): the callback "
-            f"clips the gradients itself after the guard decided, and the loop clips them "
-            f"too, so they would be clipped twice (or the guard would decide on clipped "
-            f"gradients). Keep {off} (the callback clips to {max_norm} itself), or drop the "
-            f"callback's max_grad_norm to keep the loop's clipping. Received: "
-            f"{setting}={loop_norm}"
-        )
+        """``check_loop_clipping`` with the callback's ``max_grad_norm``."""
+        check_loop_clipping(self.step_guard.max_grad_norm, loop_norm, setting, off)

@@ -1,14 +1,19 @@
 """Pieces of ``step_guard`` (the guard for loops that call ``optimizer.step()`` themselves):
-the replay's kept state and module, clipping with a norm taken already, the GradScaler's stage,
-and the step of an optimizer that takes a closure (``closure_step``)."""
+the step's micro-batches and their replay (``MicroBatch``, ``locate_step``), clipping with a
+norm taken already, the GradScaler's stage, and the step of an optimizer that takes a closure
+(``closure_step``)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from numstab.errors import InvalidArgumentError
 
 
 @contextlib.contextmanager
@@ -75,10 +80,55 @@ class _Replay(torch.nn.Module):
         return self._forward(*args, **kwargs)
 
 
-def _loss_of(output: Any) -> torch.Tensor:
+@dataclasses.dataclass
+class MicroBatch:
+    """One training forward since the last optimizer step, kept for ``locate_nonfinite``:
+    ``replay`` (a partial: the model's forward, or Lightning's ``training_step``, with the
+    batch as the loop passed it: references, no copy) and the losses recorded for it
+    (detached 0-d tensors, read on the host only on a non-finite step)."""
+
+    replay: functools.partial
+    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def loss_finite(self) -> bool:
+        """False where a recorded loss is NaN or inf (one host read per loss)."""
+        return all(bool(torch.isfinite(x).all()) for x in self.losses)
+
+
+def locate_step(model: torch.nn.Module, batches: list[MicroBatch]) -> tuple[Any, int]:
+    """``locate_nonfinite`` on the step's micro-batches, those whose recorded loss is
+    non-finite first (each group in the loop's order), until one reports a non-finite layer.
+    Returns ``(report, replayed)``: the report that found one, else the last (clean) one, and
+    how many micro-batches were replayed. Each replay runs with the RNG forked and the buffers
+    put back (``_kept_state``); an exception (a compiled module) is the caller's."""
+    from numstab.locate import locate_nonfinite
+
+    bad = [b for b in batches if not b.loss_finite()]
+    order = bad + [b for b in batches if all(b is not x for x in bad)]
+    report, replayed = None, 0
+    for batch in order:
+        replay = batch.replay  # the batch goes in as the model's arguments, so locate sees
+        # them (a NaN input is the input's, not the model's own code's)
+        with _kept_state(model):
+            report = locate_nonfinite(
+                _Replay(model, replay.func), *replay.args, loss_fn=_loss_of, **replay.keywords
+            )
+        replayed += 1
+        if report.found:
+            break
+    return report, replayed
+
+
+def output_loss(output: Any) -> Any:
+    """``output.loss`` (a Hugging Face ``ModelOutput``) or ``output["loss"]``; None without."""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
+    return loss
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    loss = output_loss(output)
     if loss is None:
         loss = output if isinstance(output, torch.Tensor) else None
     if loss is None:
@@ -124,3 +174,70 @@ def scale_of(scaler: Any) -> Any:
     if scale is None:
         scale = getattr(getattr(scaler, "_state", None), "scale", None)  # numstab's
     return scale if isinstance(scale, torch.Tensor) else scaler.get_scale()
+
+
+def step_without_loss(torch_guard: Any, step_fn: Callable[[], Any]) -> bool:
+    """``torch_guard.step`` for a step without any loss: on the gradients alone. Its guard's
+    ``loss_spikes`` is off for this step (``policy.decide`` neither scores nor pushes the loss:
+    the loss window stays as it was, a resumed one too), and 0.0 stands for the loss, which no
+    rule reads then (it is finite). The guard is put back after."""
+    full = torch_guard.guard
+    torch_guard.guard = dataclasses.replace(full, loss_spikes=None)
+    try:
+        return torch_guard.step(0.0, step_fn)
+    finally:
+        torch_guard.guard = full
+
+
+def skip_message(events: list[dict], loop_step: Callable[[], int] | None) -> str:
+    """The skip warning: the step's own reasons (its last skip event: after a rollback the last
+    event is the rollback's) and the guard's own 0-based step count; with ``loop_step`` (a
+    callback's: the loop's ``global_step`` of the step, the value its logs show for it) that
+    number first."""
+    event = next((e for e in reversed(events) if e["event"] == "skip"), {})
+    reasons = ", ".join(event.get("reasons", []))
+    if loop_step is None:
+        return f"numstab: skipped step {event.get('step')} ({reasons})"
+    return (
+        f"numstab: skipped global_step {loop_step()} ({reasons}; the guard's step "
+        f"{event.get('step')})"
+    )
+
+
+def check_loop_clipping(
+    max_norm: float | None, loop_norm: float | None, setting: str, off: str
+) -> None:
+    """Refuse a callback's ``max_norm`` where the loop clips too (``loop_norm`` > 0, set as
+    ``setting``; ``off`` switches it off): clipped twice, the second time with the norm
+    before the first, or the guard deciding on clipped gradients (the ``Trainer``)."""
+    if max_norm is None or not (loop_norm or 0) > 0:
+        return
+    raise InvalidArgumentError(
+        f"Expected {off} with NumstabCallback(max_grad_norm={max_norm}): the callback "
+        f"clips the gradients itself after the guard decided, and the loop clips them "
+        f"too, so they would be clipped twice (or the guard would decide on clipped "
+        f"gradients). Keep {off} (the callback clips to {max_norm} itself), or drop the "
+        f"callback's max_grad_norm to keep the loop's clipping. Received: "
+        f"{setting}={loop_norm}"
+    )
+
+
+def clipping_step(
+    torch_guard: Any, real_step: Callable[[], Any], scaler: Any, max_norm: float | None
+) -> Callable[[], Any]:
+    """``real_step`` preceded by clipping to ``max_norm`` (None: ``real_step`` itself), with
+    the norm the guard is about to decide on: measured here once (``step_grad_norm``; kept if
+    the loop measured already), on gradients unscaled first where a GradScaler still holds
+    them scaled."""
+    if max_norm is None:
+        return real_step
+    if _scaled(scaler, torch_guard.optimizer):
+        scaler.unscale_(torch_guard.optimizer)
+    total = torch_guard.step_grad_norm()
+
+    def clipped_step() -> Any:
+        if total is not None:
+            clip_with_norm(torch_guard.grads(), max_norm, total, torch_guard.step_norm)
+        return real_step()
+
+    return clipped_step

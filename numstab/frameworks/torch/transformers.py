@@ -4,8 +4,12 @@
 
 With its defaults, a run in fp32, bf16 or fp16 survives a batch that makes the loss or the
 gradients non-finite: the optimizer step of that batch is skipped (the weights, the
-optimizer's state and the LR schedule do not move), the run goes on, and the first time it
-happens ``locate_nonfinite`` names the first layer that went non-finite. Every log entry of
+optimizer's state and the LR schedule do not move), the run goes on (the warning names the
+step's ``global_step`` as the Trainer logs it), and the first time it happens
+``locate_nonfinite`` names the first layer that went non-finite (with gradient accumulation
+it replays the step's micro-batches until one names a layer). A model whose output holds no
+loss (``label_smoothing_factor`` or ``compute_loss_func``: the Trainer pops ``labels``) is
+guarded on its gradients alone, without the loss rules (warned once). Every log entry of
 the Trainer gets ``numstab_grad_norm``, ``numstab_skipped_steps`` (and ``numstab_loss_scale``
 under fp16), and ``numstab_first_nonfinite`` once a step was non-finite. Spike skipping,
 snapshots and rollbacks are those of the ``TrainingGuard`` given (default: OLMo-core's spike
@@ -87,6 +91,8 @@ class NumstabCallback(GuardedCallback, TrainerCallback, ExportableState):
         if self.step_guard.max_grad_norm is not None:
             _check_clipping(self.step_guard.max_grad_norm, optimizer)
         self.step_guard.part_scale = _part_scale(args)
+        # the skip warning's step: the global_step the Trainer's log of the step shows
+        self.step_guard.loop_step = lambda: state.global_step + 1
         self._resume(state)
         raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         if not self.step_guard.attach(model, raw, lr_scheduler):
