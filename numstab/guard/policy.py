@@ -2,6 +2,7 @@
 
     finite   = isfinite(loss) and isfinite(grad_norm)
     spike    = loss_spikes.score(loss) or grad_norm_spikes.score(grad_norm)
+               (a step without a loss, or without a norm: that one's rules do not apply)
     apply    = finite and not spike                    # otherwise the step is skipped
     bad[t]   = not apply, kept for the last `rollback_window` steps; not a loss scaler's
                overflow (finite loss, gradients the scaler found non-finite): the scaler's
@@ -188,24 +189,26 @@ def decide(
     guard: TrainingGuard,
     be: Backend,
     state: GuardState,
-    loss: Array,
+    loss: Array | None,
     grad_norm: Array | None,
     *,
     scaler_overflow: Array | None = None,
 ) -> tuple[Decision, GuardState]:
-    """One step's :class:`Decision` and the next state; ``grad_norm=None``: loss only.
-    ``scaler_overflow``: a dynamic loss scaler found this step's gradients non-finite and
-    handles it (a bool array; None: no scaler); with a finite loss the step is skipped but
-    not counted as bad."""
-    loss = be.cast(loss, "float32")
-    norm = be.cast(grad_norm if grad_norm is not None else be.asarray(0.0, like=loss), "float32")
+    """One step's :class:`Decision` and the next state; ``grad_norm=None``: loss only;
+    ``loss=None``: gradients only (a loop whose step has no loss to read: no loss rule is
+    scored and the loss window is not pushed; ``Decision.loss`` is NaN). ``scaler_overflow``:
+    a dynamic loss scaler found this step's gradients non-finite and handles it (a bool
+    array; None: no scaler); with a finite loss the step is skipped but not counted as bad."""
+    zero = be.asarray(0.0, dtype="float32", like=state.lr_factor)
+    has_loss = loss is not None
+    loss = be.cast(loss, "float32") if has_loss else zero
+    norm = be.cast(grad_norm, "float32") if grad_norm is not None else zero
     finite_loss = be.isfinite(loss)
     finite_norm = be.isfinite(norm)
-    zero = be.asarray(0.0, dtype="float32", like=loss)
     no = zero > 1.0  # a 0-d False of the backend
     loss_z, loss_spike = (zero, no)
     norm_z, norm_spike = (zero, no)
-    if guard.loss_spikes is not None:
+    if guard.loss_spikes is not None and has_loss:
         loss_z, loss_spike = guard.loss_spikes.score(be, state.loss_window, loss)
     if guard.grad_norm_spikes is not None and grad_norm is not None:
         norm_z, norm_spike = guard.grad_norm_spikes.score(be, state.grad_norm_window, norm)
@@ -227,7 +230,9 @@ def decide(
     snapshot = apply & (good >= guard.snapshot_every)
 
     new_state = GuardState(
-        loss_window=_push(be, guard.loss_spikes, state.loss_window, loss, apply),
+        loss_window=_push(
+            be, guard.loss_spikes if has_loss else None, state.loss_window, loss, apply
+        ),
         grad_norm_window=_push(
             be,
             guard.grad_norm_spikes if grad_norm is not None else None,
@@ -246,7 +251,7 @@ def decide(
         rollback=rollback,
         snapshot=snapshot,
         reasons=be.cast(reasons, "int32"),
-        loss=loss,
+        loss=loss if has_loss else zero + float("nan"),
         grad_norm=norm if grad_norm is not None else zero + float("nan"),
         loss_z=be.cast(loss_z, "float32"),
         grad_norm_z=be.cast(norm_z, "float32"),

@@ -178,6 +178,17 @@ class TorchGuard(RunnerResults):
 
         With ``host_every`` > 1 the step stays on the device (guard_device.py) and returns a
         :class:`LazyApplied`: ``bool()`` of it reads the flag (a host sync)."""
+        return self._step(_scalar_loss(self._torch, loss, self._norm_device), step_fn)
+
+    def step_without_loss(self, step_fn: Callable[[], Any] | None = None) -> bool | LazyApplied:
+        """``step`` for a step with no loss to read (the ``Trainer`` with
+        ``label_smoothing_factor``): decided on the gradients alone (``policy.decide`` with
+        ``loss=None``: no loss rule, the loss window untouched; the history's loss is NaN)."""
+        return self._step(None, step_fn)
+
+    def _step(
+        self, loss: torch.Tensor | None, step_fn: Callable[[], Any] | None
+    ) -> bool | LazyApplied:
         if step_fn is not None and not callable(step_fn):
             raise InvalidArgumentError(
                 f"Expected step_fn to be a callable or None. Received: step_fn={step_fn!r}"
@@ -186,7 +197,6 @@ class TorchGuard(RunnerResults):
             self._groups_checked = check_own_parameters(
                 self._all, self.optimizer, self._groups_checked
             )
-        loss = _scalar_loss(self._torch, loss, self._norm_device)
         self._buffers.after_forward = True  # a due snapshot takes the buffers after step t
         try:
             self.runner.take_pending_snapshot()
@@ -195,10 +205,13 @@ class TorchGuard(RunnerResults):
         grads = self.grads()
         measured, self._measured = self._measured, None
         self.step_norm = None
+        has_loss = loss is not None
         if self._device is not None and measured is None and self._one_call(loss):
             return self._device.step_from_grads(loss, grads, step_fn)
         with torch.no_grad():
             norms, total = measured or (layer_norms(self._torch, grads) if grads else (None, None))
+            if not has_loss:  # a placeholder that no rule reads
+                loss = torch.zeros((), device=total.device if total is not None else None)
             if total is not None and loss.device != total.device:
                 loss = loss.to(total.device)
             pair = torch.stack([loss, total.float() if total is not None else loss * 0])
@@ -208,14 +221,14 @@ class TorchGuard(RunnerResults):
                 sharded = self.sharded and not (grads and is_dtensor(grads[0]))
                 pair = _reduced(pair, group, sharded)
             if self._device is not None:
-                return self._device.step(pair, norms, step_fn)
+                return self._device.step(pair, norms, step_fn, has_loss=has_loss)
             loss_h, norm_h = pair.tolist()  # the one host sync of the step
             self.step_norm = norm_h if grads else None
         decision, state = policy.decide(
             self.guard,
             self._host,
             self.state,
-            np.float32(loss_h),
+            np.float32(loss_h) if has_loss else None,
             np.float32(norm_h) if grads else None,
             scaler_overflow=np.bool_(not np.isfinite(norm_h)) if self.loss_scaled() else None,
         )

@@ -19,6 +19,7 @@ results are the same, only slower.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -93,21 +94,22 @@ class DevicePolicy:
             str(device),
             loss_scaled,
         )
-        example = [*self._flat(), torch.zeros(2, device=device), self.rows]
         self._key = key
-        self._fn = _compiled(key, self._step, example)
+        self._fns: dict[bool, Callable[..., Any] | None] = {}  # by has_loss, compiled on use
         self._with_norms: dict[Any, Callable[..., Any] | None] = {}
 
     def _flat(self) -> list[torch.Tensor]:
         return policy.flatten_state(self.state_now)
 
-    def _step(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pure over its arguments (flat state, ``[loss, norm]``, rows): decide, write the
-        row at ``step % k`` and the next state in place; ``(apply, 1 - apply as float)``."""
+    def _step(self, *args: torch.Tensor, has_loss: bool = True) -> tuple[torch.Tensor, ...]:
+        """Pure over its arguments (flat state, ``[loss, norm]``, rows): decide (``x[0]``
+        unread without a loss), write the row at ``step % k`` and the next state in place;
+        ``(apply, 1 - apply as float)``."""
         *flat, x, rows = args
         state = policy.unflatten_state(self.state_now, flat)
         overflow = ~torch.isfinite(x[1]) if self.loss_scaled else None
-        d, new = policy.decide(self.guard, self.be, state, x[0], x[1], scaler_overflow=overflow)
+        loss = x[0] if has_loss else None
+        d, new = policy.decide(self.guard, self.be, state, loss, x[1], scaler_overflow=overflow)
         row = torch.stack([getattr(d, c).to(torch.float32) for c in ROW_COLUMNS])
         slot = torch.remainder(state.step, rows.shape[0]).reshape(1).to(torch.int64)
         rows.index_copy_(0, slot, row.reshape(1, -1))
@@ -141,11 +143,15 @@ class DevicePolicy:
         return fn(*args) if fn is not None else self._step_norms(*args)
 
     @torch.no_grad()
-    def decide(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decide(self, x: torch.Tensor, has_loss: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(apply, found_inf)`` of the step whose float32 ``[loss, global norm]`` is ``x``
         (0-d bool, 0-d float ``1 - apply``); writes its row; no host read."""
         args = [*self._state_flat, x, self.rows]
-        out = self._fn(*args) if self._fn is not None else self._step(*args)
+        step = functools.partial(self._step, has_loss=has_loss)
+        if has_loss not in self._fns:
+            self._fns[has_loss] = _compiled((*self._key, has_loss), step, args)
+        fn = self._fns[has_loss]
+        out = fn(*args) if fn is not None else step(*args)
         return out[0], out[1]
 
     def read_rows(self, first_step: int, n: int) -> np.ndarray:

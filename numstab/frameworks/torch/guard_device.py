@@ -55,9 +55,16 @@ class DeviceSteps:
         self.pending = 0  # rows written and not read
         self.steps = 0  # steps seen
 
-    def step(self, x: torch.Tensor, norms: Any, step_fn: Callable[[], Any] | None) -> LazyApplied:
-        """The step from its float32 ``[loss, global norm]`` and per-leaf norms."""
-        apply, found_inf = self.decider.decide(x.float())
+    def step(
+        self,
+        x: torch.Tensor,
+        norms: Any,
+        step_fn: Callable[[], Any] | None,
+        has_loss: bool = True,
+    ) -> LazyApplied:
+        """The step from its float32 ``[loss, global norm]`` and per-leaf norms; without a
+        loss (``has_loss=False``) ``x[0]`` is not read."""
+        apply, found_inf = self.decider.decide(x.float(), has_loss)
         return self._finish(apply, found_inf, norms, step_fn)
 
     def step_from_grads(

@@ -15,7 +15,7 @@ sum where each is already its part of the step's loss: a forward given ``num_ite
 (transformers divides each micro-batch's summed loss by the step's item count then, and logs
 the sum). A step without any loss (the ``Trainer`` pops ``labels`` for
 ``label_smoothing_factor`` or ``compute_loss_func``) is decided on the gradients alone
-(``step_without_loss``; warned once). Before, a loss of 0 went into the loss window.
+(``TorchGuard.step_without_loss``; warned once). Before, a loss of 0 went into the loss window.
 
 fp16 with a ``torch.amp.GradScaler``: non-finite gradients are the scaler's to handle (it
 skips the step and lowers the scale), so the real step still runs and the guard only records
@@ -71,7 +71,6 @@ from numstab.frameworks.torch.step_guard_parts import (
     output_loss,
     scale_of,
     skip_message,
-    step_without_loss,
 )
 from numstab.guard.guard import TrainingGuard
 from numstab.guard.runner import resume_from_plain
@@ -331,7 +330,8 @@ class StepGuard:
         if applied:
             return True
         self.skipped += 1
-        nonfinite = not math.isfinite(tg.history.last[2]) or not math.isfinite(tg.history.last[3])
+        _, _, last_loss, norm = tg.history.last  # without a loss, its NaN is no finding
+        nonfinite = not math.isfinite(norm) or not (loss is None or math.isfinite(last_loss))
         if scaler is not None and scaler.is_enabled():
             if nonfinite:
                 real_step()  # the scaler sees the inf, skips the step and backs off
@@ -343,7 +343,7 @@ class StepGuard:
         return False
 
     def _decide(self, loss: torch.Tensor | None, step_fn: Callable[[], Any]) -> bool:
-        """``TorchGuard.step``; without a loss (None) ``step_without_loss`` (warned once)."""
+        """``TorchGuard.step``; without a loss (None) its ``step_without_loss`` (warned once)."""
         if loss is not None:
             return self.torch_guard.step(loss, step_fn)
         if not self._warned_no_loss:
@@ -353,7 +353,7 @@ class StepGuard:
                 "Trainer pops labels for label_smoothing_factor or compute_loss_func); the "
                 "guard decides on the gradients alone, without its loss rules"
             )
-        return step_without_loss(self.torch_guard, step_fn)
+        return self.torch_guard.step_without_loss(step_fn)
 
     def _note(self, message: str) -> None:
         self.messages.append(message)

@@ -176,19 +176,6 @@ def scale_of(scaler: Any) -> Any:
     return scale if isinstance(scale, torch.Tensor) else scaler.get_scale()
 
 
-def step_without_loss(torch_guard: Any, step_fn: Callable[[], Any]) -> bool:
-    """``torch_guard.step`` for a step without any loss: on the gradients alone. Its guard's
-    ``loss_spikes`` is off for this step (``policy.decide`` neither scores nor pushes the loss:
-    the loss window stays as it was, a resumed one too), and 0.0 stands for the loss, which no
-    rule reads then (it is finite). The guard is put back after."""
-    full = torch_guard.guard
-    torch_guard.guard = dataclasses.replace(full, loss_spikes=None)
-    try:
-        return torch_guard.step(0.0, step_fn)
-    finally:
-        torch_guard.guard = full
-
-
 def skip_message(events: list[dict], loop_step: Callable[[], int] | None) -> str:
     """The skip warning: the step's own reasons (its last skip event: after a rollback the last
     event is the rollback's) and the guard's own 0-based step count; with ``loop_step`` (a
