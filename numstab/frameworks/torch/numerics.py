@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from numstab.errors import NonFiniteError
+from numstab.frameworks.torch import amp_settle
 from numstab.frameworks.torch.backend import flat_values
 from numstab.frameworks.torch.distributed import is_data_parallel, max_over_ranks
 from numstab.numerics import _where
@@ -237,6 +238,7 @@ def _remove_sentinel(arm: Arm) -> None:
     _SENTINELS.remove(arm)
     if not _SENTINELS:
         _global_forward_hooks.pop(_HOOK_KEY, None)
+        amp_settle.uninstall()
 
 
 def settle(params: Any, handled: Any) -> None:
@@ -279,6 +281,7 @@ class Arm:
             if on:
                 _SENTINELS.append(self)
                 _global_forward_hooks[_HOOK_KEY] = _sentinel_hook
+                amp_settle.install()  # torch's own GradScaler settles its skipped steps
                 self._stack.callback(_remove_sentinel, self)
             return
         if self.settings.backward or not on:
