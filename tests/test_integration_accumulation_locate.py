@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 
 from numstab.frameworks.torch.step_guard import StepGuard  # noqa: E402
+from tests.tiny_models import trainer_args  # noqa: E402
 
 
 class _WithLoss(torch.nn.Module):
@@ -136,17 +137,13 @@ def test_trainer_accumulation_locates_an_earlier_micro_batch(tmp_path):
 
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(gpt2_config(n_layer=2, n_embd=32))
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = trainer_args(
+        tmp_path,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=4,
         max_steps=3,
         learning_rate=1e-3,
         logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
         seed=0,
     )
     callback = NumstabCallback()

@@ -19,6 +19,7 @@ pl = pytest.importorskip("lightning.pytorch")
 from numstab.errors import InvalidArgumentError  # noqa: E402
 from numstab.guard import SpikeDetector, TrainingGuard  # noqa: E402
 from numstab.integrations.lightning import NumstabCallback  # noqa: E402
+from tests.tiny_models import trainer_args  # noqa: E402
 
 EPOCH = 4  # the checkpoint: after step 2 * EPOCH, mid-epoch (4 * EPOCH batches an epoch)
 NAN_STEPS, SPIKE_STEP = (3, 12), 10  # the resume is after step 8; the spike comes right after
@@ -150,17 +151,14 @@ def _train(tmp_path, callback, max_steps: int, resume=None):
     )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = trainer_args(
+        tmp_path,
         per_device_train_batch_size=4,
         max_steps=max_steps,
         learning_rate=1e-3,
         lr_scheduler_type="constant",  # the interrupted run's schedule: for its own max_steps
-        report_to=[],
         save_strategy="steps",
         save_steps=HF_SAVE,
-        use_cpu=True,
-        disable_tqdm=True,
         train_sampling_strategy="sequential",
         seed=0,
     )

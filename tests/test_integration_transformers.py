@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from numstab.errors import InvalidArgumentError  # noqa: E402
 from numstab.guard import TrainingGuard  # noqa: E402
 from numstab.integrations.transformers import NumstabCallback  # noqa: E402
-from tests.tiny_models import gpt2_config  # noqa: E402
+from tests.tiny_models import gpt2_config, trainer_args  # noqa: E402
 
 POISON = 13  # the one poisoned sample: exactly one batch holds it, wherever it is shuffled
 STEPS = 6
@@ -48,16 +48,12 @@ def _train(tmp_path, precision: str, callbacks, train_dataset=None, **overrides)
     config = gpt2_config(n_layer=2, n_embd=32)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = trainer_args(
+        tmp_path,
         per_device_train_batch_size=4,
         max_steps=STEPS,
         learning_rate=1e-3,
         logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         dataloader_drop_last=True,

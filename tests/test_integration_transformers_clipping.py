@@ -19,7 +19,7 @@ from numstab.frameworks.torch.step_guard import StepGuard  # noqa: E402
 from numstab.guard import TrainingGuard  # noqa: E402
 from numstab.guard.spikes import SpikeDetector  # noqa: E402
 from numstab.integrations.transformers import NumstabCallback  # noqa: E402
-from tests.tiny_models import gpt2_config  # noqa: E402
+from tests.tiny_models import gpt2_config, trainer_args  # noqa: E402
 
 STEPS = 8
 LR = 0.5
@@ -53,18 +53,14 @@ def _train(tmp_path, trainer_norm, callback, precision="fp32", trainer=transform
     config = gpt2_config()
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = trainer_args(
+        tmp_path,
         per_device_train_batch_size=4,
         max_steps=STEPS,
         learning_rate=LR,
         optim="sgd",
         max_grad_norm=trainer_norm,
         logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         dataloader_drop_last=True,

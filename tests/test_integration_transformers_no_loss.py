@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 from numstab.frameworks.torch.step_guard import StepGuard  # noqa: E402
 from numstab.guard import TrainingGuard  # noqa: E402
+from tests.tiny_models import trainer_args  # noqa: E402
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -49,15 +50,11 @@ def test_trainer_without_output_loss_feeds_no_loss_rule(tmp_path, how, caplog):
         return output.masked_fill(rows[:, None, None], float("nan")) if rows.any() else None
 
     model.transformer.wte.register_forward_hook(nan_rows)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = trainer_args(
+        tmp_path,
         per_device_train_batch_size=2,
         num_train_epochs=1,
         logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
         seed=0,
         label_smoothing_factor=0.1 if how == "label_smoothing_factor" else 0.0,
     )

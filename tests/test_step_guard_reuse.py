@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from numstab.integrations.transformers import NumstabCallback  # noqa: E402
+from tests.tiny_models import trainer_args  # noqa: E402
 
 
 class _Data(torch.utils.data.Dataset):
@@ -31,15 +32,11 @@ def _train(callback, poison: set[int], out_dir) -> list[dict]:
     config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=16)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
-    args = transformers.TrainingArguments(
-        output_dir=str(out_dir),
+    args = trainer_args(
+        out_dir,
         per_device_train_batch_size=4,
         max_steps=4,
         logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        save_strategy="no",
     )
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=_Data(poison), callbacks=[callback]

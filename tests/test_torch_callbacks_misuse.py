@@ -15,7 +15,11 @@ torch = pytest.importorskip("torch")
 
 from numstab.errors import InvalidArgumentError  # noqa: E402
 from numstab.guard import TrainingGuard  # noqa: E402
-from tests.tiny_models import gpt2_config, lightning_fit  # noqa: E402
+from tests.tiny_models import (  # noqa: E402
+    gpt2_config,
+    lightning_fit,
+    trainer_args,
+)
 
 EPS = torch.finfo(torch.float32).eps
 QUIET = TrainingGuard(loss_spikes=None, grad_norm_spikes=None)
@@ -71,17 +75,13 @@ class _Tokens(torch.utils.data.Dataset):
 
 def _hf_train(tmp_path, model, callback, accumulation: int):
     transformers = pytest.importorskip("transformers")
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
+    args = trainer_args(
+        tmp_path,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=accumulation,
         max_steps=4,
         learning_rate=1e-3,
         logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
         seed=0,
         data_seed=0,
     )

@@ -31,3 +31,12 @@ def lightning_fit(module: Any, loader: Any, callbacks: list, **trainer_kwargs: A
         warnings.simplefilter("ignore")
         trainer.fit(module, loader)
     return trainer
+
+
+def trainer_args(output_dir: Any, **fields: Any) -> Any:
+    """``transformers.TrainingArguments`` for a quiet CPU test: no reporting, no progress bar,
+    no checkpoints (unless ``fields`` say otherwise), written under ``output_dir``."""
+    import transformers
+
+    quiet = dict(report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    return transformers.TrainingArguments(output_dir=str(output_dir), **{**quiet, **fields})
