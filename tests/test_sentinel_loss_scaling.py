@@ -56,11 +56,18 @@ def test_fp16_amp_overflow_backoff_is_not_reported():
     assert sc.get_scale() < 2.0**16
 
 
-@pytest.mark.parametrize("api", ["step_and_update", "step", "unscale_"])
-def test_a_skipped_non_finite_step_is_not_reported(api):
+#: numstab's GradScaler, and torch's own (its ``step`` settled while a sentinel is active)
+SCALERS = {"numstab": GradScaler, "torch": lambda **kw: torch.amp.GradScaler("cpu", **kw)}
+
+
+@pytest.mark.parametrize(
+    "kind, api",
+    [("numstab", "step_and_update"), *((k, a) for k in SCALERS for a in ("step", "unscale_"))],
+)
+def test_a_skipped_non_finite_step_is_not_reported(kind, api):
     m, (x, y) = _model(), _data()
     opt = torch.optim.SGD(m.parameters(), 0.1)
-    sc = GradScaler(init_scale=2.0**10)
+    sc = SCALERS[kind](init_scale=2.0**10)
     with ns.check_numerics(mode="sentinel") as cn:
         for step in range(3):
             opt.zero_grad()
@@ -87,13 +94,14 @@ def test_checked_once_after_several_steps():
             sc.step_and_update(opt)
 
 
-def test_fused_optimizer_skip_is_not_reported():
+@pytest.mark.parametrize("kind", SCALERS)
+def test_fused_optimizer_skip_is_not_reported(kind):
     m, (x, y) = _model(), _data()
     try:
         opt = torch.optim.Adam(m.parameters(), 0.01, fused=True)
     except RuntimeError as error:  # a torch without CPU fused Adam
         pytest.skip(str(error))
-    sc = GradScaler(init_scale=2.0**10)
+    sc = SCALERS[kind](init_scale=2.0**10)
     with ns.check_numerics(mode="sentinel") as cn:
         opt.zero_grad()
         sc.scale(_loss(m, x, y, math.inf)).backward()

@@ -1,6 +1,7 @@
 """``check_numerics(mode="sentinel")`` with torch's own ``torch.amp.GradScaler`` (§14.6): the
 parameter gradients of a step the scaler found non-finite and skipped at a scale above 1 are
-not reported, as with numstab's ``GradScaler``. Before, the sentinel reported the fp16 AMP
+not reported, as with numstab's ``GradScaler`` (the skip and fused-optimizer cases run for both
+in ``test_sentinel_loss_scaling.py``). Before, the sentinel reported the fp16 AMP
 recipe's first routine overflow (torch's scale starts at 2**16), which ended the run."""
 
 from __future__ import annotations
@@ -14,20 +15,7 @@ nn = torch.nn
 
 import numstab as ns  # noqa: E402
 from numstab.errors import NonFiniteError  # noqa: E402
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def _data():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-
-
-def _loss(model, x, y, factor: float = 1.0):
-    return nn.functional.cross_entropy(model(x), y) * factor
+from tests.test_sentinel_loss_scaling import _data, _loss, _model  # noqa: E402
 
 
 def test_fp16_amp_with_torch_gradscaler_backs_off_quietly():
@@ -52,39 +40,6 @@ def test_fp16_amp_with_torch_gradscaler_backs_off_quietly():
             cn.check()
     assert scales[0] < 2.0**16, "the scale 2**16 overflows float16 gradients: a skip"
     assert scales[-1] == scales[-2], "after backing off, steps are applied"
-
-
-@pytest.mark.parametrize("unscale_first", [False, True])
-def test_a_skipped_overflow_is_not_reported(unscale_first):
-    m, (x, y) = _model(), _data()
-    opt = torch.optim.SGD(m.parameters(), 0.1)
-    sc = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    with ns.check_numerics(mode="sentinel") as cn:
-        for step in range(3):
-            opt.zero_grad()
-            sc.scale(_loss(m, x, y, math.inf if step == 1 else 1.0)).backward()
-            if unscale_first:
-                sc.unscale_(opt)
-            sc.step(opt)
-            sc.update()
-            cn.check()
-    assert sc.get_scale() == 2.0**9  # one backoff
-
-
-def test_a_fused_optimizer_skip_is_not_reported():
-    m, (x, y) = _model(), _data()
-    try:
-        opt = torch.optim.Adam(m.parameters(), 0.01, fused=True)
-    except RuntimeError as error:  # a torch without CPU fused Adam
-        pytest.skip(str(error))
-    sc = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    with ns.check_numerics(mode="sentinel") as cn:
-        opt.zero_grad()
-        sc.scale(_loss(m, x, y, math.inf)).backward()
-        sc.step(opt)
-        sc.update()
-        cn.check()
-    assert sc.get_scale() == 2.0**9
 
 
 def test_a_nan_of_every_step_is_reported_once_the_scale_reaches_1():
