@@ -103,6 +103,8 @@ class WarmupCosineSchedule:
 
     def _python_value(self, step: int) -> float:
         warmup, decay = self.warmup_steps, self.total_steps - self.warmup_steps
+        if step >= self.total_steps:  # min_lr itself (optax's order gives it to one rounding)
+            return self.min_lr
         if step < warmup:
             frac = 1.0 - step / warmup
             return (self.warmup_start_lr - self.base_lr) * frac + self.base_lr

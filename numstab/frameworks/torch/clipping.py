@@ -4,6 +4,8 @@ numstab's semantics, and the adaptive policies ZClip and AGC (the algorithms liv
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -42,7 +44,7 @@ def clip_grad_norm_(
     leaves every gradient untouched (torch multiplies by NaN or 0). Returns the global norm
     as a 0-d tensor; no host sync unless ``error_if_nonfinite`` (or a tensor argument).
     """
-    max_norm = v.check_number("max_norm", host_number("max_norm", max_norm), low=0.0, low_open=True)
+    max_norm = max_norm_of(max_norm)
     norm_type = norm_type_of(norm_type)
     if foreach is not None:
         v.check_bool("foreach", foreach)
@@ -71,6 +73,18 @@ def norm_type_of(norm_type: Any) -> float:
                 f"Expected norm_type a number > 0 or 'inf'. Received: norm_type={norm_type!r}"
             ) from None
     return _check_norm_type(norm_type)
+
+
+def max_norm_of(max_norm: Any) -> float:
+    """``max_norm`` as torch's clipping takes it (a number or a 0-d real tensor, ``host_number``),
+    checked: a real number in (0, inf]. ``inf`` clips nothing, as in torch, where
+    ``clip_grad_norm_(params, float("inf"))`` measures the norm (accelerate's, the ``Trainer``'s
+    ``grad_norm``): it becomes float64's largest value, which §7.3 clamps to the norm dtype's
+    (numstab's own ``clip_by_global_norm`` refuses inf: there it is no bound)."""
+    value = host_number("max_norm", max_norm)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == math.inf:
+        return sys.float_info.max
+    return v.check_number("max_norm", value, low=0.0, low_open=True)
 
 
 def host_number(name: str, value: Any) -> Any:

@@ -39,7 +39,7 @@ from numstab import _validate as v
 from numstab.clipping import clip_coefficient, global_norm
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch import scale_update
-from numstab.frameworks.torch.clipping import dense_grads, norm_type_of, scale_groups_
+from numstab.frameworks.torch.clipping import dense_grads, max_norm_of, norm_type_of, scale_groups_
 from numstab.frameworks.torch.distributed import (
     OptimizerState,
     Stage,
@@ -317,7 +317,7 @@ class GradScaler:
         exactly unchanged when ``norm <= max_norm``, untouched when the step will be skipped
         (non-finite norm, or a non-finite gradient on any rank). Returns the global norm
         (0-d tensor, float32 at least; across ranks when ``sharded``). No host sync."""
-        max_norm = v.check_number("max_norm", max_norm, low=0.0, low_open=True)
+        max_norm = max_norm_of(max_norm)
         norm_type = norm_type_of(norm_type)
         grads = dense_grads(optimizer)  # checked before anything changes
         opt_state = None
