@@ -1,7 +1,8 @@
 """``NonFiniteError.where`` (docs/semantics.md §14.3): a library installed in site-packages
-(transformers, flax, equinox) is the user's code, also where site-packages lies inside the
-standard library's folder (pyenv, conda, a system Python). Before, every installed package
-counted as standard library there, so ``where`` never pointed into ``modeling_t5.py``."""
+(transformers) is the user's code, also where site-packages lies inside the standard
+library's folder (pyenv, conda, a system Python); the frameworks and their layer libraries
+(flax, equinox) are not. Before, every installed package counted as standard library there,
+so ``where`` never pointed into ``modeling_t5.py``."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from numstab._validate import check_bool, check_choice
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError, NonFiniteError, NumstabError
 from numstab.frameworks import FRAMEWORKS, loaded
+from numstab.numerics._ops import original_exception
 from numstab.numerics._recorder import Recorder
 from numstab.numerics._recorder import arm_module as _arm_module
 from numstab.numerics.summary import FiniteSummary, finite_summary
@@ -116,12 +117,13 @@ class CheckNumerics(contextlib.ContextDecorator):
         self._active = False
         self._restore()
         if exc is not None:
+            original = _original(exc)
             if isinstance(exc, NonFiniteError):
                 return False
             for arm in arms:
-                converted = arm.convert(exc)
+                converted = arm.convert(original)
                 if converted is not None:
-                    raise converted from exc
+                    raise converted from original
             return False
         error = self._recorder.error(self._agree) if self._recorder is not None else None
         if error is not None:
@@ -168,6 +170,23 @@ class CheckNumerics(contextlib.ContextDecorator):
         self._recorder.clear()
         if error is not None:
             raise error
+
+
+def _original(exc: BaseException) -> BaseException:
+    """The exception to report when ``exc`` leaves a context: the one a wrapper re-created
+    (Keras's layer call raises ``e.__class__(message)`` from None, ``_ops.original_exception``)
+    with ``exc``'s whole traceback, so that its message is parsed and its user frame found.
+    A re-created ``NonFiniteError`` (every attribute ``None``, the message wrapped in ANSI
+    codes) gets the original's attributes and message back in place and propagates as it is
+    (its ``__context__`` is the original); anything else is returned as it is."""
+    original = original_exception(exc)
+    if original is exc:
+        return exc
+    original.__traceback__ = exc.__traceback__  # the outer frames too (the user's line)
+    if isinstance(exc, NonFiniteError) and isinstance(original, NonFiniteError):
+        exc.__dict__.update(original.__dict__)
+        exc.args = original.args
+    return original
 
 
 def _leaves(tree: Any) -> list:

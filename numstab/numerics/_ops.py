@@ -74,13 +74,53 @@ def op_kind(name: str | None) -> str | None:
     return KINDS.get(squashed)
 
 
+#: a terminal colour or style code, as Keras wraps a re-raised message (``\x1b[1m...\x1b[0m``)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without ANSI colour and style codes (``ESC [ <digits and ;> m``), before any
+    framework message is parsed: Keras's ``\x1b[0m`` was read as part of an op's name."""
+    return _ANSI.sub("", text)
+
+
 def floating_point_match(exc: BaseException, pattern: re.Pattern) -> tuple[str, ...] | None:
     """The groups of ``pattern`` in a ``FloatingPointError``'s message (what the NumPy and
-    JAX checkers raise), or None for any other exception or message."""
+    JAX checkers raise; ANSI codes stripped), or None for any other exception or message."""
     if not isinstance(exc, FloatingPointError):
         return None
-    match = pattern.search(str(exc))
+    match = pattern.search(strip_ansi(str(exc)))
     return None if match is None else match.groups()
+
+
+def _message(exc: BaseException) -> str:
+    """An exception's own message, as Keras reads it to re-create one: a TensorFlow
+    ``OpError``'s ``message``, else the first argument."""
+    message = getattr(exc, "message", None)
+    if isinstance(message, str):
+        return message
+    return str(exc.args[0]) if exc.args else ""
+
+
+def original_exception(exc: BaseException) -> BaseException:
+    """The exception a wrapper re-created, else ``exc``. Keras's layer call
+    (``inject_argument_info_in_traceback``) catches an exception ``e`` and raises
+    ``e.__class__(message)`` ``from None``, the message wrapped in ANSI codes and followed
+    by the call's arguments: a ``NonFiniteError`` lost every attribute, a JAX or TensorFlow
+    message its form. Recognised as: raised ``from None`` while handling ``e``, of
+    ``e``'s class (or marked by Keras), its message holding ``e``'s (ANSI codes stripped);
+    followed inward, at most 8 times. Anything else is returned as it is."""
+    for _ in range(8):
+        inner = exc.__context__
+        if inner is None or not exc.__suppress_context__ or exc.__cause__ is not None:
+            break
+        if type(exc) is not type(inner) and not getattr(exc, "_keras_call_info_injected", 0):
+            break
+        text = strip_ansi(_message(inner))
+        if not text or text not in strip_ansi(_message(exc)):
+            break
+        exc = inner
+    return exc
 
 
 def op_error(

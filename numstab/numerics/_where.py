@@ -9,16 +9,22 @@ import sysconfig
 import traceback
 from types import TracebackType
 
+from numstab.numerics._ops import strip_ansi
+
+#: frameworks and their layer libraries (flax, equinox: the JAX counterparts of ``torch.nn``
+#: and Keras layers, so ``where`` is the user's model line that called the layer, as with
+#: torch), numstab itself and the test runner; any other installed library (transformers'
+#: model files) is the user's code
 _INTERNAL_PACKAGES = (
     "torch", "jax", "jaxlib", "tensorflow", "keras", "tf_keras", "numpy", "optax", "numstab",
-    "pytest", "_pytest", "pluggy", "absl", "functorch",
+    "flax", "equinox", "pytest", "_pytest", "pluggy", "absl", "functorch",
 )  # fmt: skip
 
 
 def _internal_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the internal packages' folders and the standard library's, the site-packages folders).
     Under pyenv or conda, site-packages lies inside the standard library's folder: what is
-    installed there (transformers, flax) is the user's code unless it is an internal package."""
+    installed there (transformers) is the user's code unless it is an internal package."""
     paths = sysconfig.get_paths()
     site = {paths["purelib"], paths["platlib"]}
     roots = {paths["stdlib"]}
@@ -64,5 +70,7 @@ _FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def from_text(text: str) -> str | None:
-    """The last user ``File "...", line N`` of a traceback printed as text."""
-    return _last_user([(m.group(1), int(m.group(2))) for m in _FILE_LINE.finditer(text)])
+    """The last user ``File "...", line N`` of a traceback printed as text (ANSI colour
+    codes stripped first)."""
+    found = _FILE_LINE.finditer(strip_ansi(text))
+    return _last_user([(m.group(1), int(m.group(2))) for m in found])

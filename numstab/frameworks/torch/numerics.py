@@ -10,7 +10,8 @@
   ±inf scalar argument, a tensor argument holding inf) is not reported, NaN always is.
 - ``mode="sentinel"``: a global module forward hook (one fixed entry for every context, a
   no-op inside compiled code) records one reduction (``summary``) of
-  every floating or complex module output (no sync), and a post-accumulate-grad hook the same
+  every floating or complex tensor of a module's output, a tree (§6: nested containers,
+  dataclasses; no sync), and a post-accumulate-grad hook the same
   for the gradient of each parameter of those modules (a NaN born in the backward pass reaches
   the parameter gradients of every layer before it, so the first such layer in backward order
   is named).
@@ -31,56 +32,20 @@ from torch.utils.hooks import RemovableHandle
 
 from numstab.errors import NonFiniteError
 from numstab.frameworks.torch import amp_settle
-from numstab.frameworks.torch.backend import flat_values
 from numstab.frameworks.torch.distributed import is_data_parallel, max_over_ranks
+from numstab.frameworks.torch.tensor_reads import (
+    checkable,
+    counts,
+    module_tensors,
+    op_tensors,
+    readable,
+)
 from numstab.numerics import _where
-from numstab.numerics._ops import op_error, op_kind
+from numstab.numerics._ops import op_error, op_kind, strip_ansi
 
 #: active op-mode contexts, innermost last. Process-wide, not thread-local: on CUDA the
 #: autograd engine runs backward ops on its own device threads (under the same dispatch mode).
 _ACTIVE: list = []
-
-
-#: 8-bit floats: no ``aminmax``/``isinf`` kernels, read upcast to float32 (exact); the
-#: packed float4 has neither NaN nor inf, nor a cast (``numstab._finite_reads``)
-_FLOAT8 = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
-_NO_NONFINITE = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float4_"))
-
-
-def checkable(t: Any) -> bool:
-    """A non-empty floating or complex tensor that can hold NaN or inf (a nested tensor
-    counts its components' elements)."""
-    return (
-        isinstance(t, torch.Tensor)
-        and (t.is_floating_point() or t.is_complex())
-        and t.dtype not in _NO_NONFINITE
-        and t.numel() != 0
-    )
-
-
-def readable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a real floating tensor with the same non-finite values: a nested tensor as its
-    components' elements (1-D), an 8-bit float upcast to float32 (every value kept), a
-    complex one viewed as its (real, imag) pairs (a complex value is finite when both parts
-    are), any other as it is."""
-    t = flat_values(t)
-    if t.dtype in _FLOAT8:
-        return t.float()
-    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
-
-
-def _float_tensors(out: Any) -> list[torch.Tensor]:
-    """The checkable tensors of an output: a tensor, or those in a tuple, list or dict."""
-    out = (out,) if isinstance(out, torch.Tensor) else out
-    out = tuple(out.values()) if isinstance(out, dict) else out
-    return [t for t in out if checkable(t)] if isinstance(out, (tuple, list)) else []
-
-
-def _counts(t: torch.Tensor) -> tuple[int, int]:
-    """Elements holding NaN, and inf (a complex element in either part)."""
-    t = flat_values(t)
-    t = t.float() if t.dtype in _FLOAT8 else t
-    return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
 
 
 #: ops whose output holds no values of their own: uninitialised memory (whatever a freed
@@ -176,7 +141,7 @@ class _CheckOps(TorchDispatchMode):
             return func(*args, **kwargs)
         before = _holds_inf(args[0]) if plan.pre and self.settings.inf else None
         out = func(*args, **kwargs)
-        for index, t in enumerate(_float_tensors(out)):
+        for index, t in enumerate(op_tensors(out)):
             if t.device.type == "meta" or t.layout != torch.strided:
                 continue
             read = readable(t)
@@ -194,7 +159,7 @@ class _CheckOps(TorchDispatchMode):
 
 
 def _op_error(func, node, index: int, t: torch.Tensor, settings) -> NonFiniteError:
-    nan_count, inf_count = _counts(t)
+    nan_count, inf_count = counts(t)
     aten = str(func)
     if node is not None:
         phase, op = "backward", node.name()
@@ -352,7 +317,7 @@ class Arm:
         if inner:  # torch.compile(module): recorded as the module it compiles
             module = module._orig_mod
         self._modules.add(module)
-        for index, t in enumerate(_float_tensors(output)):
+        for index, t in enumerate(module_tensors(output)):
             stamp = (id(t), t._version)
             if stamp == self._last:  # a container returning its last child's output
                 continue
@@ -389,7 +354,7 @@ class Arm:
     # -- conversion --------------------------------------------------------------------------
     def convert(self, exc: BaseException) -> NonFiniteError | None:
         """anomaly mode's own ``RuntimeError`` (a backward node returned NaN)."""
-        message = str(exc)
+        message = strip_ansi(str(exc))
         if not isinstance(exc, RuntimeError) or "returned nan values" not in message:
             return None
         op = message.split("'")[1] if message.count("'") >= 2 else None

@@ -1,0 +1,85 @@
+"""Which torch tensors ``check_numerics`` reads, and how: the checkable tensors of an aten op's
+output or of a module's output (a tree, §6), and a tensor as a real floating tensor with the
+same NaN and inf (nested, 8-bit float and complex tensors included)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from numstab.frameworks.torch.backend import flat_values
+from numstab.tree import flatten
+
+#: 8-bit floats: no ``aminmax``/``isinf`` kernels, read upcast to float32 (exact); the
+#: packed float4 has neither NaN nor inf, nor a cast (``numstab._finite_reads``)
+FLOAT8 = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float8_"))
+_NO_NONFINITE = frozenset(getattr(torch, n) for n in dir(torch) if n.startswith("float4_"))
+
+
+def checkable(t: Any) -> bool:
+    """A non-empty floating or complex tensor that can hold NaN or inf (a nested tensor
+    counts its components' elements)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and (t.is_floating_point() or t.is_complex())
+        and t.dtype not in _NO_NONFINITE
+        and t.numel() != 0
+    )
+
+
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a real floating tensor with the same non-finite values: a nested tensor as its
+    components' elements (1-D), an 8-bit float upcast to float32 (every value kept), a
+    complex one viewed as its (real, imag) pairs (a complex value is finite when both parts
+    are), any other as it is."""
+    t = flat_values(t)
+    if t.dtype in FLOAT8:
+        return t.float()
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
+
+
+def op_tensors(out: Any) -> list[torch.Tensor]:
+    """The checkable tensors of an aten op's output: a tensor, or those in a tuple, list or
+    dict (an op returns no deeper structure)."""
+    out = (out,) if isinstance(out, torch.Tensor) else out
+    out = tuple(out.values()) if isinstance(out, dict) else out
+    return [t for t in out if checkable(t)] if isinstance(out, (tuple, list)) else []
+
+
+def module_tensors(out: Any) -> list[torch.Tensor]:
+    """The checkable tensors of an ``nn.Module``'s output, in numstab's flattening order (§6):
+    a tensor, or the leaves of any tree of them (nested tuples, lists and dicts, namedtuples,
+    dataclasses, a Hugging Face ``ModelOutput`` and its ``Cache``). The sentinel's hook runs
+    on every module call: a bare tensor takes no walk, plain tuples, lists and dicts are
+    walked here (``numstab.tree.flatten`` costs about 20 us on ``(x, {"aux": y})``, this a
+    few), any other node is flattened by ``numstab.tree``. An iterator (a generator) is not
+    walked, so the caller still gets every item; strings and numbers hold no tensor."""
+    if isinstance(out, torch.Tensor):
+        return [out] if checkable(out) else []
+    found: list[torch.Tensor] = []
+    _walk(out, found)
+    return found
+
+
+def _walk(node: Any, found: list) -> None:
+    kind = type(node)
+    if kind in (tuple, list):
+        for child in node:
+            _walk(child, found)
+    elif kind is dict:
+        for child in node.values():
+            _walk(child, found)
+    elif isinstance(node, torch.Tensor):
+        if checkable(node):
+            found.append(node)
+    elif node is not None and not isinstance(node, (str, bytes, int, float, complex, Iterator)):
+        found.extend(t for t in flatten(node)[0] if checkable(t))
+
+
+def counts(t: torch.Tensor) -> tuple[int, int]:
+    """Elements holding NaN, and inf (a complex element in either part)."""
+    t = flat_values(t)
+    t = t.float() if t.dtype in FLOAT8 else t
+    return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
