@@ -101,6 +101,7 @@ class SparseCategoricalCrossentropy(_NumstabCrossentropy):
         )
 
     def call(self, y_true: Any, y_pred: Any) -> Any:
+        _check_ids_exact(self.dtype, y_pred.shape[-1])
         if len(y_true.shape) == len(y_pred.shape) and y_true.shape[-1] == 1:
             y_true = ops.squeeze(y_true, axis=-1)  # (batch, 1), as Keras' sparse loss takes
         labels = ops.cast(y_true, "int32")
@@ -115,6 +116,27 @@ class SparseCategoricalCrossentropy(_NumstabCrossentropy):
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "ignore_index": self.ignore_index}
+
+
+#: the largest n such that the float dtype holds every integer in [0, n] exactly
+_EXACT_INTEGERS = {"float16": 2**11, "bfloat16": 2**8, "float32": 2**24, "float64": 2**53}
+
+
+def _check_ids_exact(dtype: Any, classes: int | None) -> None:
+    """``InvalidArgumentError`` where the loss dtype cannot hold every class id exactly: Keras
+    converts ``y_true`` to it before ``call`` (float16 made id 2049 into 2048, bfloat16 2051
+    into 2048, a finite, silently wrong loss; Keras' own sparse loss does the same). An
+    unknown class count (a traced shape) is not checked."""
+    largest = _EXACT_INTEGERS.get(str(dtype))
+    if classes is None or largest is None or classes - 1 <= largest:
+        return
+    raise InvalidArgumentError(
+        f"Expected a loss dtype that holds every class id exactly: Keras converts y_true to "
+        f"the loss's dtype ({dtype}) before the loss sees it, and {dtype} holds the integers "
+        f"exactly only up to {largest}, so ids of the {classes} classes would be rounded to "
+        f"other classes. Use dtype='float32' (the default). Received: dtype={dtype!r}, "
+        f"classes={classes}"
+    )
 
 
 @keras.saving.register_keras_serializable(package="numstab")
