@@ -7,7 +7,8 @@ chunk's gradients (Liger-Kernel's scheme):
 
     p       = softmax(x),  x = hidden_c @ weight.T + bias,  s = row scale (1/D, 1 or cotangent)
     (all of it on x shifted by its row max, so that lse - x[c] keeps its digits at any offset)
-    dL/dx   = s * [(1 - eps) * (p - onehot(y)) + eps * (p - 1/V) + 2 z lse p]
+    dL/dx   = s * [(1 - eps) * (p - onehot(y)) + eps * (p - u) + 2 z lse p]
+              (u = 1/K_valid on the classes a -inf bias leaves, 0 on the masked ones)
     dhidden = dL/dx @ weight,  dweight += dL/dx.T @ hidden_c,  dbias += sum_rows dL/dx
 
 Only those small gradients are kept; the backward pass scales them by the incoming cotangent.
