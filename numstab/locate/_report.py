@@ -85,7 +85,10 @@ def _floating(be: Backend, t: Any) -> bool:
 @dataclasses.dataclass
 class LayerCall:
     """One call of one layer. ``start`` / ``end``: when its forward began and finished;
-    ``backward``: its position in the backward pass (smaller = earlier)."""
+    ``backward``: its position in the backward pass (smaller = earlier). ``shared``: one of
+    its own parameters is also an own parameter of another call (tied weights, or the same
+    layer called twice), so its parameter gradient is the total over every use
+    (``mark_shared``; ``_backward_fault`` judges such a call by its input gradient first)."""
 
     name: str
     kind: str
@@ -98,6 +101,28 @@ class LayerCall:
     grad_outputs: Array | None = None
     grad_inputs: Array | None = None
     grad_params: Array | None = None
+    shared: bool = False
+
+
+def mark_shared(calls: list[LayerCall], params: list[list[int]]) -> None:
+    """Set ``shared`` on each call one of whose own parameters (``params[i]``: their ids,
+    one list per call of ``calls``) belongs to another call too: a parameter tied between
+    two layers, or any parameter of a layer called more than once. A call without
+    parameters is never shared."""
+    uses: dict[int, int] = {}
+    for ids in params:
+        for key in set(ids):
+            uses[key] = uses.get(key, 0) + 1
+    for call, ids in zip(calls, params, strict=True):
+        call.shared = any(uses[key] > 1 for key in set(ids))
+
+
+def backward_bad(call: LayerCall, grad_inputs: float | None, grad_params: float | None) -> bool:
+    """Whether ``call`` made a non-finite gradient by the first backward rule: its own input
+    gradient is non-finite, or its own parameter gradient is and the call is not ``shared``
+    (a shared parameter's gradient is the total over every use: another use may have made
+    it). Adapters that walk the backward pass lazily stop at the first such call."""
+    return _bad(grad_inputs) or (_bad(grad_params) and not call.shared)
 
 
 _FIELDS = ("inputs", "outputs", "params", "grad_outputs", "grad_inputs", "grad_params")
@@ -214,7 +239,8 @@ def summarise(
     without one) is not finite. An inf that reached neither (a ``-inf`` mask) is no fault:
     the backward pass is examined, and the report names where that inf was born
     (``inf_layer``). Backward (only without a forward fault): the call earliest in the
-    backward pass whose own gradients (w.r.t. its inputs or own parameters) are non-finite;
+    backward pass whose own gradients (w.r.t. its inputs or own parameters) are non-finite,
+    a ``shared`` parameter's total gradient counting only when no call is found so;
     when the gradient it received is non-finite already, the enclosing call whose own code
     made it (``_backward_fault``).
     ``counts(call, phase) -> (nan, inf)`` and ``param_paths(call) -> names`` give the
@@ -306,22 +332,28 @@ def _backward_fault(
     be: Backend, calls: list[LayerCall], host: list, fill: Any
 ) -> tuple[LayerCall, dict] | None:
     """The backward fault and its maxima (None when the backward pass is clean): ``first``,
-    the call earliest in the backward pass (smallest ``backward``) whose own input or own
-    parameter gradient is non-finite. When the gradient ``first`` received (w.r.t. its
-    outputs) is finite, its own code made the non-finite value: ``first``. Otherwise no
-    call earlier in the backward pass made it (their own gradients are finite), so the
-    code of a call enclosing ``first`` did, between its sub-layers: the innermost call that
-    started before ``first``, finished after it and received a finite gradient (or none:
-    outputs no gradient reaches), as the forward rule's parent (``_Forward.born``). If none
-    did, the outermost enclosing call (the model itself, ``""``), else ``first``. Only the
-    examined calls are filled (``fill(call, "backward")``), innermost first."""
+    the call earliest in the backward pass (smallest ``backward``) whose own input gradient
+    is non-finite, or whose own parameter gradient is and that is not ``shared``
+    (``backward_bad``). Only when no call is found so, a ``shared`` call's non-finite
+    parameter gradient counts too (the total over every use of the parameter: tied weights,
+    a layer called twice; the call earliest in the backward pass is named). When the
+    gradient ``first`` received (w.r.t. its outputs) is finite, its own code made the
+    non-finite value: ``first``. Otherwise no call earlier in the backward pass made it
+    (their own gradients are finite), so the code of a call enclosing ``first`` did,
+    between its sub-layers: the innermost call that started before ``first``, finished
+    after it and received a finite gradient (or none: outputs no gradient reaches), as the
+    forward rule's parent (``_Forward.born``). If none did, the outermost enclosing call
+    (the model itself, ``""``), else ``first``. Only the examined calls are filled
+    (``fill(call, "backward")``), innermost first."""
     by_id = {id(c): h for c, h in zip(calls, host, strict=True)}
+    reached = [c for c in calls if c.backward is not None]
     bwd = [
         c
-        for c in calls
-        if c.backward is not None
-        and (_bad(by_id[id(c)]["grad_inputs"]) or _bad(by_id[id(c)]["grad_params"]))
+        for c in reached
+        if backward_bad(c, by_id[id(c)]["grad_inputs"], by_id[id(c)]["grad_params"])
     ]
+    if not bwd:  # a shared parameter's total gradient, where nothing else explains it
+        bwd = [c for c in reached if _bad(by_id[id(c)]["grad_params"])]
     if not bwd:
         return None
     first = min(bwd, key=lambda c: c.backward)

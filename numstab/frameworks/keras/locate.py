@@ -27,6 +27,7 @@ from numstab.locate._report import (
     LocateReport,
     absmax,
     check_loss,
+    mark_shared,
     nonfinite_counts,
     nonfinite_names,
     summarise,
@@ -147,6 +148,8 @@ def locate(
                 recorder.entries.append(loss_entry)
                 loss = autodiff.scalar(loss)
         recorder.recording = False
+        entries = recorder.entries
+        mark_shared([e.call for e in entries], [[id(w) for w in e.variables] for e in entries])
         if loss_fn is not None:
             _backward(be, autodiff, loss, recorder.entries, loss_entry)
     by_call = {id(e.call): e for e in recorder.entries}

@@ -1,8 +1,9 @@
 """locate_nonfinite for torch.nn.Module (``named_modules`` names).
 
-Forward: a pre and a post hook on every sub-module record each call's input and output
-tensors; each distinct (tensor, version) is reduced once, when first seen, by one
-``torch.aminmax`` kernel (so a later in-place edit cannot hide a value; ``aminmax`` is one
+Forward: a pre and a post hook on every sub-module (``locate_state.forward_hooks``: torch's
+global module hooks where a module's own would change its computation) record each call's
+input and output tensors; each distinct (tensor, version) is reduced once, when first seen,
+by one ``torch.aminmax`` kernel (so a later in-place edit cannot hide a value; ``aminmax`` is one
 pass, unlike the slow ``inf``-norm kernels on CPU). Backward: one ``torch.autograd.grad``
 call (the user's ``.grad`` fields are not touched) returns the gradient of the loss w.r.t.
 every recorded tensor, taken as a ``GradientEdge`` at record time, and every parameter; no
@@ -11,15 +12,15 @@ on the retained graph) is computed only when its total input gradient is non-fin
 non-finite implies total non-finite (NaN and inf survive a sum). Every extremum is read to
 the host in one transfer; the reported layer's parameters and incoming gradient are reduced
 only once it is chosen. With a loss, floating model inputs that do not require grad are
-passed as copies that do (``_differentiable``), so a gradient that is non-finite only with
-respect to the model's input is found, as on Keras and JAX.
+passed as copies that do (``locate_state.differentiable``), so a gradient that is
+non-finite only with respect to the model's input is found, as on Keras and JAX. The
+model's buffers and the RNG are put back afterwards (``locate_state.kept_state``).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import sys
 from typing import Any
 
 import numpy as np
@@ -29,13 +30,16 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.backend import flat_values
+from numstab.frameworks.torch.locate_state import differentiable, eager, forward_hooks, kept_state
 from numstab.frameworks.torch.numerics import checkable, readable
 from numstab.locate._report import (
     LOSS,
     LayerCall,
     LocateReport,
+    backward_bad,
     backward_needed,
     check_loss,
+    mark_shared,
     nonfinite_counts,
     summarise,
 )
@@ -120,6 +124,7 @@ class _Call:
         "in_edges",
         "in_slots",
         "inputs",
+        "late_kwargs",
         "module",
         "out_edges",
         "out_slots",
@@ -132,25 +137,34 @@ class _Call:
         self.outputs: list[torch.Tensor] = []
         self.out_slots: list[int] = []
         self.out_edges: list[GradientEdge] = []
+        self.late_kwargs = False
 
 
 def _record_forward(
     model, inputs: tuple, kwargs: dict, names: dict, grad: bool, ext: _Extrema, clock
 ) -> tuple:
-    """Run the model with a pre and a post hook on every module: (its calls, in the order
-    they finished, each with its inputs, outputs and their gradient edges; the output)."""
+    """Run the model with a pre and a post hook on every module (``forward_hooks``): (its
+    calls, in the order they finished, each with its inputs, outputs and their gradient
+    edges; the output). A module hooked without keyword arguments at its start (``kwargs``
+    None) has its keyword tensors recorded at its end."""
     records: list[_Call] = []
     opened: dict[Any, list[_Call]] = {}
 
+    def inputs_of(rec: _Call, ins: list) -> None:
+        rec.inputs += ins
+        rec.in_edges += [_edge(t) for t in ins if t.requires_grad] if grad else []
+        rec.in_slots += ext.slots(ins)  # as received, before the module may edit them
+
     def pre(mod, args, kwargs):
-        ins = _tensors(args) + (_tensors(kwargs) if kwargs else [])
-        edges = [_edge(t) for t in ins if t.requires_grad] if grad else []
-        rec = _Call(LayerCall(names[mod], type(mod).__name__, start=next(clock)), mod, ins, edges)
-        rec.in_slots = ext.slots(ins)  # as received, before the module may edit them
+        rec = _Call(LayerCall(names[mod], type(mod).__name__, start=next(clock)), mod, [], [])
+        inputs_of(rec, _tensors(args) + (_tensors(kwargs) if kwargs else []))
+        rec.late_kwargs = kwargs is None
         opened.setdefault(mod, []).append(rec)
 
     def post(mod, args, kwargs, output):
         rec = opened[mod].pop()
+        if rec.late_kwargs and kwargs:
+            inputs_of(rec, _tensors(kwargs))
         rec.call.end = next(clock)
         rec.outputs = _tensors(output)
         rec.out_slots = ext.slots(rec.outputs)
@@ -158,91 +172,30 @@ def _record_forward(
             rec.out_edges = [_edge(t) for t in rec.outputs if t.requires_grad]
         records.append(rec)
 
-    handles = []
-    for mod in names:
-        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mod.register_forward_hook(post, with_kwargs=True))
-    try:
-        with torch.set_grad_enabled(grad):
-            output = model(*inputs, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
+    with forward_hooks(names, pre, post), torch.set_grad_enabled(grad):
+        output = model(*inputs, **kwargs)
     return records, output
-
-
-def _differentiable(inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The model's arguments for the instrumented pass: each floating (not complex) tensor
-    that does not require grad, positional or keyword, top level or inside tuples, lists,
-    namedtuples and dicts, becomes ``t.detach().requires_grad_().clone()``, so its gradient
-    (``d loss / d input``) is taken, as Keras on torch does with its layers' inputs. The
-    clone (one copy) keeps the model's in-place edits of its input legal (a leaf that
-    requires grad cannot be edited) and off the caller's tensor; an inference tensor is
-    copied out of inference mode first. One tensor given twice becomes one new tensor;
-    integer (token ids), bool and complex tensors, tensors inside other objects and tensors
-    already requiring grad are passed as given; a nest with nothing to replace is the same
-    object."""
-    fresh: dict[int, torch.Tensor] = {}
-
-    def swap(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if x.requires_grad or not x.is_floating_point():
-                return x
-            if id(x) not in fresh:
-                base = x.detach()
-                if base.is_inference():  # requires_grad_ is refused outside inference mode
-                    base = base.clone()
-                fresh[id(x)] = base.requires_grad_().clone()
-            return fresh[id(x)]
-        if type(x) in (tuple, list) or _is_namedtuple(x) or type(x) is dict:
-            keys = list(x) if type(x) is dict else range(len(x))
-            values = [swap(x[k]) for k in keys]
-            if all(v is x[k] for v, k in zip(values, keys, strict=True)):
-                return x
-            if type(x) is dict:
-                return dict(zip(keys, values, strict=True))
-            return type(x)(*values) if _is_namedtuple(x) else type(x)(values)
-        return x
-
-    return swap(inputs), swap(kwargs)
-
-
-def _is_namedtuple(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(type(x), "_fields")
-
-
-def _eager(model: torch.nn.Module) -> tuple[torch.nn.Module, dict]:
-    """The eager module behind ``model`` and its ``named_modules`` names: a
-    ``torch.compile`` wrapper (``OptimizedModule``) is located as the module it compiles,
-    under the same names; TorchScript modules cannot be hooked."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # imported by torch.compile
-    compiled = getattr(eval_frame, "OptimizedModule", None)
-    while compiled is not None and isinstance(model, compiled):
-        model = model._orig_mod
-    names = {m: n for n, m in model.named_modules()}
-    for module, name in names.items():
-        if isinstance(module, torch.jit.ScriptModule):
-            where = f"model.{name}" if name else "model"
-            raise InvalidArgumentError(
-                "Expected an eager torch.nn.Module: TorchScript modules (torch.jit.script, "
-                "torch.jit.trace) cannot be hooked; pass the eager module they were made "
-                f"from. Received: {where}={type(module).__name__}"
-            )
-    return model, names
 
 
 def locate(
     model: torch.nn.Module, inputs: tuple, loss_fn, targets, kwargs: dict | None = None
 ) -> LocateReport:
-    """``locate_nonfinite`` for a torch module (arguments checked by the caller)."""
+    """``locate_nonfinite`` for a torch module (arguments checked by the caller). The
+    model's buffers and the RNG are as before on return (``kept_state``)."""
+    model, names = eager(model)
+    with kept_state(model):
+        return _locate(model, names, inputs, loss_fn, targets, kwargs or {})
+
+
+def _locate(model, names: dict, inputs: tuple, loss_fn, targets, kwargs: dict) -> LocateReport:
     ext = _Extrema()
     clock = itertools.count()
-    model, names = _eager(model)
     grad = loss_fn is not None and torch.is_grad_enabled()
-    kwargs = kwargs or {}
     if grad:  # the model's input gradient exists, as on Keras and JAX (§15.3)
-        inputs, kwargs = _differentiable(inputs, kwargs)
+        inputs, kwargs = differentiable(inputs, kwargs)
     records, output = _record_forward(model, inputs, kwargs, names, grad, ext, clock)
+    own = [[id(p) for p in _own_params(r.module)] for r in records]
+    mark_shared([r.call for r in records], own)  # tied weights, a module called twice
     backward = None
     if loss_fn is not None:
         backward = _Backward(model, names, records, output, loss_fn, targets, clock, ext)
@@ -374,7 +327,8 @@ class _Backward:
         return [self.param_grads.get(id(p)) for p in _own_params(rec.module)]
 
     def find_first(self) -> None:
-        """Set grad_inputs / grad_params in backward order up to the first bad call; raise
+        """Set grad_inputs / grad_params in backward order up to the first bad call
+        (``backward_bad``: a shared parameter's gradient does not stop the walk); raise
         ``refused`` (InvalidArgumentError) when the backward pass could not be taken."""
         if self.refused is not None:
             raise self.refused
@@ -392,8 +346,8 @@ class _Backward:
                 slots = ext.slots(own)
                 ext.read()
                 call.grad_inputs = ext.absmax(slots)
-            if _bad(call.grad_inputs) or _bad(call.grad_params):
-                return
+            if backward_bad(call, call.grad_inputs, call.grad_params):
+                return  # (none: every call is set, for a shared parameter's total)
 
     def own_input_grads(self, rec: _Call) -> list:
         """This call's vector-Jacobian product alone, given its incoming gradient (the

@@ -5,7 +5,6 @@ norm taken already, the GradScaler's stage, and the step of an optimizer that ta
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -14,21 +13,7 @@ from typing import Any
 import torch
 
 from numstab.errors import InvalidArgumentError
-
-
-@contextlib.contextmanager
-def _kept_state(model: torch.nn.Module) -> Any:
-    """What a replayed forward changes, put back: the RNG states (CPU, and the CUDA devices
-    of the model's parameters: dropout) and the buffers (BatchNorm's running statistics)."""
-    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    with torch.random.fork_rng(devices=cuda):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
+from numstab.frameworks.torch.locate_state import kept_state
 
 
 def clip_with_norm(
@@ -100,7 +85,7 @@ def locate_step(model: torch.nn.Module, batches: list[MicroBatch]) -> tuple[Any,
     non-finite first (each group in the loop's order), until one reports a non-finite layer.
     Returns ``(report, replayed)``: the report that found one, else the last (clean) one, and
     how many micro-batches were replayed. Each replay runs with the RNG forked and the buffers
-    put back (``_kept_state``); an exception (a compiled module) is the caller's."""
+    put back (``kept_state``); an exception (a compiled module) is the caller's."""
     from numstab.locate import locate_nonfinite
 
     bad = [b for b in batches if not b.loss_finite()]
@@ -109,7 +94,7 @@ def locate_step(model: torch.nn.Module, batches: list[MicroBatch]) -> tuple[Any,
     for batch in order:
         replay = batch.replay  # the batch goes in as the model's arguments, so locate sees
         # them (a NaN input is the input's, not the model's own code's)
-        with _kept_state(model):
+        with kept_state(model):
             report = locate_nonfinite(
                 _Replay(model, replay.func), *replay.args, loss_fn=_loss_of, **replay.keywords
             )
