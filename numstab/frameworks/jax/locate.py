@@ -62,21 +62,27 @@ _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
 
 
 def layer(name: str, fn: Callable[..., Any], params: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn(params, *args, **kwargs)``, seen by ``locate_nonfinite`` as the layer ``name``."""
+    """``fn(params, *args, **kwargs)``, seen by ``locate_nonfinite`` as the layer ``name``.
+
+    ``fn.reported_params``, where set, is called once ``fn`` returned and gives, for each
+    floating leaf of ``params`` (flattening order), whether it is the layer's own: all are
+    probed, only those are in its report (a module library's root: its own parameters and
+    those of the sub-modules it did not call as layers)."""
     recorder = _RECORDER.get()
     if recorder is None:
         return fn(params, *args, **kwargs)
     return recorder.call(name, fn, params, args, kwargs)
 
 
-def _is_float(x: Any) -> bool:
+def is_float(x: Any) -> bool:
+    """Whether ``x`` is an array of a floating dtype (the leaves that are probed)."""
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _split(tree: Any) -> tuple[list, Callable[[list], Any]]:
     """The floating leaves of ``tree`` and a function putting new ones in their place."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    where = [i for i, x in enumerate(leaves) if _is_float(x)]
+    where = [i for i, x in enumerate(leaves) if is_float(x)]
 
     def put(new: list) -> Any:
         out = list(leaves)
@@ -98,6 +104,14 @@ class _Call:
         self.outputs: list = []
         self.param_paths: list[str] = []
         self.hidden = False  # the implicit root, when the model names its root itself
+        # which of ``params`` are the call's own, for its report (None: all of them)
+        self.reported: list[bool] | None = None
+
+    def mine(self, leaves: list) -> list:
+        """``leaves`` (its params or their gradients) that are the call's own."""
+        if self.reported is None:
+            return leaves
+        return [x for x, k in zip(leaves, self.reported, strict=True) if k]
 
 
 class _Recorder:
@@ -124,7 +138,7 @@ class _Recorder:
         record.param_paths = getattr(fn, "param_paths", None) or [
             (full + jax.tree_util.keystr(path)).removeprefix(".")  # the root's: "w", not ".w"
             for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
-            if _is_float(x)
+            if is_float(x)
         ]
         index = len(self.calls)
         self.calls.append(record)
@@ -144,6 +158,10 @@ class _Recorder:
             self.prefix.pop()
             self.open.pop()
         record.end = next(self.clock)
+        reported = getattr(fn, "reported_params", None)
+        if reported is not None:  # known once it ran (a module library's root, see layer)
+            record.reported = reported()
+            record.param_paths = record.mine(record.param_paths)
         out_leaves, put_out = _split(out)
         if self.probes is not None:
             out_leaves = [x + d for x, d in zip(out_leaves, self.probes[index][2], strict=True)]
@@ -212,11 +230,15 @@ def _run(model, loss_fn, inputs, fixed, targets, probes):
 class Split(NamedTuple):
     """A model as its arrays and the rest: ``build(arrays)`` is ``model(*inputs)`` as a
     function of the inputs, ``key`` everything else that the pass depends on (hashable; None
-    when it is not, and each call then compiles its own pass)."""
+    when it is not, and each call then compiles its own pass); ``advice`` how to locate a
+    model whose own code calls a layer under a transformation (the library's idiom)."""
 
     arrays: Any
     key: Hashable | None
     build: Callable[[Any], Callable[..., Any]]
+    advice: str = (
+        "Locate one sample with the model that the transformation maps (Equinox: model(x[0]))"
+    )
 
     @classmethod
     def of_function(cls, model: Callable[..., Any]) -> Split:
@@ -281,10 +303,13 @@ def _instrumented(split: Split, loss_fn, inputs, fixed: dict, targets):
                 maxima.append({})
                 tensors.append({})
                 continue
+            mine = static[-1].calls[k].mine
+            params = mine(params)
             entry = {"inputs": _absmax(ins), "outputs": _absmax(outs), "params": _absmax(params)}
             kept = {"outputs": outs, "params": params}
             if grads is not None:
                 g_params, g_ins, g_outs = grads[k]
+                g_params = mine(g_params)
                 entry.update(
                     grad_outputs=_absmax(g_outs),
                     grad_inputs=_absmax(g_ins),
@@ -332,8 +357,7 @@ def locate(
         raise InvalidArgumentError(
             "Expected the model's layers to be called directly, not inside a JAX "
             "transformation of its own (jax.vmap, lax.scan, jax.checkpoint, ...): each "
-            "layer's values are recorded, and cannot leave that transformation. Locate one "
-            "sample with the model that the transformation maps (Equinox: model(x[0])); a "
+            f"layer's values are recorded, and cannot leave that transformation. {split.advice}; a "
             "sub-layer called so inside a layer (Equinox's MultiheadAttention, "
             "jax.vmap(self.linear) in a block) is part of that layer, so only the model's "
             "own top-level code cannot do it (move it into a sub-module). "

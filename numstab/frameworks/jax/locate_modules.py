@@ -6,8 +6,11 @@ afterwards): a call on a direct child of the module that is running becomes
 ``layer(child_name, fn, child, *args)``, where ``fn`` runs the original ``__call__`` on the
 (probed) child it is handed. Names are the library's own paths, relative to the parent and
 joined by ``layer`` into full paths. The root model is the layer ``""`` (as in torch), whose
-parameters are its own only (those outside its sub-modules, torch's ``recurse=False``); a
-sub-module's parameters include its sub-modules'.
+parameters are its own (those outside its sub-modules, torch's ``recurse=False``) and those of
+the sub-modules it does not call as layers (``reported_params``): a transformation in its own
+code (``nnx.scan`` over stacked blocks, ``nnx.remat``, ``lax.scan`` over ``eqx.combine``-d
+layers) runs them as copies, which are part of its code; a sub-module's parameters include
+its sub-modules'.
 
 - Equinox: the module is its own pytree of parameters; names are field paths (``layers[0]``,
   ``mlp.linear1``).
@@ -30,12 +33,17 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from numstab.frameworks.jax.locate import Split, deterministic_only, layer, locate
+from numstab.errors import InvalidArgumentError
+from numstab.frameworks.jax.locate import Split, deterministic_only, is_float, layer, locate
 from numstab.locate._report import LocateReport
 
 #: id of each direct child of the running module -> its name relative to that module
 _CHILDREN: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
     "numstab_locate_children", default=None
+)
+#: names of the children that the running module called as layers
+_CALLED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "numstab_locate_called", default=None
 )
 _MISSING = object()
 
@@ -99,8 +107,10 @@ class Library:
         """(the module's parameters as a pytree, a function rebuilding the module from it)."""
         raise NotImplementedError
 
-    def own_params_of(self, module: Any) -> tuple[Any, Callable[[Any], Any]]:
-        """``params_of`` for the parameters outside the module's sub-modules only."""
+    def owners(self, module: Any, params: Any) -> list[str | None]:
+        """For each floating leaf of ``params = params_of(module)[0]``, in flattening order,
+        the name of the direct sub-module holding it (``children``), or None for the
+        module's own."""
         raise NotImplementedError
 
     def split(self, model: Any) -> Split:
@@ -114,18 +124,26 @@ class Library:
 
     def call_as_layer(self, name: str, call: Callable, module: Any, args: tuple, kw: dict):
         """``call(module, *args, **kw)`` as ``layer(name, ...)``, with the (probed) module's
-        own children named while it runs; the root (``name == ""``) with its own parameters."""
-        params, rebuild = self.params_of(module) if name else self.own_params_of(module)
+        own children named while it runs. The root (``name == ""``) reports, of its
+        parameters, its own and those of the children it did not call as layers
+        (``fn.reported_params``, read by ``layer`` once the call returned)."""
+        params, rebuild = self.params_of(module)
+        called: set[str] = set()
 
         def fn(params: Any, *a: Any, **k: Any) -> Any:
             probed = rebuild(params)
             token = _CHILDREN.set(self.children(probed))
+            called_token = _CALLED.set(called)
             try:
                 return self.run(probed, lambda: call(probed, *a, **k))
             finally:
+                _CALLED.reset(called_token)
                 _CHILDREN.reset(token)
 
         fn.__name__ = type(module).__name__  # the report's layer type
+        if not name:
+            owners = self.owners(module, params)
+            fn.reported_params = lambda: [o is None or o not in called for o in owners]
         return layer(name, fn, params, *args, **kw)
 
 
@@ -149,21 +167,15 @@ class Equinox(Library):
     def params_of(self, module: Any) -> tuple[Any, Callable[[Any], Any]]:
         return module, lambda probed: probed  # an Equinox module is its own pytree
 
-    def own_params_of(self, module: Any) -> tuple[Any, Callable[[Any], Any]]:
+    def owners(self, module: Any, params: Any) -> list[str | None]:
         import jax
 
         kids = self.children(module)
-        leaves, treedef = jax.tree_util.tree_flatten(module, is_leaf=lambda x: id(x) in kids)
-        mine = [id(x) not in kids for x in leaves]
-        own = treedef.unflatten([x if m else None for m, x in zip(mine, leaves, strict=True)])
-
-        def rebuild(probed: Any) -> Any:
-            new = iter(jax.tree_util.tree_leaves(probed))  # the module, children in place
-            return treedef.unflatten(
-                [next(new) if m else x for m, x in zip(mine, leaves, strict=True)]
-            )
-
-        return own, rebuild
+        out: list[str | None] = []
+        for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: id(x) in kids):
+            floats = sum(map(is_float, jax.tree_util.tree_leaves(x)))
+            out += [kids.get(id(x))] * floats
+        return out
 
     def split(self, model: Any) -> Split:
         import equinox
@@ -198,14 +210,17 @@ class FlaxNNX(Library):
         graphdef, state = self.nnx.split(module)
         return state, lambda probed: self.nnx.merge(graphdef, probed)
 
-    def own_params_of(self, module: Any) -> tuple[Any, Callable[[Any], Any]]:
-        kids = [k + "." for k in self.children(module).values()]
+    def owners(self, module: Any, params: Any) -> list[str | None]:
+        import jax
 
-        def own(path: tuple, _: Any) -> bool:
-            return not ".".join(map(str, (*path, ""))).startswith(tuple(kids))
-
-        graphdef, state, rest = self.nnx.split(module, own, ...)
-        return state, lambda probed: self.nnx.merge(graphdef, probed, rest)
+        kids = self.children(module).values()
+        out: list[str | None] = []
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+            if is_float(x):
+                keys = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+                joined = ".".join(map(str, (*keys, "")))
+                out.append(next((k for k in kids if joined.startswith(k + ".")), None))
+        return out
 
     def split(self, model: Any) -> Split:
         graphdef, state = self.nnx.split(model)
@@ -349,6 +364,9 @@ def _layer_call(library: Library, call: Callable) -> Callable:
         name = (_CHILDREN.get() or {}).get(id(self))
         if name is None:  # a module called through super(), or one made on the fly
             return call(self, *args, **kwargs)
+        called = _CALLED.get()
+        if called is not None:
+            called.add(name)
         token = _CHILDREN.set({})  # the child's own children are set by call_as_layer
         try:
             return library.call_as_layer(name, call, self, args, kwargs)
@@ -371,8 +389,48 @@ def locate_model(
         how, refused = "eqx.nn.inference_mode(model)", ("EquinoxDropoutNeedsKey",)
     else:
         how, refused = "model.eval()", ("StateChanged", "TraceContextError")
-    with deterministic_only(model, refused, how), _dropout_key_error_named():
+    with (
+        deterministic_only(model, refused, how),
+        _dropout_key_error_named(),
+        _outside_modules_refused(model),
+    ):
         return locate(library.split(model), inputs, loss_fn, targets, kwargs)
+
+
+#: NNX Variable types that only training mode writes (Dropout's RNGs, BatchNorm's statistics)
+_TRAINING_STATE = ("Rng", "BatchStat")
+
+
+@contextlib.contextmanager
+def _outside_modules_refused(model: Any) -> Iterator[None]:
+    """``InvalidArgumentError`` for flax's "different trace level" errors that are not about
+    training-mode state: an NNX transformation (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``,
+    ``nnx.jit``) in the model's code handed a module or Variable that the model does not
+    hold (a global, one closed over). Locating traces the model, rebuilt from its arrays, so
+    such a module belongs to the trace outside, which flax refuses to lift (the same model
+    fails under ``jax.jit``). Flax raises ``ValueError`` (graph node extraction) or
+    ``TraceContextError`` (its write back); one naming an RNG or a BatchNorm statistic is
+    left to ``deterministic_only``."""
+    try:
+        yield
+    except Exception as error:
+        text = str(error)
+        if (
+            type(error).__name__ not in ("ValueError", "TraceContextError")
+            or "different trace level" not in text
+            or any(kind in text.split("level")[0] for kind in _TRAINING_STATE)
+        ):
+            raise
+        raise InvalidArgumentError(
+            "Expected every module that an NNX transformation (nnx.scan, nnx.vmap, "
+            "nnx.remat, nnx.jit) in the model's code is handed to be held by the model: "
+            "locating traces the model, rebuilt from its arrays, and flax cannot lift a "
+            "module or Variable made outside that trace (a global, or one closed over), as "
+            "under jax.jit. Make it an attribute of the model (a sub-module transformed in "
+            "the model's own code is part of the model itself, '', or of the sub-module "
+            f"whose code transforms it). Received: {type(model).__name__}, which raised "
+            f"{type(error).__name__}: {text}"
+        ) from error
 
 
 class EquinoxDropoutNeedsKey(RuntimeError):
