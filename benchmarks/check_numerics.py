@@ -63,7 +63,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
-from _goals import EAGER_GOAL, add_json_option, goal_row, print_rows, write_json
+from _goals import EAGER_GOAL, add_json_option, check_backends, goal_row, print_rows, write_json
 
 from numstab.numerics import check_numerics, finite_summary
 
@@ -521,7 +521,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds")
     add_json_option(parser)
     args = parser.parse_args()
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    backends = check_backends(parser, args.backends, list(BUILDERS))
     _limit_threads(args.threads, backends)
     if args.quick:
         args.width, args.seq, args.vocab, args.steps, args.rounds = 128, 64, 512, 3, 3

@@ -36,19 +36,22 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's numstab
 
 import numpy as np
-import tensorflow as tf
 from _goals import COMPILED_GOAL, add_json_option, goal_row, print_rows, write_json
 
-import numstab
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 def make_grads(n_tensors: int, n_params: float, seed: int = 0) -> list[tf.Tensor]:
     """Half matrices of varied shapes holding almost every parameter, half bias vectors."""
+    import tensorflow as tf
+
     rng = np.random.default_rng(seed)
     n_mats = n_tensors // 2
     weights = rng.uniform(0.5, 1.5, size=n_mats)
@@ -90,7 +93,9 @@ def time_pair(fn_a, fn_b, args, repeats: int, warmup: int) -> tuple[list[float],
     return times[0], times[1]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options, parsed before TensorFlow (and numstab) are imported: ``--help`` and a
+    bad option answer at once, not after the import's 15 s."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tensors", type=int, default=200)
     parser.add_argument("--params", type=float, default=20e6)
@@ -98,7 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="TF intra-op threads (0: TF's)")
     add_json_option(parser)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import tensorflow as tf
+
+    import numstab  # after tensorflow: numstab then keeps AutoGraph off its own code at once
+
     if args.threads:
         tf.config.threading.set_intra_op_parallelism_threads(args.threads)
 
@@ -140,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 case,
                 med_ns / med_tf,
                 COMPILED_GOAL,
-                max_norm=max_norm or float("nan"),
+                max_norm=max_norm,  # None (null in --json, "-" printed): norm only
                 numstab_ms=med_ns * 1e3,
                 tf_ms=med_tf * 1e3,
                 min_ratio=min(t_ns) / min(t_tf),

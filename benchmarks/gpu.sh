@@ -30,7 +30,6 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT="${1:-bench-results/gpu-$(date +%Y%m%d-%H%M%S)}"
-mkdir -p "$OUT"
 export TF_CPP_MIN_LOG_LEVEL=3 NUMSTAB_TEST_BACKENDS="${NUMSTAB_TEST_BACKENDS:-numpy,torch,jax}"
 status=0
 step() {  # step NAME SECONDS COMMAND...
@@ -50,6 +49,7 @@ if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 
   echo "gpu.sh: torch sees no CUDA GPU here; nothing run (NUMSTAB_GPU_SH_ANYWAY=1 to try)"
   exit 2
 fi
+mkdir -p "$OUT"  # after the GPU check: a machine without one is left no empty folder
 want() { [[ ",${GPU_STEPS:-all}," == *",all,"* || ",${GPU_STEPS:-}," == *",$1,"* ]]; }
 
 workers=()

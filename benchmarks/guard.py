@@ -79,7 +79,7 @@ import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _host_reads, _goals
-from _goals import goal_row, ratio_text, write_json
+from _goals import check_backends, goal_row, ratio_text, write_json
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -779,15 +779,13 @@ def main() -> None:
         "--device", choices=("cpu", "gpu"), default="cpu", help="gpu: torch on CUDA, jax on its GPU"
     )
     args = parser.parse_args()
-    unknown = set(args.backends.split(",")) - set(CASES)
-    if unknown:
-        parser.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(CASES)}")
-    if args.device == "gpu" and "keras" in args.backends.split(","):
+    backends = check_backends(parser, args.backends, list(CASES))
+    if args.device == "gpu" and "keras" in backends:
         parser.error("--device gpu runs torch and jax; keras runs where its backend puts it")
     if args.device == "gpu":
         from _device import gpu_missing
 
-        for name in args.backends.split(","):
+        for name in backends:
             if why := gpu_missing(name.strip()):
                 parser.error(f"--device gpu: {why}.")
     if args.quick:
@@ -798,7 +796,7 @@ def main() -> None:
         f"round, median of {args.repeats} rounds; torch threads {args.threads}; {args.device}"
     )
     rows = []
-    for name in args.backends.split(","):
+    for name in backends:
         for r in CASES[name.strip()](args):
             print(row_line(r))
             rows.append(r)

@@ -18,6 +18,9 @@ step's).
     python benchmarks/locate.py [--quick] [--backends torch,tensorflow,jax,equinox,nnx]
                                 [--repeats N]
                                 [--torch-threads N] [--json PATH]
+
+``--torch-threads`` defaults to 1 intra-op thread, as guard.py, check_numerics.py and
+``numstab bench`` do, so that their torch timings compare (0: torch's own default).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import warnings
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _goals import add_json_option, goal_row, print_rows, write_json
+from _goals import add_json_option, check_backends, goal_row, print_rows, write_json
 
 from conformance_tests import locate_models as lm
 from numstab.locate import locate_nonfinite
@@ -184,7 +187,7 @@ def bench_module_library(library: str, size: dict, repeats: int) -> dict:
 
 
 GOAL = 3.0  # locate_nonfinite within 3 plain steps (wall)
-args_threads = 0  # --torch-threads: intra-op threads (0 = torch's default)
+args_threads = 1  # --torch-threads: intra-op threads (0 = torch's default)
 
 BENCHES = {
     "torch": bench_torch,
@@ -198,13 +201,18 @@ BENCHES = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
-    parser.add_argument("--backends", default="torch,tensorflow,jax,equinox,nnx")
+    parser.add_argument("--backends", default=",".join(BENCHES), help=", ".join(BENCHES))
     parser.add_argument(
-        "--torch-threads", type=int, default=0, help="torch intra-op threads (0: default)"
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1, as guard.py, check_numerics.py and numstab "
+        "bench use; 0: torch's own default)",
     )
     parser.add_argument("--repeats", type=int, default=0, help="runs per median (0: 5 / 20)")
     add_json_option(parser)
     args = parser.parse_args()
+    backends = check_backends(parser, args.backends, list(BENCHES))
     global args_threads
     args_threads = args.torch_threads
     if args.quick:
@@ -217,14 +225,14 @@ def main() -> None:
     size["t"]["vocab"] = size["w"]["vocab"]
     print(f"network: {size['w']} x 2 blocks, batch {size['t']}; median of {repeats}")
     rows = []
-    for name in args.backends.split(","):
-        times = BENCHES[name.strip()](size, repeats)
+    for name in backends:
+        times = BENCHES[name](size, repeats)
         plain, plain_cpu = times["plain step"]
         for label, (wall, cpu) in times.items():
             goal = GOAL if label == "locate_nonfinite" else None  # the others: for context
             rows.append(
                 goal_row(
-                    f"{name.strip()}: {label}",
+                    f"{name}: {label}",
                     wall / plain,
                     goal,
                     wall_ms=wall * 1e3,

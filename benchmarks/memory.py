@@ -105,6 +105,8 @@ import subprocess
 import sys
 import time
 
+from _goals import check_backends, dump_json
+
 BACKENDS = ("torch", "jax", "tensorflow")
 VARIANTS = ("unfused", "fused", "floor")
 #: for 16-bit inputs, a second memory floor: one whose dweight is summed in float32, as an
@@ -677,6 +679,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.backends = ",".join(check_backends(parser, args.backends, BACKENDS))
     defaults = (2048, 128, 32768) if args.quick else (4096, 1024, 65536)
     if args.device == "gpu" and not args.quick:
         defaults = (32768, 4096, 131072)  # issue 20's GPU shape, in bfloat16
@@ -767,9 +770,7 @@ def main(argv=None) -> int:
         "compile MiB: the fused run's one-off memory (jit compilation; TensorFlow: its first "
         "step's RSS over its step peak)"
     )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "rows": rows, "results": results}, fh, indent=2)
+    dump_json(args.json, {"args": vars(args), "rows": rows, "results": results})
     return 1 if failed else 0
 
 
