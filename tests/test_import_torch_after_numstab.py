@@ -28,7 +28,7 @@ def test_a_first_call_inside_a_full_graph_compile_works():
         import torch
 
         assert "numstab.frameworks.torch.backend" in sys.modules
-        assert not [f for f in sys.meta_path if type(f).__module__.startswith("numstab")]
+        assert not [f for f in sys.meta_path if getattr(f, "name", None) == "torch"]
         assert "exec_module" not in vars(torch.__spec__.loader)  # the loader is as it was
         grads = [torch.linspace(-3.0, 2.0, 10), torch.linspace(0.5, 4.0, 5)]
         fn = lambda g: ns.clip_by_global_norm(g, 1.0)[1]
@@ -62,7 +62,7 @@ def test_torch_imported_first_installs_no_finder():
         import numstab
 
         assert "numstab.frameworks.torch.backend" in sys.modules
-        assert not [f for f in sys.meta_path if type(f).__module__.startswith("numstab")]
+        assert not [f for f in sys.meta_path if getattr(f, "name", None) == "torch"]
         """
     )
 
@@ -83,7 +83,7 @@ def test_a_find_spec_before_the_import_leaves_the_finder_for_it():
         import torch
 
         assert "numstab.frameworks.torch.backend" in sys.modules
-        assert not [f for f in sys.meta_path if type(f).__module__.startswith("numstab")]
+        assert not [f for f in sys.meta_path if getattr(f, "name", None) == "torch"]
         grads = [torch.linspace(-3.0, 2.0, 10)]
         compiled = torch.compile(lambda g: ns.global_norm(g), fullgraph=True, backend="eager")
         assert torch.equal(compiled(grads), ns.global_norm(grads))

@@ -5,6 +5,7 @@ when that backend is first used."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import TYPE_CHECKING
 
@@ -62,15 +63,18 @@ def preload_imported_frameworks() -> None:
     """Load the backends of frameworks the user has already imported.
 
     Cheap (their framework is in memory) and it keeps the import out of the first numstab
-    call, which may be traced by torch.compile(fullgraph=True), where imports cannot run. For
-    the same reason torch's backend loads right after ``import torch`` when that comes later
-    (``_on_import``).
+    call, which may be traced by torch.compile(fullgraph=True), where imports cannot run, or
+    by tf.function, whose AutoGraph warns that it cannot convert the import. For the same
+    reason torch's and TensorFlow's backends load right after ``import torch`` / ``import
+    tensorflow`` when that comes later (``_on_import``).
     """
     for name, framework in FRAMEWORKS.items():
         if name != "numpy" and all(sys.modules.get(d) is not None for d in framework.distributions):
             _preload(name)
-    # torch imported later: its backend loads right after it (torch.compile cannot import)
-    load_after_import("torch", lambda: _preload("torch"))
+    # torch or TensorFlow imported later: its backend loads right after it (torch.compile
+    # cannot trace an import; AutoGraph warns that it cannot convert importlib's _gcd_import)
+    for name in ("torch", "tensorflow"):
+        load_after_import(name, functools.partial(_preload, name))
 
 
 def _preload(name: str) -> None:

@@ -1,15 +1,19 @@
-"""Load numstab's torch backend right after ``import torch`` when numstab was imported first.
+"""Load numstab's torch (or TensorFlow) backend right after ``import torch`` (``import
+tensorflow``) when numstab was imported first.
 
 ``torch.compile`` cannot trace an import: Dynamo skips ``importlib.import_module`` (a graph
 break, an error under ``fullgraph=True``). numstab loads a backend on first use, so a first
 numstab call inside a compiled function failed whenever ``import numstab`` ran before ``import
-torch``, which is isort's order. ``import numstab`` loads the backends of frameworks already
-imported (``preload_imported_frameworks``); for torch imported later, ``load_after_import``
-puts a finder on ``sys.meta_path`` that, for the one name ``torch``, lets the other finders
-find it and wraps that loader's ``exec_module`` so that ``then`` runs once torch's module has
-run. Every other import passes it by (a string comparison). It leaves ``sys.meta_path`` once
-torch's module has run (not at a mere ``find_spec``) and restores the loader, so it acts
-once. JAX and TensorFlow need none of this: their tracers run Python imports.
+torch``, which is isort's order. Inside ``tf.function`` the import runs, but AutoGraph warns
+that it "could not transform <function _gcd_import>" at every such first call.
+
+``import numstab`` loads the backends of frameworks already imported
+(``preload_imported_frameworks``); for one imported later, ``load_after_import`` puts a finder
+on ``sys.meta_path`` that, for that one name, lets the other finders find it and wraps that
+loader's ``exec_module`` so that ``then`` runs once the module has run. Every other import
+passes it by (a string comparison). It leaves ``sys.meta_path`` once the module has run (not
+at a mere ``find_spec``) and restores the loader, so it acts once. JAX needs none of this: its
+tracer runs Python imports quietly.
 """
 
 from __future__ import annotations
