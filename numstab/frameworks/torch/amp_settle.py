@@ -18,35 +18,45 @@ gradients are reported as before.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import torch
 
 from numstab.frameworks.torch.unscale import settle_sentinels
 
-_ORIGINAL_STEP: list[Any] = []  # torch's own GradScaler.step while it is wrapped
+_LOCK = threading.Lock()
+_WRAPPED: list[tuple[Any, Any]] = []  # (torch's own step, numstab's wrapper) while wrapped
 
 
 def install() -> None:
     """Wrap ``torch.amp.GradScaler.step`` (once; a no-op while wrapped)."""
-    if _ORIGINAL_STEP:
-        return
-    original = torch.amp.GradScaler.step
+    with _LOCK:
+        if _WRAPPED:
+            return
+        original = torch.amp.GradScaler.step
 
-    @functools.wraps(original)
-    def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, optimizer, *args, **kwargs)
-        settle_native(self, optimizer)
-        return result
+        @functools.wraps(original)
+        def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, optimizer, *args, **kwargs)
+            if _WRAPPED:  # a wrapper left in place by another patch does nothing more
+                settle_native(self, optimizer)
+            return result
 
-    _ORIGINAL_STEP.append(original)
-    torch.amp.GradScaler.step = step
+        _WRAPPED.append((original, step))
+        torch.amp.GradScaler.step = step
 
 
 def uninstall() -> None:
-    """Put torch's ``GradScaler.step`` back."""
-    if _ORIGINAL_STEP:
-        torch.amp.GradScaler.step = _ORIGINAL_STEP.pop()
+    """Put torch's ``GradScaler.step`` back, unless something else (a ``mock.patch`` begun
+    inside the context) replaced numstab's wrapper since: then that stays, to restore what
+    it saved (numstab's wrapper, which settles nothing once no sentinel is active)."""
+    with _LOCK:
+        if not _WRAPPED:
+            return
+        original, step = _WRAPPED.pop()
+        if torch.amp.GradScaler.step is step:
+            torch.amp.GradScaler.step = original
 
 
 def settle_native(scaler: Any, optimizer: Any) -> None:

@@ -5,6 +5,7 @@ numstab's semantics, and the adaptive policies ZClip and AGC (the algorithms liv
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -82,8 +83,12 @@ def max_norm_of(max_norm: Any) -> float:
     ``grad_norm``): it becomes float64's largest value, which §7.3 clamps to the norm dtype's
     (numstab's own ``clip_by_global_norm`` refuses inf: there it is no bound)."""
     value = host_number("max_norm", max_norm)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == math.inf:
-        return sys.float_info.max
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):  # np.float32 too
+        if value == math.inf:
+            return sys.float_info.max
+        if not value > 0:  # NaN, -inf, <= 0
+            message = f"Expected max_norm in (0, inf]. Received: max_norm={value!r}"
+            raise InvalidArgumentError(message)
     return v.check_number("max_norm", value, low=0.0, low_open=True)
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from numstab.errors import InvalidArgumentError
 
@@ -23,12 +24,16 @@ def kept_state(model: torch.nn.Module) -> Iterator[None]:
     parameters and buffers: dropout draws) and every buffer (BatchNorm's running
     statistics and ``num_batches_tracked``, updated by a forward in training mode, NaN after
     a NaN batch). Each buffer's values are copied back into the tensor the module held
-    before, which the module holds again (one that the pass reassigned is put back).
-    Cost: one copy of the buffers."""
-    tensors = list(model.parameters()) + list(model.buffers())
+    before, which the module holds again (one that the pass reassigned is put back). A
+    buffer no pass can write in place is not copied: an expanded one (stride 0, whose
+    ``copy_`` torch refuses) and an uninitialised lazy one (``LazyBatchNorm``; the pass may
+    materialise it, as the model's own first call would). (BatchNorm's kernel updates its
+    running statistics without moving their ``_version``: every other buffer is copied
+    back.) Cost: one copy of the buffers."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if not is_lazy(t)]
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     saved = [
-        (mod, name, buf, buf.detach().clone())
+        (mod, name, buf, None if _unwritable(buf) else buf.detach().clone())
         for mod in model.modules()
         for name, buf in mod._buffers.items()
         if buf is not None
@@ -39,8 +44,15 @@ def kept_state(model: torch.nn.Module) -> Iterator[None]:
         finally:
             with torch.no_grad():
                 for mod, name, buf, copy in saved:
-                    buf.copy_(copy)
+                    if copy is not None:
+                        buf.copy_(copy)
                     mod._buffers[name] = buf
+
+
+def _unwritable(buf: torch.Tensor) -> bool:
+    """A lazy buffer not initialised yet, or one whose elements share memory (expanded):
+    no in-place write can have changed it."""
+    return is_lazy(buf) or torch._debug_has_internal_overlap(buf) == 1  # 1: MemOverlap::Yes
 
 
 def hook_blind(names: dict) -> set:

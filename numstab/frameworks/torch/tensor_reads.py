@@ -4,13 +4,13 @@ same NaN and inf (nested, 8-bit float and complex tensors included)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from numstab.frameworks.torch.backend import flat_values
-from numstab.tree import flatten
 
 #: 8-bit floats: no ``aminmax``/``isinf`` kernels, read upcast to float32 (exact); the
 #: packed float4 has neither NaN nor inf, nor a cast (``numstab._finite_reads``)
@@ -50,32 +50,38 @@ def op_tensors(out: Any) -> list[torch.Tensor]:
 
 def module_tensors(out: Any) -> list[torch.Tensor]:
     """The checkable tensors of an ``nn.Module``'s output, in numstab's flattening order (§6):
-    a tensor, or the leaves of any tree of them (nested tuples, lists and dicts, namedtuples,
-    dataclasses, a Hugging Face ``ModelOutput`` and its ``Cache``). The sentinel's hook runs
-    on every module call: a bare tensor takes no walk, plain tuples, lists and dicts are
-    walked here (``numstab.tree.flatten`` costs about 20 us on ``(x, {"aux": y})``, this a
-    few), any other node is flattened by ``numstab.tree``. An iterator (a generator) is not
-    walked, so the caller still gets every item; strings and numbers hold no tensor."""
+    a tensor, or the tensors of nested tuples, lists (namedtuples too), mappings (dicts, a
+    Hugging Face ``ModelOutput``) and dataclasses. The sentinel's hook runs on every module
+    call, so this is a plain walk (a few us; ``numstab.tree.flatten`` took about 20): a bare
+    tensor takes none. Anything else is not entered: an iterator (a generator: the caller
+    still gets every item, at any depth), a transformers ``Cache`` (its tensors were made by
+    the attention modules, whose outputs are recorded already; walked, every model output
+    re-read the whole KV cache at every generated token), strings and numbers."""
     if isinstance(out, torch.Tensor):
         return [out] if checkable(out) else []
     found: list[torch.Tensor] = []
-    _walk(out, found)
+    _walk(out, found, 0)
     return found
 
 
-def _walk(node: Any, found: list) -> None:
-    kind = type(node)
-    if kind in (tuple, list):
-        for child in node:
-            _walk(child, found)
-    elif kind is dict:
-        for child in node.values():
-            _walk(child, found)
-    elif isinstance(node, torch.Tensor):
+_MAX_DEPTH = 32  # a container holding itself ends the walk there
+
+
+def _walk(node: Any, found: list, depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        return
+    if isinstance(node, torch.Tensor):
         if checkable(node):
             found.append(node)
-    elif node is not None and not isinstance(node, (str, bytes, int, float, complex, Iterator)):
-        found.extend(t for t in flatten(node)[0] if checkable(t))
+    elif isinstance(node, (tuple, list)):
+        for child in node:
+            _walk(child, found, depth + 1)
+    elif isinstance(node, Mapping):
+        for child in node.values():
+            _walk(child, found, depth + 1)
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for field in dataclasses.fields(node):
+            _walk(getattr(node, field.name, None), found, depth + 1)
 
 
 def counts(t: torch.Tensor) -> tuple[int, int]:
