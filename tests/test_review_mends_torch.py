@@ -10,6 +10,11 @@
   was undone after the sentinel context exited; now the wrapper settles nothing outside a
   context.
 * ``clip_grad_norm_(params, np.float32("inf"))`` was still refused, with "(0, inf)".
+
+and from a second review of those mends: a lazy model's first NaN batch left NaN BatchNorm
+statistics (its lazy buffers were materialised by the pass and not reset); sparse CSR, nested
+and inference-mode buffers raised in the restore; a container holding itself was walked 32
+levels deep (exponentially with three back-references); a stale wrapper was wrapped again.
 """
 
 from __future__ import annotations
@@ -125,3 +130,87 @@ def test_clip_grad_norm_takes_numpy_inf(inf):
     assert p.grad.tolist() == [3.0, 4.0]
     with pytest.raises(ns.InvalidArgumentError, match=r"max_norm in \(0, inf\]"):
         clip_grad_norm_([p], np.float32("nan"))
+
+
+def test_locate_on_a_first_nan_batch_of_a_lazy_model_leaves_fresh_statistics():
+    model = nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d())
+    x = torch.randn(8, 3)
+    x[0, 0] = math.nan
+    assert ns.locate_nonfinite(model, x).found
+    bn = model[1]
+    assert torch.equal(bn.running_mean, torch.zeros(4))
+    assert torch.equal(bn.running_var, torch.ones(4))
+    assert int(bn.num_batches_tracked) == 0
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self, buf) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("b", buf)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.eye(3).to_sparse_csr(),
+        lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        lambda: torch.inference_mode()(lambda: torch.ones(3))(),
+    ],
+    ids=["sparse_csr", "nested", "inference"],
+)
+def test_locate_with_buffers_of_every_kind(make):
+    x = torch.randn(2, 4)
+    x[0, 0] = math.nan
+    report = ns.locate_nonfinite(_WithBuffer(make()), x)
+    assert report.found and report.layer == "lin"
+
+
+def test_the_sentinel_walk_enters_a_container_once():
+    from numstab.frameworks.torch.tensor_reads import module_tensors
+
+    x = torch.ones(1)
+    out = {"y": x}
+    out["children"] = [out, out, out]  # holds itself: was 32 levels deep, exponentially
+    assert module_tensors(out) == [x]
+
+    @dataclasses.dataclass
+    class WithDerived:
+        x: torch.Tensor
+        derived: torch.Tensor = dataclasses.field(init=False)
+
+        def __post_init__(self):
+            self.derived = self.x * 2
+
+    assert module_tensors(WithDerived(x)) == [x]  # §6: a dataclass's init fields
+
+
+def test_a_stale_wrapper_is_not_wrapped_again():
+    from numstab.frameworks.torch import amp_settle
+
+    original = torch.amp.GradScaler.step
+    cm = ns.check_numerics(mode="sentinel")
+    cm.__enter__()
+    patch = mock.patch.object(torch.amp.GradScaler, "step", autospec=True, side_effect=original)
+    patch.start()
+    cm.__exit__(None, None, None)
+    patch.stop()  # numstab's wrapper is back in place, stale
+    try:
+        with ns.check_numerics(mode="sentinel") as cn:
+            assert torch.amp.GradScaler.step.__wrapped__ is original
+            with mock.patch.object(
+                amp_settle, "settle_native", wraps=amp_settle.settle_native
+            ) as settle:
+                p = nn.Parameter(torch.ones(2))
+                opt = torch.optim.SGD([p], lr=0.1)
+                scaler = torch.amp.GradScaler("cpu")
+                scaler.scale((p * p).sum()).backward()
+                scaler.step(opt)
+            assert settle.call_count == 1
+            cn.check()
+        assert torch.amp.GradScaler.step is original
+    finally:
+        torch.amp.GradScaler.step = original

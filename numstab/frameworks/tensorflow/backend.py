@@ -17,8 +17,9 @@ def _exclude_numstab_from_autograph() -> None:
     """tf.function's AutoGraph rewrites the Python of every function it reaches, numstab's
     included, and wraps its exceptions in StagingError. numstab is plain graph-safe code:
     list it beside tensorflow's own modules, which AutoGraph leaves alone. (Runs once, when
-    this backend loads: at ``import numstab`` if tensorflow was imported first, else at the
-    first numstab call on TF tensors.)"""
+    this backend loads: at ``import numstab`` if tensorflow was imported first, else right
+    after ``import tensorflow`` (``numstab.backends._on_import``), or at the first numstab
+    call on TF tensors where that could not run.)"""
     try:
         from tensorflow.python.autograph.core import config, config_lib
     except ImportError:  # a future layout: AutoGraph still works, only slower to trace

@@ -35,6 +35,8 @@ def install() -> None:
         if _WRAPPED:
             return
         original = torch.amp.GradScaler.step
+        while getattr(original, "_numstab_settles", False):  # one left by another patch
+            original = original.__wrapped__
 
         @functools.wraps(original)
         def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -43,6 +45,7 @@ def install() -> None:
                 settle_native(self, optimizer)
             return result
 
+        step._numstab_settles = True  # type: ignore[attr-defined]
         _WRAPPED.append((original, step))
         torch.amp.GradScaler.step = step
 

@@ -26,10 +26,12 @@ def kept_state(model: torch.nn.Module) -> Iterator[None]:
     a NaN batch). Each buffer's values are copied back into the tensor the module held
     before, which the module holds again (one that the pass reassigned is put back). A
     buffer no pass can write in place is not copied: an expanded one (stride 0, whose
-    ``copy_`` torch refuses) and an uninitialised lazy one (``LazyBatchNorm``; the pass may
-    materialise it, as the model's own first call would). (BatchNorm's kernel updates its
-    running statistics without moving their ``_version``: every other buffer is copied
-    back.) Cost: one copy of the buffers."""
+    ``copy_`` torch refuses) and an uninitialised lazy one (``LazyBatchNorm``: the pass
+    materialises it, as the model's own first call would, and its module's
+    ``reset_running_stats`` then gives it a fresh module's values, not the located batch's).
+    (BatchNorm's kernel updates its running statistics without moving their ``_version``:
+    every other buffer is copied back; an inference tensor inside ``inference_mode``.)
+    Cost: one copy of the buffers."""
     tensors = [t for t in (*model.parameters(), *model.buffers()) if not is_lazy(t)]
     cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     saved = [
@@ -38,6 +40,7 @@ def kept_state(model: torch.nn.Module) -> Iterator[None]:
         for name, buf in mod._buffers.items()
         if buf is not None
     ]
+    lazy = [mod for mod in model.modules() if any(is_lazy(b) for b in mod._buffers.values())]
     with torch.random.fork_rng(devices=cuda):
         try:
             yield
@@ -45,14 +48,22 @@ def kept_state(model: torch.nn.Module) -> Iterator[None]:
             with torch.no_grad():
                 for mod, name, buf, copy in saved:
                     if copy is not None:
-                        buf.copy_(copy)
+                        with torch.inference_mode(buf.is_inference()):
+                            buf.copy_(copy)
                     mod._buffers[name] = buf
+                for mod in lazy:  # materialised by the pass: back to a fresh module's values
+                    reset = getattr(mod, "reset_running_stats", None)
+                    if callable(reset) and not any(is_lazy(b) for b in mod._buffers.values()):
+                        reset()
 
 
 def _unwritable(buf: torch.Tensor) -> bool:
     """A lazy buffer not initialised yet, or one whose elements share memory (expanded):
     no in-place write can have changed it."""
-    return is_lazy(buf) or torch._debug_has_internal_overlap(buf) == 1  # 1: MemOverlap::Yes
+    if is_lazy(buf):
+        return True
+    strided = buf.layout == torch.strided and not buf.is_nested  # (others have no strides)
+    return strided and torch._debug_has_internal_overlap(buf) == 1  # 1: MemOverlap::Yes
 
 
 def hook_blind(names: dict) -> set:

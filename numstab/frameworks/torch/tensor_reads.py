@@ -60,28 +60,30 @@ def module_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out] if checkable(out) else []
     found: list[torch.Tensor] = []
-    _walk(out, found, 0)
+    _walk(out, found, set())
     return found
 
 
-_MAX_DEPTH = 32  # a container holding itself ends the walk there
-
-
-def _walk(node: Any, found: list, depth: int) -> None:
-    if depth > _MAX_DEPTH:
-        return
+def _walk(node: Any, found: list, entered: set[int]) -> None:
+    """``found`` += the checkable tensors under ``node``; each container is entered once
+    (``entered``: ids), so one that holds itself, or is held twice, is read once."""
     if isinstance(node, torch.Tensor):
         if checkable(node):
             found.append(node)
-    elif isinstance(node, (tuple, list)):
-        for child in node:
-            _walk(child, found, depth + 1)
+        return
+    if id(node) in entered:
+        return
+    if isinstance(node, (tuple, list)):
+        children: Any = node
     elif isinstance(node, Mapping):
-        for child in node.values():
-            _walk(child, found, depth + 1)
-    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-        for field in dataclasses.fields(node):
-            _walk(getattr(node, field.name, None), found, depth + 1)
+        children = node.values()
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):  # §6: init fields
+        children = [getattr(node, f.name, None) for f in dataclasses.fields(node) if f.init]
+    else:
+        return
+    entered.add(id(node))
+    for child in children:
+        _walk(child, found, entered)
 
 
 def counts(t: torch.Tensor) -> tuple[int, int]:
