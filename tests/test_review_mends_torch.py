@@ -98,16 +98,23 @@ def test_the_sentinel_does_not_read_a_models_kv_cache():
     assert [t is logits for t in module_tensors(out)] == [True]
 
 
-def test_a_wrapper_left_by_another_patch_settles_nothing_after_the_context():
-    from numstab.frameworks.torch import amp_settle
-
+def _leave_a_stale_wrapper():
+    """A ``mock.patch`` begun inside a sentinel context and stopped after it puts numstab's
+    wrapper of ``GradScaler.step`` back in place, as it found it; torch's own is returned."""
     original = torch.amp.GradScaler.step
     cm = ns.check_numerics(mode="sentinel")
     cm.__enter__()
     patch = mock.patch.object(torch.amp.GradScaler, "step", autospec=True, side_effect=original)
     patch.start()
     cm.__exit__(None, None, None)
-    patch.stop()  # puts numstab's wrapper back, as it found it
+    patch.stop()
+    return original
+
+
+def test_a_wrapper_left_by_another_patch_settles_nothing_after_the_context():
+    from numstab.frameworks.torch import amp_settle
+
+    original = _leave_a_stale_wrapper()
     try:
         with mock.patch.object(amp_settle, "settle_native") as settle:
             p = nn.Parameter(torch.ones(2))
@@ -191,13 +198,7 @@ def test_the_sentinel_walk_enters_a_container_once():
 def test_a_stale_wrapper_is_not_wrapped_again():
     from numstab.frameworks.torch import amp_settle
 
-    original = torch.amp.GradScaler.step
-    cm = ns.check_numerics(mode="sentinel")
-    cm.__enter__()
-    patch = mock.patch.object(torch.amp.GradScaler, "step", autospec=True, side_effect=original)
-    patch.start()
-    cm.__exit__(None, None, None)
-    patch.stop()  # numstab's wrapper is back in place, stale
+    original = _leave_a_stale_wrapper()
     try:
         with ns.check_numerics(mode="sentinel") as cn:
             assert torch.amp.GradScaler.step.__wrapped__ is original
