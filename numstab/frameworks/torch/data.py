@@ -13,13 +13,7 @@ from torch.utils.data import default_collate
 
 from numstab.frameworks.torch.host import host_view as _view
 
-__all__ = ["batch_leaf", "default_collate", "flat_leaf", "host_view", "in_worker", "worker_id"]
-
-
-def in_worker() -> bool:
-    """True inside a DataLoader worker process (looked up at each call, as torch's own
-    helpers do)."""
-    return torch_data.get_worker_info() is not None
+__all__ = ["batch_leaf", "default_collate", "flat_leaf", "host_view", "worker_id"]
 
 
 def worker_id() -> int | None:

@@ -49,7 +49,6 @@ from numstab.frameworks.torch.distributed import (
 )
 from numstab.frameworks.torch.grad_scaler_state import (
     Lazy,
-    host_values,
     loss_scaler_from,
     numstab_state_dict,
     torch_state_dict,
@@ -304,7 +303,7 @@ class GradScaler:
         scaler, state = LossScaler.from_state_dict(data, backend="torch", like=like)
         self._scaler = scaler
         if self._state is None:
-            self._pending = {"config": dataclasses.asdict(scaler), "state": host_values(state)}
+            self._pending = scaler.state_dict(state, backend="torch")
         else:
             self._state = state
 

@@ -1,8 +1,8 @@
 """The GradScaler's configuration from torch-style arguments, and its state dicts: torch's
 format (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
 ``_growth_tracker``) with numstab's full state under ``"numstab"``, and back; a
-``torch.amp.GradScaler`` state dict loads too. Also the state's host values and a step's
-lazily read "applied" flag."""
+``torch.amp.GradScaler`` state dict loads too. Also a step's lazily read "applied"
+flag."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from numstab.errors import InvalidArgumentError
-from numstab.loss_scale import LossScaler, LossScaleState
+from numstab.loss_scale import LossScaler
 
 
 def torch_state_dict(scaler: LossScaler, data: dict[str, Any]) -> dict[str, Any]:
@@ -106,8 +106,3 @@ class Lazy:
 
     def __bool__(self) -> bool:
         return not bool(self.found.item())
-
-
-def host_values(state: LossScaleState) -> dict[str, Any]:
-    """The state's fields as Python numbers (a host read)."""
-    return {f: getattr(state, f).item() for f in LossScaleState._fields}
