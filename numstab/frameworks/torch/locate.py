@@ -31,7 +31,7 @@ from numstab.backends import load_backend
 from numstab.errors import InvalidArgumentError
 from numstab.frameworks.torch.backend import flat_values
 from numstab.frameworks.torch.locate_state import differentiable, eager, forward_hooks, kept_state
-from numstab.frameworks.torch.numerics import checkable, readable
+from numstab.frameworks.torch.tensor_reads import checkable, readable
 from numstab.locate._report import (
     LOSS,
     LayerCall,

@@ -88,8 +88,7 @@ def locate_step(model: torch.nn.Module, batches: list[MicroBatch]) -> tuple[Any,
     put back (``kept_state``); an exception (a compiled module) is the caller's."""
     from numstab.locate import locate_nonfinite
 
-    bad = [b for b in batches if not b.loss_finite()]
-    order = bad + [b for b in batches if all(b is not x for x in bad)]
+    order = sorted(batches, key=MicroBatch.loss_finite)  # stable: non-finite ones first
     report, replayed = None, 0
     for batch in order:
         replay = batch.replay  # the batch goes in as the model's arguments, so locate sees
